@@ -1,0 +1,37 @@
+# ffcv-ddpm: every target sets itself up on first use (.venv + pinned requirements + FFCV, see setup/install.sh).
+# On a machine that already has the packages (e.g. a GPU box with torch preinstalled): make bench NO_SETUP=1 PY=python3
+
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SETUP := $(if $(NO_SETUP),,$(STAMP))
+
+# make dataset: SOURCE=download (default) | tarball (CIFAR=path/to/cifar-10-python.tar.gz) | png (PNG_DIR=path) | synthetic
+SOURCE ?= $(if $(CIFAR),tarball,$(if $(PNG_DIR),png,download))
+DATA ?= data
+JPEG_QUALITY ?= 90
+PRESET ?= ddpm-cifar10
+ARGS ?=
+
+.PHONY: setup test dataset bench train profile bench-ddp clean
+
+setup: $(SETUP)
+
+$(STAMP): requirements.txt setup/install.sh pyproject.toml
+	VENV=$(VENV) bash setup/install.sh
+
+test: $(SETUP)
+	$(PY) -m pytest -q tests
+
+dataset: $(SETUP)
+	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(DATA) --jpeg-quality $(JPEG_QUALITY) \
+		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(ARGS)
+
+bench: $(SETUP)
+	$(PY) -m benchmarks.bench --data $(DATA) $(ARGS)
+
+train: $(SETUP)
+	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache
