@@ -1,0 +1,111 @@
+"""What produced a result: code version, software stack and hardware, as one JSON-ready dict.
+
+Every run folder and benchmark result carries this, so a number can be traced to the commit, card and library
+versions that gave it. Each probe degrades to None instead of failing (no git, no CUDA, no FFCV).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_state() -> dict:
+    """Commit hash and whether tracked files differ from it (None for both outside a git checkout)."""
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def _version(dist: str) -> str | None:
+    # Installed-package metadata, not module.__version__: ffcv 1.0.2 still says "0.0.3rc1" there, and importing
+    # FFCV just to ask costs seconds.
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_count() -> int | None:
+    # Cores this process may use (a container or taskset may allow fewer than the machine has).
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count()
+
+
+def _cuda() -> dict:
+    import torch
+
+    info = {
+        "cuda_available": torch.cuda.is_available(),
+        "cuda": torch.version.cuda,  # the CUDA version torch was built with
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "gpu_count": 0,
+        "gpus": [],
+        "driver": None,
+    }
+    if info["cuda_available"]:
+        info["gpu_count"] = torch.cuda.device_count()
+        for i in range(info["gpu_count"]):
+            p = torch.cuda.get_device_properties(i)
+            info["gpus"].append(
+                {"name": p.name, "memory_gib": round(p.total_memory / 2**30, 1), "capability": f"{p.major}.{p.minor}"}
+            )
+        info["driver"] = _driver_version()
+    return info
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return v.decode() if isinstance(v, bytes) else v
+    except Exception:  # no NVML library or no permission: the driver version is nice to have, not required
+        return None
+
+
+def environment() -> dict:
+    """Commit, date (UTC), Python/torch/CUDA/cuDNN/FFCV/numpy versions, GPUs and CPU count."""
+    import torch
+
+    return {
+        **git_state(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        **_cuda(),
+        "cpu_count": _cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "numpy": _version("numpy"),
+        "ffcv": _version("ffcv"),
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(environment(), indent=2))
