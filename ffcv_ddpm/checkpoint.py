@@ -1,0 +1,66 @@
+"""Checkpoints that survive a kill: written to a temporary name, fsynced, then renamed; the newest K are kept.
+
+A checkpoint exists under its final name (ckpt-00012345.pt) only once it is complete, so after kill -9 at any moment
+the newest ckpt-*.pt on disk loads. Stale *.tmp files from a killed write are removed at the next save.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+_NAME = re.compile(r"^ckpt-(\d{8})\.pt$")
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / f"ckpt-{step:08d}.pt"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints in run_dir, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(p for p in run_dir.iterdir() if _NAME.match(p.name))
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    # Make the rename itself durable.
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, run_dir: Path, step: int, keep: int) -> Path:
+    run_dir = Path(run_dir)
+    for stale in run_dir.glob(".ckpt-*.tmp"):
+        stale.unlink(missing_ok=True)
+    path = checkpoint_path(run_dir, step)
+    atomic_torch_save(state, path)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest(run_dir: Path, map_location="cpu") -> tuple[dict, Path] | tuple[None, None]:
+    """The newest checkpoint that loads, or (None, None) if the folder has none."""
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=False), path
+        except Exception as e:  # a file can only be damaged from outside (disk full on another host, manual edits)
+            print(f"checkpoint: {path} does not load ({type(e).__name__}: {e}); trying the one before")
+    return None, None
