@@ -1,0 +1,412 @@
+"""The ε-prediction UNets: the DDPM paper's CIFAR-10 network and an Annotated-Diffusion-style small network.
+
+Layers -> blocks -> networks, each its own class. The networks map (x_t, t, y) to a noise estimate and never see
+a noise schedule (that lives in ``ffcv_ddpm.diffusion``).
+
+Presets (``PRESETS``; parameter counts are asserted by tests/test_unet.py):
+
+- ``ddpm-cifar10``: Ho et al. 2020, CIFAR-10 (35,746,307 parameters). Base 128, multipliers (1, 2, 2, 2), two
+  residual blocks per resolution, one-head self-attention at 16x16, GroupNorm(32), SiLU, dropout 0.1, sinusoidal
+  time embedding -> MLP, strided 3x3 conv downsample, nearest upsample + 3x3 conv. The stride-2 convs pad
+  symmetrically (padding=1) where the TensorFlow original used 'SAME' (pads bottom/right only); same parameters.
+- ``annotated-small``: the "Annotated Diffusion Model" UNet of the published MFU table (9,190,211 parameters).
+  Base 32, multipliers (1, 2, 4, 8), 1x1 stem, two ResNet blocks per level with weight-standardized 3x3 convs,
+  GroupNorm(8) and a FiLM-style (scale, shift) time embedding, full self-attention (4 heads x 32) at every level
+  and in the middle, skip concatenation from every block. Its downsample is a space-to-depth then 1x1 conv. The
+  original wrote that as ``x.reshape(B, 4C, H/2, W/2)``, which does not move 2x2 neighbourhoods into channels but
+  scrambles rows of the image; here it is a correct pixel-unshuffle (``F.pixel_unshuffle``: channel c*4 + 2i + j
+  holds pixel (2h+i, 2w+j) of channel c). The parameter count is unchanged.
+- ``tiny``: a few tens of thousands of parameters, for CPU tests.
+
+Speed notes: nothing here forces an NCHW copy (every reshape is commented with its shapes and is a view on a
+channels_last tensor), there is no data-dependent Python control flow and no host sync, so the whole forward
+compiles as one graph (``torch.compile(fullgraph=True)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "ddpm"  # network family: "ddpm" (Ho et al. 2020) or "annotated" (Annotated Diffusion style)
+    image_size: int = 32  # input height = width; fixes which levels get attention
+    in_channels: int = 3  # image channels in and out (ε has the image's shape)
+    base_channels: int = 128  # channels at the first resolution; level i has base_channels * channel_mult[i]
+    channel_mult: tuple[int, ...] = (1, 2, 2, 2)  # one multiplier per resolution level (each level but the last halves H, W)
+    num_res_blocks: int = 2  # residual blocks per level on the way down (the up path has one more for "ddpm")
+    attn_resolutions: tuple[int, ...] = (16,)  # feature-map sizes (H) that get self-attention; the middle always has it
+    attn_heads: int = 1  # attention heads
+    attn_head_dim: int | None = None  # channels per head; None = channels // attn_heads ("ddpm"); "annotated" uses 32
+    dropout: float = 0.1  # dropout inside residual blocks, before the second 3x3 conv
+    norm_groups: int = 32  # GroupNorm groups in residual blocks (and attention for "ddpm")
+    conv_groups: int = 1  # groups for the res-block 3x3 convs: 1 dense, >1 grouped, = channels depthwise; must divide their channel counts
+    attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
+    num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
+    weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
+    stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        """Rebuilds a config saved as JSON: lists become tuples again, unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first inconsistent field, so a bad config fails before building."""
+        if self.arch not in ("ddpm", "annotated"):
+            raise ValueError(f"arch={self.arch!r}: use 'ddpm' or 'annotated'")
+        if self.attn_impl not in ("sdpa", "math"):
+            raise ValueError(f"attn_impl={self.attn_impl!r}: use 'sdpa' or 'math'")
+        if self.image_size % 2 ** (len(self.channel_mult) - 1):
+            raise ValueError(
+                f"image_size={self.image_size} must be divisible by 2**(len(channel_mult)-1)="
+                f"{2 ** (len(self.channel_mult) - 1)}; use fewer levels or another size"
+            )
+        if self.num_classes < 0:
+            raise ValueError(f"num_classes={self.num_classes}: use 0 (unconditional) or the number of classes")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.attn_heads < 1:
+            raise ValueError(f"attn_heads={self.attn_heads} must be >= 1")
+        chans = sorted({self.base_channels} | {self.base_channels * m for m in self.channel_mult})
+        if self.attn_head_dim is None and any(c % self.attn_heads for c in chans):
+            raise ValueError(
+                f"attn_heads={self.attn_heads} must divide every level's channels {chans} "
+                "(or set attn_head_dim)"
+            )
+        for name in ("norm_groups", "conv_groups"):
+            g = getattr(self, name)
+            if g < 1 or any(c % g for c in chans):
+                raise ValueError(f"{name}={g} must be >= 1 and divide every level's channels {chans}")
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "ddpm-cifar10": ModelConfig(),
+    "annotated-small": ModelConfig(
+        arch="annotated",
+        base_channels=32,
+        channel_mult=(1, 2, 4, 8),
+        attn_resolutions=(32, 16, 8, 4),
+        attn_heads=4,
+        attn_head_dim=32,
+        dropout=0.0,
+        norm_groups=8,
+        weight_standardize=True,
+        stem_kernel=1,
+    ),
+    "tiny": ModelConfig(
+        base_channels=8, channel_mult=(1, 2), num_res_blocks=1, norm_groups=4, dropout=0.0, attn_heads=2
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------- layers
+
+
+def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding (B,) -> (B, dim) of integer or real t: [sin(t f_k), cos(t f_k)], f_k = 10000^(-k/(dim/2-1))."""
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * (-math.log(10000.0) / (half - 1)))
+    args = t.float()[:, None] * freqs[None, :]  # (B, half)
+    emb = torch.cat([torch.sin(args), torch.cos(args)], dim=1)  # (B, 2*half)
+    return F.pad(emb, (0, dim % 2))  # (B, dim)
+
+
+class WSConv2d(nn.Conv2d):
+    """Conv2d with weight standardization (Qiao et al. 2019): each output filter has zero mean, unit variance."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The looser eps at low precision is the Annotated Diffusion choice; dtype is static, so this compiles away.
+        eps = 1e-5 if x.dtype == torch.float32 else 1e-3
+        var, mean = torch.var_mean(self.weight, dim=(1, 2, 3), keepdim=True, correction=0)
+        w = (self.weight - mean) * torch.rsqrt(var + eps)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v on (B, heads, N, d) tensors, by SDPA or by the explicit matmul-softmax reference."""
+    if impl == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, heads, N, N)
+    return scores.softmax(dim=-1) @ v  # (B, heads, N, d)
+
+
+class SelfAttention(nn.Module):
+    """Pre-norm multi-head self-attention over all H*W positions, with a residual connection."""
+
+    def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str):
+        super().__init__()
+        self.heads = heads  # number of heads
+        self.head_dim = head_dim or channels // heads  # channels per head
+        self.impl = impl  # "sdpa" or "math"
+        inner = self.heads * self.head_dim
+        self.norm = nn.GroupNorm(norm_groups, channels)
+        self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
+        self.proj = nn.Conv2d(inner, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        qkv = self.qkv(self.norm(x))  # (B, 3*heads*d, H, W)
+        # Flattening (H, W) and splitting channels are views for channels_last (and for NCHW) storage.
+        qkv = qkv.reshape(B, 3, self.heads, self.head_dim, H * W)  # (B, 3, heads, d, HW)
+        q, k, v = qkv.transpose(-2, -1).unbind(1)  # 3 x (B, heads, HW, d); d is the unit-stride dim if channels_last
+        o = attention(q, k, v, self.impl)  # (B, heads, HW, d)
+        # Back to an image in channels_last layout: (B, HW, heads, d) -> (B, H, W, heads*d) -> (B, heads*d, H, W).
+        o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim).permute(0, 3, 1, 2)
+        return x + self.proj(o)
+
+
+class TimeEmbedding(nn.Module):
+    """t (and optionally a label) -> the per-sample vector every residual block is conditioned on."""
+
+    def __init__(self, base: int, dim: int, act: type[nn.Module], num_classes: int):
+        super().__init__()
+        self.base = base  # width of the sinusoidal features
+        self.num_classes = num_classes  # the null label index; 0 = no label embedding
+        self.mlp = nn.Sequential(nn.Linear(base, dim), act(), nn.Linear(dim, dim))
+        # One extra row, index num_classes, is the "no label" embedding for classifier-free guidance.
+        self.label = nn.Embedding(num_classes + 1, dim) if num_classes else None
+
+    def forward(self, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        emb = self.mlp(timestep_embedding(t, self.base))  # (B, dim)
+        if self.label is not None:
+            y = torch.full_like(t, self.num_classes, dtype=torch.long) if y is None else y
+            emb = emb + self.label(y)
+        return emb
+
+
+# ---------------------------------------------------------------------------------------------------- blocks
+
+
+def res_conv3x3(cfg: ModelConfig, cin: int, cout: int) -> nn.Conv2d:
+    """The residual blocks' 3x3 conv: dense or grouped, plain or weight-standardized, as configured."""
+    conv = WSConv2d if cfg.weight_standardize else nn.Conv2d
+    return conv(cin, cout, 3, padding=1, groups=cfg.conv_groups)
+
+
+class DDPMResBlock(nn.Module):
+    """Ho et al.: GN-SiLU-conv, + projected time embedding, GN-SiLU-dropout-conv, 1x1 shortcut on width change."""
+
+    def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
+        super().__init__()
+        self.norm1 = nn.GroupNorm(cfg.norm_groups, cin)
+        self.conv1 = res_conv3x3(cfg, cin, cout)
+        self.temb = nn.Linear(temb_dim, cout)
+        self.norm2 = nn.GroupNorm(cfg.norm_groups, cout)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.conv2 = res_conv3x3(cfg, cout, cout)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(F.silu(temb))[:, :, None, None]  # (B, cout) -> (B, cout, 1, 1)
+        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        return self.skip(x) + h
+
+
+class AnnotatedResBlock(nn.Module):
+    """Annotated Diffusion: conv-GN-FiLM(t)-SiLU, conv-GN-SiLU, 1x1 shortcut on width change."""
+
+    def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
+        super().__init__()
+        self.temb = nn.Sequential(nn.SiLU(), nn.Linear(temb_dim, 2 * cout))
+        self.conv1 = res_conv3x3(cfg, cin, cout)
+        self.norm1 = nn.GroupNorm(cfg.norm_groups, cout)
+        self.dropout = nn.Dropout(cfg.dropout)  # not in the original; identity at the preset's dropout=0
+        self.conv2 = res_conv3x3(cfg, cout, cout)
+        self.norm2 = nn.GroupNorm(cfg.norm_groups, cout)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.temb(temb)[:, :, None, None].chunk(2, dim=1)  # 2 x (B, cout, 1, 1)
+        h = F.silu(self.norm1(self.conv1(x)) * (scale + 1) + shift)
+        h = F.silu(self.norm2(self.conv2(self.dropout(h))))
+        return self.skip(x) + h
+
+
+class Downsample(nn.Module):
+    """Halves H and W: a stride-2 3x3 conv ("ddpm") or pixel-unshuffle then 1x1 conv ("annotated")."""
+
+    def __init__(self, cin: int, cout: int, unshuffle: bool):
+        super().__init__()
+        self.unshuffle = unshuffle  # True: space-to-depth (B,C,H,W) -> (B,4C,H/2,W/2), then a 1x1 conv
+        self.conv = nn.Conv2d(4 * cin, cout, 1) if unshuffle else nn.Conv2d(cin, cout, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pixel_unshuffle(x, 2) if self.unshuffle else x)  # unshuffle: (B, 4C, H/2, W/2)
+
+
+class Upsample(nn.Module):
+    """Doubles H and W: nearest-neighbour then 3x3 conv."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+# ---------------------------------------------------------------------------------------------------- networks
+
+
+class DDPMUNet(nn.Module):
+    """Ho et al. 2020's UNet. Down: per level num_res_blocks blocks (+attention), then downsample; every output is a
+    skip. Middle: block, attention, block. Up: per level num_res_blocks+1 blocks, each eating one skip, then upsample."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        ch = cfg.base_channels
+        temb_dim = 4 * ch
+        self.num_classes = cfg.num_classes  # index of the null label (when > 0)
+        self.time = TimeEmbedding(ch, temb_dim, nn.SiLU, cfg.num_classes)
+        self.stem = nn.Conv2d(cfg.in_channels, ch, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
+        block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
+        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True, cfg.attn_impl)  # noqa: E731
+
+        # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
+        self.down = nn.ModuleList()
+        skips, cur, res = [ch], ch, cfg.image_size
+        for level, mult in enumerate(cfg.channel_mult):
+            for _ in range(cfg.num_res_blocks):
+                self.down.append(Stage(block(cur, ch * mult), attn(ch * mult) if res in cfg.attn_resolutions else None))
+                cur = ch * mult
+                skips.append(cur)
+            if level != len(cfg.channel_mult) - 1:
+                self.down.append(Downsample(cur, cur, unshuffle=False))
+                res //= 2
+                skips.append(cur)
+
+        self.mid = Stage(block(cur, cur), attn(cur), block(cur, cur))
+
+        # Up path: each Stage concatenates one skip first; Upsample modules take no skip.
+        self.up = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(cfg.channel_mult))):
+            for _ in range(cfg.num_res_blocks + 1):
+                cin = cur + skips.pop()
+                self.up.append(Stage(block(cin, ch * mult), attn(ch * mult) if res in cfg.attn_resolutions else None))
+                cur = ch * mult
+            if level != 0:
+                self.up.append(Upsample(cur, cur))
+                res *= 2
+        self.out = nn.Sequential(nn.GroupNorm(cfg.norm_groups, cur), nn.SiLU(), nn.Conv2d(cur, cfg.in_channels, 3, padding=1))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        temb = self.time(t, y)
+        h = self.stem(x)
+        hs = [h]
+        for m in self.down:
+            h = m(h, temb) if isinstance(m, Stage) else m(h)
+            hs.append(h)
+        h = self.mid(h, temb)
+        for m in self.up:
+            h = m(torch.cat([h, hs.pop()], dim=1), temb) if isinstance(m, Stage) else m(h)  # concat on channels
+        return self.out(h)
+
+
+class AnnotatedUNet(nn.Module):
+    """The Annotated Diffusion UNet (full attention everywhere). Per level down: blocks (skip after each, attention
+    before the last skip), then downsample (3x3 conv at the last level, which keeps H, W but widens). Up mirrors it
+    with one skip per block; a final block sees the stem output concatenated."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        dim = cfg.base_channels
+        temb_dim = 4 * dim
+        self.num_classes = cfg.num_classes  # index of the null label (when > 0)
+        self.time = TimeEmbedding(dim, temb_dim, nn.GELU, cfg.num_classes)
+        self.stem = nn.Conv2d(cfg.in_channels, dim, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
+        block = lambda cin, cout: AnnotatedResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
+        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False, cfg.attn_impl)  # noqa: E731
+        dims = [dim] + [dim * m for m in cfg.channel_mult]
+        in_out = list(zip(dims[:-1], dims[1:]))
+        n = cfg.num_res_blocks
+
+        self.down = nn.ModuleList()
+        res = cfg.image_size
+        for level, (cin, cout) in enumerate(in_out):
+            last = level == len(in_out) - 1
+            use_attn = res in cfg.attn_resolutions
+            blocks = [Stage(block(cin, cin), attn(cin) if use_attn and i == n - 1 else None) for i in range(n)]
+            resample = nn.Conv2d(cin, cout, 3, padding=1) if last else Downsample(cin, cout, unshuffle=True)
+            self.down.append(Level(blocks, resample))
+            res = res if last else res // 2
+
+        mid = dims[-1]
+        self.mid = Stage(block(mid, mid), attn(mid), block(mid, mid))
+
+        self.up = nn.ModuleList()
+        for level, (cin, cout) in enumerate(reversed(in_out)):
+            last = level == len(in_out) - 1
+            use_attn = res in cfg.attn_resolutions
+            blocks = [Stage(block(cout + cin, cout), attn(cout) if use_attn and i == n - 1 else None) for i in range(n)]
+            resample = nn.Conv2d(cout, cin, 3, padding=1) if last else Upsample(cout, cin)
+            self.up.append(Level(blocks, resample))
+            res = res if last else res * 2
+
+        self.final = block(2 * dim, dim)
+        self.out = nn.Conv2d(dim, cfg.in_channels, 1)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        temb = self.time(t, y)
+        h = self.stem(x)
+        stem_out, hs = h, []
+        for level in self.down:
+            for stage in level.blocks:
+                h = stage(h, temb)
+                hs.append(h)
+            h = level.resample(h)
+        h = self.mid(h, temb)
+        for level in self.up:
+            for stage in level.blocks:
+                h = stage(torch.cat([h, hs.pop()], dim=1), temb)  # concat on channels
+            h = level.resample(h)
+        return self.out(self.final(torch.cat([h, stem_out], dim=1), temb))
+
+
+class Stage(nn.Module):
+    """A residual block, optional attention, optional second residual block (the middle uses all three)."""
+
+    def __init__(self, block: nn.Module, attn: nn.Module | None = None, block2: nn.Module | None = None):
+        super().__init__()
+        self.block = block
+        self.attn = attn
+        self.block2 = block2
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        x = self.block(x, temb)
+        if self.attn is not None:  # structural, fixed at construction: no data-dependent branching
+            x = self.attn(x)
+        return x if self.block2 is None else self.block2(x, temb)
+
+
+class Level(nn.Module):
+    """One resolution of the annotated UNet: its residual stages and the resampling conv that ends it."""
+
+    def __init__(self, blocks: list[Stage], resample: nn.Module):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.resample = resample
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Validates the config and builds the network; forward is model(x, t, y=None) -> ε estimate shaped like x."""
+    cfg.validate()
+    return (DDPMUNet if cfg.arch == "ddpm" else AnnotatedUNet)(cfg)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
