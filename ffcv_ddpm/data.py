@@ -1,0 +1,430 @@
+"""Reading the training data: four interchangeable loaders behind one small interface.
+
+    loader = make_loader(DataConfig(path="data/cifar10_train_raw.beton", loader="ffcv"), device)
+    loader.set_epoch(epoch)                      # replays that epoch's order (resume)
+    for images, labels in loader:                # uint8 (B, 3, H, W) channels_last, int64 (B,), both on `device`
+        x = prepare_batch(images, flip=True, channels_last=True)   # float in [-1, 1], inside the compiled step
+
+Loaders (DataConfig.loader):
+- "ffcv": FFCV Loader over the .beton (raw or JPEG), pipeline ending in ToDevice(non_blocking=True).
+- "torch-memory": the raw .beton read once into numpy, then a torch DataLoader over the uint8 arrays.
+- "torch-files": a torch DataLoader over a PNG folder (Kaggle layout), PIL decode per image.
+- "gpu": the whole uint8 dataset resident on the device; a device randperm and index_select per batch.
+
+Writing the .beton files is tools/' job; this module only reads them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LOADERS = ("ffcv", "torch-files", "torch-memory", "gpu")
+ORDERS = ("random", "quasi_random", "sequential")
+FLIPS = ("gpu", "cpu", "none")
+# Label order of CIFAR-10 (and of the Kaggle trainLabels.csv class names).
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+_MAKE_DATASET_HINT = "create it with `make dataset` (or `python -m tools.make_dataset --help`)"
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/cifar10_train_raw.beton"  # train .beton (fields 'image', 'label'); read by all but torch-files
+    loader: str = "ffcv"          # ffcv | torch-files | torch-memory | gpu
+    batch_size: int = 128         # images per batch (per rank when distributed)
+    num_workers: int = 8          # FFCV: decode threads (<1 = all cores, FFCV's rule); torch: processes (0 = main)
+    order: str = "random"         # random | quasi_random (FFCV page-local shuffle; plain random elsewhere) | sequential
+    os_cache: bool = True         # FFCV: page cache via mmap (True) or FFCV's own process cache (False)
+    flip: str = "gpu"             # gpu: prepare_batch flips on the device | cpu: flipped inside the loader | none
+    png_dir: str | None = None    # torch-files: folder of 1.png..N.png; labels in <folder>Labels.csv beside it
+    drop_last: bool = True        # drop the last incomplete batch of each epoch
+    seed: int = 0                 # data order (and CPU flips) = f(seed, epoch): a resumed run replays the same order
+    pin_memory: bool = True       # torch loaders: page-locked host batches so the copy to CUDA is asynchronous
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field (also called by make_loader: fields may be set after __init__)."""
+        self.path = os.fspath(self.path)
+        if self.png_dir is not None:
+            self.png_dir = os.fspath(self.png_dir)
+        for name, choices in (("loader", LOADERS), ("order", ORDERS), ("flip", FLIPS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"data.{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"data.batch_size={self.batch_size!r} must be a positive integer")
+        if self.loader == "gpu" and self.flip == "cpu":
+            raise ValueError("data.flip='cpu' does not apply to loader='gpu' (its images never leave the device); "
+                             "use flip='gpu'")
+        if self.loader == "torch-files" and not self.png_dir:
+            raise ValueError("loader='torch-files' needs data.png_dir (a folder of 1.png..N.png, e.g. data/png/train)")
+
+
+# ---- checks and metadata ---------------------------------------------------------------------------------------
+
+def _open_beton(path):
+    """Reader of a .beton that has an RGB 'image' and an integer 'label' field; clear errors otherwise."""
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.reader import Reader
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"dataset {p} not found; {_MAKE_DATASET_HINT}")
+    if not p.is_file():
+        raise ValueError(f"dataset {p} is not a file; expected an FFCV .beton such as data/cifar10_train_raw.beton")
+    try:
+        reader = Reader(str(p))
+    except Exception as e:  # FFCV fails in many ways on a foreign file (IndexError, AssertionError, KeyError, ...)
+        raise ValueError(f"{p} is not a readable FFCV .beton ({type(e).__name__}: {e}); "
+                         f"{_MAKE_DATASET_HINT}") from None
+    wanted = {"image": RGBImageField, "label": IntField}
+    found = {name: type(h).__name__ for name, h in reader.handlers.items()}
+    for name, cls in wanted.items():
+        if not isinstance(reader.handlers.get(name), cls):
+            raise ValueError(f"{p} needs fields 'image' (RGBImageField) and 'label' (IntField) but has {found}; "
+                             f"{_MAKE_DATASET_HINT}")
+    if reader.num_samples == 0:
+        raise ValueError(f"{p} holds no images; {_MAKE_DATASET_HINT}")
+    return reader
+
+
+def _image_size(reader) -> tuple[int, int]:
+    """(H, W) shared by every image; the decoder (SimpleRGBImageDecoder) requires a single size."""
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    heights, widths = np.unique(meta["height"]), np.unique(meta["width"])
+    if len(heights) != 1 or len(widths) != 1:
+        raise ValueError(f"{reader.file_name} mixes image sizes (heights {heights[:5]}, widths {widths[:5]}); "
+                         "this trainer needs one size: rewrite it with tools.make_dataset")
+    return int(heights[0]), int(widths[0])
+
+
+def check_beton(path) -> None:
+    """FileNotFoundError / ValueError saying what is wrong with `path` and how to fix it; None when usable."""
+    _image_size(_open_beton(path))
+
+
+def dataset_info(path) -> dict:
+    """What a result should record about its data: counts, image size, and the manifest's source/synthetic flag.
+
+    manifest.json beside the .beton is written by tools.make_dataset; without one, source and synthetic are None
+    (unknown), never guessed.
+    """
+    reader = _open_beton(path)
+    height, width = _image_size(reader)
+    manifest_path = Path(path).parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else None
+    return {
+        "path": os.fspath(path),
+        "num_images": int(reader.num_samples),
+        "height": height,
+        "width": width,
+        "source": manifest.get("source") if manifest else None,
+        "synthetic": manifest.get("synthetic") if manifest else None,
+        "manifest": manifest,
+    }
+
+
+def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """All images (N, H, W, 3) uint8 and labels (N,) int64 of a .beton, in file order (one sequential FFCV pass)."""
+    from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import Squeeze, ToTensor
+
+    reader = _open_beton(path)
+    n = int(reader.num_samples)
+    height, width = _image_size(reader)
+    batch = min(n, 1024)
+    loader = Loader(os.fspath(path), batch_size=batch, num_workers=_ffcv_threads(num_workers or min(_cpu_count(), 8)),
+                    order=OrderOption.SEQUENTIAL, drop_last=False,
+                    pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
+                               "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
+    images = np.empty((n, height, width, 3), dtype=np.uint8)
+    labels = np.empty(n, dtype=np.int64)
+    start = 0
+    for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
+        images[start:start + len(x)] = x.numpy()
+        labels[start:start + len(y)] = y.numpy()
+        start += len(x)
+    assert start == n, f"read {start} of {n} images from {path}"
+    return images, labels
+
+
+def _cpu_count() -> int:
+    # Cores this process may use (a container or taskset may allow fewer than the machine has).
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# ---- the interface -----------------------------------------------------------------------------------------------
+
+class BatchLoader:
+    """Yields (images uint8 (B, 3, H, W) channels_last, labels int64 (B,)) on `device`, one epoch per iteration.
+
+    Each `iter()` runs epoch `self.epoch` and then advances it; `set_epoch(e)` chooses the next epoch to run. The
+    order of an epoch depends only on (seed, epoch, rank, world_size), so a resumed run replays the same batches.
+    """
+
+    def __init__(self, cfg: DataConfig, device: torch.device, rank: int, world_size: int,
+                 num_images: int, image_shape: tuple[int, int, int]):
+        self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
+        self.num_images = num_images      # images in the whole dataset (all ranks)
+        self.image_shape = image_shape    # (3, H, W)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self._epoch_batches(epoch)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the shard is num_images // world_size; see epoch_order)."""
+        per_rank = self.num_images // self.world_size
+        return per_rank // self.cfg.batch_size if self.cfg.drop_last else -(-per_rank // self.cfg.batch_size)
+
+    def _epoch_batches(self, epoch: int):
+        raise NotImplementedError
+
+
+def epoch_order(num_images: int, cfg: DataConfig, epoch: int, rank: int, world_size: int) -> np.ndarray:
+    """Indices this rank reads in `epoch`: a seeded permutation (FFCV's RANDOM formula) or file order, sharded.
+
+    Sharding truncates to a multiple of world_size and deals indices round-robin, so ranks get disjoint, equal
+    shares (FFCV's distributed mode instead pads with repeats, as torch's DistributedSampler does).
+    """
+    if cfg.order == "sequential":
+        order = np.arange(num_images)
+    else:  # quasi_random only saves disk reads in FFCV's page cache; for data in memory it is plain random
+        order = np.random.default_rng(cfg.seed + epoch).permutation(num_images)
+    per_rank = num_images // world_size
+    return order[:per_rank * world_size][rank::world_size]
+
+
+class _FFCVBatches(BatchLoader):
+    def __init__(self, cfg, device, rank, world_size):
+        from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+        from ffcv.loader import Loader, OrderOption
+        from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
+
+        reader = _open_beton(cfg.path)
+        height, width = _image_size(reader)
+        super().__init__(cfg, device, rank, world_size, int(reader.num_samples), (3, height, width))
+        distributed = world_size > 1
+        if distributed:
+            _check_process_group(rank, world_size)
+            if cfg.order == "quasi_random":
+                raise ValueError("FFCV has no distributed QUASI_RANDOM order; use data.order='random'")
+        image = [SimpleRGBImageDecoder()]
+        if cfg.flip == "cpu":
+            image.append(RandomHorizontalFlip())
+        # ToTorchImage after the copy: the (B, H, W, 3) buffer is viewed as (B, 3, H, W) in channels_last
+        image += [ToTensor(), ToDevice(device, non_blocking=True), ToTorchImage(channels_last=True)]
+        label = [IntDecoder(), ToTensor(), ToDevice(device, non_blocking=True), Squeeze(1)]
+        order = {"random": OrderOption.RANDOM, "quasi_random": OrderOption.QUASI_RANDOM,
+                 "sequential": OrderOption.SEQUENTIAL}[cfg.order]
+        self._loader = Loader(cfg.path, batch_size=cfg.batch_size, num_workers=_ffcv_threads(cfg.num_workers),
+                              os_cache=cfg.os_cache, order=order, distributed=distributed, seed=cfg.seed,
+                              drop_last=cfg.drop_last, pipelines={"image": image, "label": label})
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def _epoch_batches(self, epoch):
+        # FFCV orders epoch e by (seed + e) (RANDOM, distributed sampler) or (seed * 912300 + e) (QUASI_RANDOM) and
+        # then advances its own counter; setting the counter is how an epoch is chosen.
+        self._loader.next_epoch = epoch
+        batches = iter(self._loader)
+        try:
+            yield from batches
+        finally:
+            batches.close()  # stops FFCV's prefetch thread when the consumer leaves early
+
+
+def _ffcv_threads(requested: int) -> int:
+    """FFCV's worker count, capped at the threads numba may start (above that numba refuses with a bare error)."""
+    import numba
+
+    limit = numba.config.NUMBA_NUM_THREADS  # the cores this process may use, unless NUMBA_NUM_THREADS says less
+    if requested > limit:
+        warnings.warn(f"data.num_workers={requested} exceeds the {limit} threads numba may use here; FFCV uses "
+                      f"{limit}", stacklevel=3)
+        return limit
+    return requested
+
+
+class _EpochSampler(torch.utils.data.Sampler):
+    """(index, flip) pairs of one epoch; flips are drawn here so they replay with the order, whatever the workers."""
+
+    def __init__(self, num_images: int, cfg: DataConfig, rank: int, world_size: int):
+        self.num_images, self.cfg, self.rank, self.world_size = num_images, cfg, rank, world_size
+        self.epoch = 0
+
+    def __iter__(self):
+        order = epoch_order(self.num_images, self.cfg, self.epoch, self.rank, self.world_size)
+        if self.cfg.flip == "cpu":
+            flips = np.random.default_rng([self.cfg.seed, self.epoch, 1]).random(len(order)) < 0.5
+        else:
+            flips = np.zeros(len(order), dtype=bool)
+        return iter(zip(order.tolist(), flips.tolist()))
+
+    def __len__(self):
+        return self.num_images // self.world_size
+
+
+def _maybe_flip(image: np.ndarray, flip: bool) -> np.ndarray:
+    # (H, W, 3): reverse W; copy because torch cannot wrap negative strides
+    return np.ascontiguousarray(image[:, ::-1]) if flip else image
+
+
+class _ArrayDataset(torch.utils.data.Dataset):
+    def __init__(self, images: np.ndarray, labels: np.ndarray):
+        self.images, self.labels = images, labels  # (N, H, W, 3) uint8, (N,) int64
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, item):
+        index, flip = item
+        return _maybe_flip(self.images[index], flip), int(self.labels[index])
+
+
+class _PNGDataset(torch.utils.data.Dataset):
+    """Kaggle CIFAR-10 layout: <dir>/1.png..N.png and <dir>Labels.csv (`id,label`, label a class name)."""
+
+    def __init__(self, png_dir):
+        self.dir = Path(png_dir)
+        csv_path = self.dir.parent / f"{self.dir.name}Labels.csv"
+        if not self.dir.is_dir() or not csv_path.is_file():
+            raise FileNotFoundError(f"PNG folder {self.dir} or its labels {csv_path} not found; export them with "
+                                    "tools.make_dataset (see `make dataset`) or set data.png_dir")
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows or set(rows[0]) != {"id", "label"}:
+            raise ValueError(f"{csv_path} must have the header `id,label` and at least one row")
+        classes = {name: i for i, name in enumerate(CIFAR10_CLASSES)}
+        self.labels = np.full(len(rows), -1, dtype=np.int64)
+        for row in rows:
+            i, name = int(row["id"]), row["label"]
+            if name not in classes or not 1 <= i <= len(rows):
+                raise ValueError(f"{csv_path}: row {row} has an id outside 1..{len(rows)} or a label that is not "
+                                 f"one of {', '.join(CIFAR10_CLASSES)}")
+            self.labels[i - 1] = classes[name]
+        if (self.labels < 0).any():
+            raise ValueError(f"{csv_path} repeats some ids (ids must be 1..{len(rows)}, each once)")
+        from PIL import Image
+
+        with Image.open(self.dir / "1.png") as im:
+            self.image_shape = (3, im.height, im.width)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, item):
+        from PIL import Image
+
+        index, flip = item
+        with Image.open(self.dir / f"{index + 1}.png") as im:
+            image = np.asarray(im.convert("RGB"))  # (H, W, 3) uint8
+        return _maybe_flip(image, flip), int(self.labels[index])
+
+
+class _TorchBatches(BatchLoader):
+    def __init__(self, cfg, device, rank, world_size, dataset, image_shape):
+        super().__init__(cfg, device, rank, world_size, len(dataset), image_shape)
+        self._sampler = _EpochSampler(len(dataset), cfg, rank, world_size)
+        workers = max(cfg.num_workers, 0)
+        self._loader = torch.utils.data.DataLoader(
+            dataset, batch_size=cfg.batch_size, sampler=self._sampler, num_workers=workers,
+            pin_memory=cfg.pin_memory and device.type == "cuda", drop_last=cfg.drop_last,
+            persistent_workers=workers > 0)  # workers start once, not every epoch
+
+    def _epoch_batches(self, epoch):
+        self._sampler.epoch = epoch
+        for images, labels in self._loader:  # (B, H, W, 3) uint8, (B,) int64 on the host
+            yield (images.to(self.device, non_blocking=True).permute(0, 3, 1, 2),
+                   labels.to(self.device, non_blocking=True))
+
+
+class _DeviceBatches(BatchLoader):
+    def __init__(self, cfg, device, rank, world_size):
+        images, labels = read_beton(cfg.path)
+        super().__init__(cfg, device, rank, world_size, len(images), (3, *images.shape[1:3]))
+        self._images = torch.from_numpy(images).to(device)  # (N, H, W, 3): batches come out channels_last
+        self._labels = torch.from_numpy(labels).to(device)
+
+    def _epoch_batches(self, epoch):
+        n, b = self.num_images, self.cfg.batch_size
+        if self.cfg.order == "sequential":
+            order = torch.arange(n, device=self.device)
+        else:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(self.cfg.seed + epoch)
+            order = torch.randperm(n, generator=g, device=self.device)
+        per_rank = n // self.world_size
+        order = order[:per_rank * self.world_size][self.rank::self.world_size]
+        for i in range(len(self)):  # len() comes from host-side counts: no device sync
+            idx = order[i * b:(i + 1) * b]
+            yield self._images.index_select(0, idx).permute(0, 3, 1, 2), self._labels.index_select(0, idx)
+
+
+def _check_process_group(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"world_size={world_size} needs torch.distributed initialised first "
+                         "(torch.distributed.init_process_group)")
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise ValueError(f"rank/world_size {rank}/{world_size} differ from the process group's "
+                         f"{dist.get_rank()}/{dist.get_world_size()}")
+
+
+def make_loader(cfg: DataConfig, device, *, rank: int = 0, world_size: int = 1) -> BatchLoader:
+    """The loader named by cfg.loader, delivering batches onto `device` (this rank's shard when world_size > 1)."""
+    cfg.validate()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    if cfg.loader == "ffcv":
+        loader = _FFCVBatches(cfg, device, rank, world_size)
+    elif cfg.loader == "gpu":
+        loader = _DeviceBatches(cfg, device, rank, world_size)
+    elif cfg.loader == "torch-memory":
+        images, labels = read_beton(cfg.path)
+        loader = _TorchBatches(cfg, device, rank, world_size, _ArrayDataset(images, labels),
+                               (3, *images.shape[1:3]))
+    else:
+        dataset = _PNGDataset(cfg.png_dir)
+        loader = _TorchBatches(cfg, device, rank, world_size, dataset, dataset.image_shape)
+    if len(loader) == 0:
+        raise ValueError(f"{cfg.loader} loader: batch_size {cfg.batch_size} exceeds the "
+                         f"{loader.num_images // world_size} images per rank with drop_last=True; "
+                         "lower data.batch_size or set data.drop_last=False")
+    return loader
+
+
+# ---- on the device, inside the compiled step ---------------------------------------------------------------------
+
+def flip_images(images: torch.Tensor) -> torch.Tensor:
+    """Mirror each image (B, C, H, W) left-right with probability 1/2: a device-side mask, no host sync."""
+    mask = torch.rand(images.shape[0], 1, 1, 1, device=images.device) < 0.5
+    return torch.where(mask, images.flip(3), images)
+
+
+def prepare_batch(images: torch.Tensor, *, flip: bool, channels_last: bool) -> torch.Tensor:
+    """uint8 (B, 3, H, W) -> float32 in [-1, 1] (0 -> -1, 255 -> 1 exactly), optionally flipped on the device."""
+    if images.dtype != torch.uint8:
+        raise TypeError(f"prepare_batch expects uint8 images from a loader, got {images.dtype}")
+    if flip:
+        images = flip_images(images)  # on uint8: a quarter of the bytes the float tensor would move
+    x = images.float().div(127.5).sub(1.0)  # 255 / 127.5 is exactly 2 in float32
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
