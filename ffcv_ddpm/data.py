@@ -233,6 +233,10 @@ class _FFCVBatches(BatchLoader):
         self._loader = Loader(cfg.path, batch_size=cfg.batch_size, num_workers=_ffcv_threads(cfg.num_workers),
                               os_cache=cfg.os_cache, order=order, distributed=distributed, seed=cfg.seed,
                               drop_last=cfg.drop_last, pipelines={"image": image, "label": label})
+        # FFCV's QUASI_RANDOM shuffles its page table in place, so epoch e's order would depend on the epochs run
+        # before it in this process; restoring the table before each epoch makes the order a function of (seed, e).
+        pages = getattr(self._loader.traversal_order, "page_to_samples_array", None)
+        self._pristine_pages = None if pages is None else pages.copy()
 
     def __len__(self) -> int:
         return len(self._loader)
@@ -241,6 +245,8 @@ class _FFCVBatches(BatchLoader):
         # FFCV orders epoch e by (seed + e) (RANDOM, distributed sampler) or (seed * 912300 + e) (QUASI_RANDOM) and
         # then advances its own counter; setting the counter is how an epoch is chosen.
         self._loader.next_epoch = epoch
+        if self._pristine_pages is not None:
+            self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages
         batches = iter(self._loader)
         try:
             yield from batches
@@ -332,7 +338,7 @@ class _PNGDataset(torch.utils.data.Dataset):
 
         index, flip = item
         with Image.open(self.dir / f"{index + 1}.png") as im:
-            image = np.asarray(im.convert("RGB"))  # (H, W, 3) uint8
+            image = np.array(im.convert("RGB"))  # (H, W, 3) uint8, writable (torch warns on read-only arrays)
         return _maybe_flip(image, flip), int(self.labels[index])
 
 

@@ -1,0 +1,231 @@
+"""Loaders read back exactly what the .beton (or PNG folder) holds, in a replayable order; conversion and checks."""
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ffcv.fields import IntField, RGBImageField
+from ffcv.writer import DatasetWriter
+from PIL import Image
+
+from ffcv_ddpm.data import (CIFAR10_CLASSES, DataConfig, check_beton, dataset_info, epoch_order, make_loader,
+                            prepare_batch)
+
+# numba's dispatcher finalizer raises KeyError when a discarded FFCV Loader's pipeline is garbage-collected
+# (libffcv/ffcv#167); harmless, and only noise here where many loaders are built and dropped.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <finalize object:pytest.PytestUnraisableExceptionWarning")
+
+N, H, W = 100, 16, 24  # H != W so a transposed axis cannot pass
+CPU = torch.device("cpu")
+
+
+class _Arrays:
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.labels[i])
+
+
+def write_dataset(folder: Path, n: int = N, height: int = H, width: int = W, seed: int = 0,
+                  formats=("raw",)) -> tuple[np.ndarray, np.ndarray]:
+    """Random non-zero images: <folder>/train_<fmt>.beton for each format, and the Kaggle PNG layout in png/."""
+    rng = np.random.default_rng(seed)
+    images = rng.integers(1, 256, (n, height, width, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, n).astype(np.int64)
+    for fmt in formats:
+        DatasetWriter(str(folder / f"train_{fmt}.beton"), {"image": RGBImageField(write_mode=fmt), "label": IntField()},
+                      num_workers=1).from_indexed_dataset(_Arrays(images, labels))
+    (folder / "png" / "train").mkdir(parents=True)
+    for i, image in enumerate(images):
+        Image.fromarray(image).save(folder / "png" / "train" / f"{i + 1}.png")
+    with open(folder / "png" / "trainLabels.csv", "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["id", "label"])
+        out.writerows([i + 1, CIFAR10_CLASSES[y]] for i, y in enumerate(labels))
+    return images, labels
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    images, labels = write_dataset(folder)
+    return folder, images, labels
+
+
+def config(folder, loader, **kw) -> DataConfig:
+    kw = {"batch_size": 32, "num_workers": 0 if loader.startswith("torch") else 1, "drop_last": False, **kw}
+    return DataConfig(path=str(folder / "train_raw.beton"), loader=loader, png_dir=str(folder / "png" / "train"), **kw)
+
+
+def one_epoch(loader) -> tuple[np.ndarray, np.ndarray]:
+    """(images (n, H, W, 3), labels (n,)) of one epoch, checking every batch's type, shape and place."""
+    xs, ys = [], []
+    for x, y in loader:
+        assert x.dtype == torch.uint8 and x.shape[1:] == (3, H, W) and x.device == loader.device
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        assert y.dtype == torch.int64 and y.shape == (x.shape[0],) and y.device == loader.device
+        xs.append(x.permute(0, 2, 3, 1).numpy().copy())  # copy: FFCV reuses its buffers
+        ys.append(y.numpy().copy())
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def as_indices(images: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Index in `reference` of each image (random images are all distinct)."""
+    where = {im.tobytes(): i for i, im in enumerate(reference)}
+    return np.array([where[im.tobytes()] for im in images])
+
+
+LOADERS = ["ffcv", "torch-memory", "torch-files", "gpu"]
+
+
+@pytest.mark.parametrize("name", LOADERS)
+def test_sequential_epoch_is_the_file_bit_exact(data, name):
+    folder, images, labels = data
+    workers = {"ffcv": 2, "torch-memory": 2}.get(name, 0)  # exercises FFCV threads and torch worker processes
+    loader = make_loader(config(folder, name, order="sequential", flip="none", num_workers=workers), CPU)
+    assert (len(loader), loader.num_images, loader.image_shape) == (4, N, (3, H, W))
+    got_images, got_labels = one_epoch(loader)
+    np.testing.assert_array_equal(got_images, images)
+    np.testing.assert_array_equal(got_labels, labels)
+
+
+@pytest.mark.parametrize("name,order,os_cache", [(n, "random", True) for n in LOADERS]
+                         + [("ffcv", "quasi_random", False)])
+def test_random_order_is_a_permutation_replayed_by_epoch(data, name, order, os_cache):
+    folder, images, labels = data
+    cfg = config(folder, name, order=order, os_cache=os_cache, seed=3)
+    loader = make_loader(cfg, CPU)
+    epochs = [one_epoch(loader) for _ in range(2)]  # epochs 0 and 1: iteration advances the epoch
+    loader.set_epoch(0)
+    replay = one_epoch(loader)
+    orders = [as_indices(x, images) for x, _ in epochs]
+    for (x, y), order_e in zip(epochs, orders):
+        assert sorted(order_e) == list(range(N))
+        np.testing.assert_array_equal(y, labels[order_e])
+    assert not np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[0], np.arange(N))
+    np.testing.assert_array_equal(replay[0], epochs[0][0])
+    if name != "gpu" and order == "random":  # the host loaders share FFCV's RANDOM formula: same seed, same order
+        for e in range(2):
+            np.testing.assert_array_equal(orders[e], epoch_order(N, cfg, e, 0, 1))
+
+
+@pytest.mark.parametrize("name", ["torch-memory", "torch-files", "gpu"])
+def test_two_ranks_get_disjoint_halves(data, name):
+    folder, images, _ = data
+    shards = []
+    for rank in range(2):
+        loader = make_loader(config(folder, name, batch_size=16), CPU, rank=rank, world_size=2)
+        assert len(loader) == 4  # 50 images per rank: 3 full batches and one of 2
+        shards.append(as_indices(one_epoch(loader)[0], images))
+    assert len(shards[0]) == len(shards[1]) == N // 2
+    assert set(shards[0]).isdisjoint(shards[1]) and set(shards[0]) | set(shards[1]) == set(range(N))
+
+
+@pytest.mark.parametrize("name", ["ffcv", "torch-memory", "torch-files"])
+def test_cpu_flip_mirrors_about_half(data, name):
+    folder, images, labels = data
+    loader = make_loader(config(folder, name, order="sequential", flip="cpu"), CPU)
+    got, got_labels = one_epoch(loader)
+    same = (got == images).all(axis=(1, 2, 3))
+    mirrored = (got == images[:, :, ::-1]).all(axis=(1, 2, 3))
+    assert (same | mirrored).all() and 20 < mirrored.sum() < 80
+    np.testing.assert_array_equal(got_labels, labels)
+    if name != "ffcv":  # torch loaders draw flips from (seed, epoch); FFCV's flip uses numba's unseeded RNG
+        loader.set_epoch(0)
+        np.testing.assert_array_equal(one_epoch(loader)[0], got)
+
+
+def test_ffcv_with_more_workers_than_threads_warns_and_caps(data):
+    with pytest.warns(UserWarning, match="num_workers=999"):
+        make_loader(config(data[0], "ffcv", num_workers=999), CPU)
+
+
+# ---- prepare_batch -------------------------------------------------------------------------------------------------
+
+def test_prepare_batch_maps_0_255_to_exactly_minus1_1():
+    images = torch.arange(256, dtype=torch.uint8).repeat(2, 3, 1, 1).contiguous(memory_format=torch.channels_last)
+    x = prepare_batch(images, flip=False, channels_last=True)
+    assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
+    assert x.min().item() == -1.0 and x.max().item() == 1.0
+    np.testing.assert_array_equal(x[0, 0, 0].numpy(), (np.arange(256, dtype=np.float32) / np.float32(127.5)) - 1)
+    assert prepare_batch(images, flip=False, channels_last=False).is_contiguous()
+    with pytest.raises(TypeError, match="uint8"):
+        prepare_batch(images.float(), flip=False, channels_last=True)
+
+
+def test_gpu_flip_mirrors_about_half_per_sample():
+    torch.manual_seed(0)
+    images = torch.randint(1, 256, (400, 3, 4, 5), dtype=torch.uint8)
+    x = prepare_batch(images, flip=True, channels_last=True)
+    ref = images.float() / 127.5 - 1
+    same = (x == ref).flatten(1).all(1)
+    mirrored = (x == ref.flip(3)).flatten(1).all(1)
+    assert (same | mirrored).all() and 150 < mirrored.sum() < 250
+
+
+def test_prepare_batch_compiles_without_graph_breaks():
+    compiled = torch.compile(prepare_batch, backend="eager", fullgraph=True)  # fullgraph: a break is an error
+    images = torch.randint(0, 256, (8, 3, 4, 4), dtype=torch.uint8)
+    torch.manual_seed(1)
+    out = compiled(images, flip=True, channels_last=True)
+    assert out.shape == (8, 3, 4, 4) and out.abs().max() <= 1
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+def test_check_beton_says_what_is_wrong(data, tmp_path):
+    check_beton(data[0] / "train_raw.beton")
+    with pytest.raises(FileNotFoundError, match="make dataset"):
+        check_beton(tmp_path / "missing.beton")
+    with pytest.raises(ValueError, match="not a file"):
+        check_beton(tmp_path)
+    junk = tmp_path / "junk.beton"
+    junk.write_bytes(b"not a beton at all" * 10)
+    with pytest.raises(ValueError, match="not a readable FFCV .beton"):
+        check_beton(junk)
+    other = tmp_path / "other.beton"
+    DatasetWriter(str(other), {"picture": RGBImageField(write_mode="raw"), "label": IntField()},
+                  num_workers=1).from_indexed_dataset(_Arrays(data[1][:4], data[2][:4]))
+    with pytest.raises(ValueError, match=r"needs fields 'image'.*'picture'"):
+        check_beton(other)
+    with pytest.raises(FileNotFoundError, match="make dataset"):
+        make_loader(DataConfig(path=str(tmp_path / "missing.beton")), CPU)
+
+
+def test_dataset_info_reads_the_manifest(data, tmp_path):
+    info = dataset_info(data[0] / "train_raw.beton")
+    assert (info["num_images"], info["height"], info["width"], info["synthetic"]) == (N, H, W, None)
+    beton = tmp_path / "cifar10_train_raw.beton"
+    beton.write_bytes((data[0] / "train_raw.beton").read_bytes())
+    (tmp_path / "manifest.json").write_text(json.dumps({"source": "synthetic", "synthetic": True}))
+    info = dataset_info(beton)
+    assert (info["source"], info["synthetic"]) == ("synthetic", True)
+
+
+def test_bad_configs_are_rejected_with_the_field_named(data, tmp_path):
+    with pytest.raises(ValueError, match="data.loader='dali'"):
+        DataConfig(loader="dali")
+    with pytest.raises(ValueError, match="data.order"):
+        DataConfig(order="shuffled")
+    with pytest.raises(ValueError, match="flip='cpu'"):
+        DataConfig(loader="gpu", flip="cpu")
+    with pytest.raises(ValueError, match="png_dir"):
+        DataConfig(loader="torch-files")
+    cfg = DataConfig()
+    cfg.batch_size = 0  # set after __init__, as config overrides do: make_loader validates again
+    with pytest.raises(ValueError, match="batch_size"):
+        make_loader(cfg, CPU)
+    with pytest.raises(ValueError, match="batch_size 101 exceeds"):
+        make_loader(config(data[0], "torch-files", batch_size=101, drop_last=True), CPU)
+    with pytest.raises(ValueError, match="torch.distributed"):
+        make_loader(config(data[0], "ffcv"), CPU, rank=1, world_size=2)
+    with pytest.raises(FileNotFoundError, match="PNG folder"):
+        make_loader(DataConfig(loader="torch-files", png_dir=str(tmp_path / "nope")), CPU)
