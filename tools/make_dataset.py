@@ -1,0 +1,339 @@
+"""Write CIFAR-10 as FFCV .beton files (train/test x raw/JPEG) plus data/manifest.json; optionally a PNG folder.
+
+    python -m tools.make_dataset --source download --out data            # official tarball, MD5-checked
+    python -m tools.make_dataset --source tarball --tarball cifar-10-python.tar.gz
+    python -m tools.make_dataset --source png --png-dir kaggle_cifar10/    # train/1.png ... + trainLabels.csv
+    python -m tools.make_dataset --source synthetic --num-synthetic 256 --num-synthetic-test 64 --out /tmp/d
+    python -m tools.make_dataset --source synthetic --export-png data/png  # also the PNG-folder layout
+
+Every output appears under its final name only when complete (temp name in the same folder, fsync, rename), and a
+second run with the same inputs and settings checks the files against the manifest and does nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, Cifar10, DatasetError, _remove, export_png_dir,
+                           load_source, partial_path, png_fingerprint, remove_stale_partials, synthetic_fingerprint,
+                           synthetic_spec, tarball_fingerprint)
+
+TOOL_VERSION = "1"  # bump when the written files change for the same input: old manifests then trigger a rebuild
+MANIFEST = "manifest.json"
+EXPORT_MARKER = "export.json"
+SPLITS = ("train", "test")
+WRITE_MODES = ("raw", "jpg")
+SOURCES = ("download", "tarball", "png", "synthetic")
+PAGE_SIZE = 1 << 23  # FFCV's default .beton page (8 MiB)
+
+
+def beton_name(split: str, write_mode: str) -> str:
+    return f"cifar10_{split}_{write_mode}.beton"
+
+
+BETON_FILES = tuple(beton_name(s, m) for s in SPLITS for m in WRITE_MODES)
+
+
+def default_workers() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m tools.make_dataset", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--source", choices=SOURCES, default="download", help="where the images come from")
+    p.add_argument("--out", type=Path, default=Path("data"), help="folder for the .beton files and manifest")
+    p.add_argument("--jpeg-quality", type=int, default=90, help="JPEG quality (1-100) of the *_jpg.beton files")
+    p.add_argument("--tarball", type=Path, help=f"local {TARBALL_NAME} (--source tarball)")
+    p.add_argument("--png-dir", type=Path, help="Kaggle-layout PNG folder (--source png)")
+    p.add_argument("--png-holdout", default="0.2",
+                   help="PNG folder without test/ + testLabels.csv: test = the last N train images (a count) or "
+                        "this fraction of them (0.2 of Kaggle's 50,000 = 10,000)")
+    p.add_argument("--num-synthetic", type=int, default=50_000, help="synthetic train images")
+    p.add_argument("--num-synthetic-test", type=int, default=10_000, help="synthetic test images")
+    p.add_argument("--seed", type=int, default=0, help="synthetic data seed")
+    p.add_argument("--export-png", type=Path, metavar="DIR",
+                   help="also write the images in the Kaggle PNG layout (train/1.png ... + trainLabels.csv, "
+                        "test/ + testLabels.csv) for the PyTorch-DataLoader baseline")
+    p.add_argument("--workers", type=int, default=default_workers(), help="processes for decoding and writing")
+    p.add_argument("--force", action="store_true", help="rebuild even if the manifest says the files are current")
+    p.add_argument("--url", default=CIFAR10_URL, help="download URL (a mirror of the same file: MD5 is checked)")
+    args = p.parse_args(argv)
+    if not 1 <= args.jpeg_quality <= 100:
+        p.error(f"--jpeg-quality must be in 1..100, got {args.jpeg_quality}")
+    if args.workers < 1:
+        p.error(f"--workers must be at least 1, got {args.workers}")
+    if args.tarball is not None and args.source != "tarball":
+        p.error(f"--tarball (CIFAR=) is only read with --source tarball, not {args.source}")
+    if args.png_dir is not None and args.source != "png":
+        p.error(f"--png-dir (PNG_DIR=) is only read with --source png, not {args.source}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files that appear complete or not at all
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Staged:
+    """Outputs written under temp names beside their final names, renamed into place together by commit().
+
+    Leaving the `with` block without commit() (an exception, Ctrl-C) removes the temp files; a killed process leaves
+    them behind under names that remove_stale_partials() recognises at the next run.
+    """
+
+    def __init__(self):
+        self.pending: list[tuple[Path, Path]] = []  # (temp, final)
+
+    def path(self, final: Path) -> Path:
+        tmp = partial_path(final)
+        self.pending.append((tmp, final))
+        return tmp
+
+    def commit(self) -> None:
+        for tmp, _ in self.pending:
+            if tmp.is_file():
+                _fsync(tmp)
+        for tmp, final in self.pending:
+            if tmp.is_dir() and final.exists():
+                _remove(final)  # a folder cannot be replaced in one step; the caller checked it is ours
+            os.replace(tmp, final)
+        for folder in {final.parent for _, final in self.pending}:
+            _fsync(folder)  # the renames themselves survive a power cut
+        self.pending.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for tmp, _ in self.pending:
+            _remove(tmp)
+        self.pending.clear()
+
+
+def write_json(path: Path, obj: dict) -> None:
+    with Staged() as staged:
+        staged.path(path).write_text(json.dumps(obj, indent=2) + "\n")
+        staged.commit()
+
+
+def ensure_writable(folder: Path, what: str, how: str) -> None:
+    """Fail before any work if `folder` cannot be created or written (checked by writing, which also holds for root)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = partial_path(folder / "write-test")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise DatasetError(f"{what} {folder} is not writable ({e.strerror or e}); {how}") from None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run would produce, and whether the files on disk already are that
+
+def input_fingerprint(args) -> str:
+    """Identity of the input, computed without decoding it."""
+    if args.source == "download":
+        return f"md5:{CIFAR10_MD5}"  # the official file: its MD5 is checked on download
+    if args.source == "tarball":
+        if args.tarball is None:
+            raise DatasetError("--source tarball needs a file: make dataset CIFAR=/path/to/cifar-10-python.tar.gz")
+        if not args.tarball.is_file():
+            raise DatasetError(f"tarball {args.tarball} does not exist (CIFAR= must point to {TARBALL_NAME})")
+        return tarball_fingerprint(args.tarball)
+    if args.source == "png":
+        if args.png_dir is None:
+            raise DatasetError("--source png needs a folder: make dataset PNG_DIR=/path/to/folder")
+        if not args.png_dir.is_dir():
+            raise DatasetError(f"PNG folder {args.png_dir} does not exist")
+        return png_fingerprint(args.png_dir)
+    return synthetic_fingerprint(synthetic_spec(args.num_synthetic, args.num_synthetic_test, args.seed))
+
+
+def wanted_state(args, fingerprint: str) -> dict:
+    """Everything that decides the content of the files: equal states mean a rebuild would write the same data."""
+    settings = {"jpeg_quality": args.jpeg_quality, "page_size": PAGE_SIZE,
+                "fields": {"image": "RGBImageField (raw | jpg)", "label": "IntField"}}
+    if args.source == "png":
+        settings["png_holdout"] = str(args.png_holdout)
+    return {"tool_version": TOOL_VERSION, "source": args.source, "synthetic": args.source == "synthetic",
+            "input_fingerprint": fingerprint, "settings": settings}
+
+
+def _first_difference(have: dict, want: dict, prefix: str = "") -> str | None:
+    """'settings.jpeg_quality changed: 90 -> 75' for the first key of `want` whose value `have` does not share."""
+    for key, value in want.items():
+        old = have.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            if (diff := _first_difference(old, value, f"{prefix}{key}.")) is not None:
+                return diff
+        elif old != value:
+            return f"{prefix}{key} changed: {old!r} -> {value!r}"
+    return None
+
+
+def why_stale(out: Path, wanted: dict) -> str | None:
+    """None if the manifest in `out` matches `wanted` and every file matches its recorded sha256; else the reason."""
+    path = out / MANIFEST
+    if not path.is_file():
+        return f"no {MANIFEST} in {out}"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{path} is unreadable ({e})"
+    if (diff := _first_difference(manifest, wanted)) is not None:
+        return diff
+    for name in BETON_FILES:
+        entry = manifest.get("files", {}).get(name)
+        if entry is None or not (out / name).is_file():
+            return f"{name} is missing"
+        if sha256_file(out / name) != entry.get("sha256"):
+            return f"{name} does not match its sha256 in {MANIFEST} (changed or damaged)"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: int, read_s: float) -> dict:
+    """Write the four .beton files (all or none) and then the manifest describing them; returns the manifest."""
+    from tools.ffcv_writer import write_beton  # noqa: PLC0415 (imports FFCV and torch: only when writing)
+    t0 = time.perf_counter()
+    files = {}
+    with Staged() as staged:
+        for split_name in SPLITS:
+            split = getattr(data, split_name)
+            for mode in WRITE_MODES:
+                name = beton_name(split_name, mode)
+                write_beton(staged.path(out / name), split, mode, jpeg_quality, workers, PAGE_SIZE, desc=f"write {name}")
+                files[name] = {"split": split_name, "write_mode": mode, "count": len(split),
+                               **({"jpeg_quality": jpeg_quality} if mode == "jpg" else {})}
+        write_s = time.perf_counter() - t0
+        staged.commit()
+    t1 = time.perf_counter()
+    for name, entry in files.items():
+        entry.update(sha256=sha256_file(out / name), bytes=(out / name).stat().st_size)
+    manifest = {
+        **wanted,
+        "input": data.info,
+        "counts": {s: len(getattr(data, s)) for s in SPLITS},
+        "content_sha256": {s: getattr(data, s).sha256() for s in SPLITS},  # of the decoded arrays
+        "image": {"shape": [32, 32, 3], "dtype": "uint8", "layout": "HWC RGB"},
+        "files": files,
+        "timing_s": {"read": round(read_s, 2), "write": round(write_s, 2),
+                     "checksum": round(time.perf_counter() - t1, 2),
+                     "total": round(read_s + time.perf_counter() - t0, 2)},
+        "workers": workers,
+        "machine": {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                    "python": platform.python_version(), "platform": platform.platform()},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def export_png(data: Cifar10, folder: Path, wanted: dict, workers: int) -> None:
+    """The PNG-folder layout of `data` in `folder`, replaced as a whole; skipped if its marker says it is current."""
+    marker = folder / EXPORT_MARKER
+    want = {**wanted, "content_sha256": {s: getattr(data, s).sha256() for s in SPLITS}}
+    if folder.exists():
+        if marker.is_file():
+            try:
+                if json.loads(marker.read_text()) == want:
+                    print(f"{folder}: PNG export is up to date - nothing to do")
+                    return
+            except ValueError:
+                pass  # our marker, damaged: rewrite the folder
+        elif any(folder.iterdir()):
+            raise DatasetError(f"--export-png: {folder} exists and was not written by this tool (no {EXPORT_MARKER}); "
+                               f"remove it or choose another folder")
+    t0 = time.perf_counter()
+    with Staged() as staged:
+        tmp = staged.path(folder)
+        export_png_dir(data, tmp, workers=workers)
+        (tmp / EXPORT_MARKER).write_text(json.dumps(want, indent=2) + "\n")
+        staged.commit()
+    print(f"{folder}: wrote {len(data.train)} train + {len(data.test)} test PNGs in "
+          f"{time.perf_counter() - t0:.1f} s")
+
+
+def run(args) -> int:
+    out: Path = args.out
+    ensure_writable(out, "output folder", "choose another with DATA=path (make) or --out")
+    stale = remove_stale_partials(out)
+    if args.export_png is not None:
+        ensure_writable(args.export_png.parent, "--export-png parent folder", "choose another --export-png folder")
+        stale += remove_stale_partials(args.export_png.parent)
+        if args.source == "png" and args.export_png.resolve() == args.png_dir.resolve():
+            raise DatasetError("--export-png must differ from --png-dir (the export replaces its folder)")
+    if stale:
+        print(f"removed {len(stale)} partial file(s) left by an interrupted run: {', '.join(p.name for p in stale)}")
+    t0 = time.perf_counter()
+    wanted = wanted_state(args, input_fingerprint(args))
+    reason = "--force" if args.force else why_stale(out, wanted)
+    if reason is None:
+        print(f"{out}: {len(BETON_FILES)} .beton files match {MANIFEST} ({args.source}) - nothing to do")
+        if args.export_png is None:
+            return 0
+    data = load_source(args.source, tarball=args.tarball, png_dir=args.png_dir, cache_dir=out, url=args.url,
+                       png_holdout=args.png_holdout, num_train=args.num_synthetic, num_test=args.num_synthetic_test,
+                       seed=args.seed, workers=args.workers)
+    read_s = time.perf_counter() - t0
+    if reason is not None:
+        print(f"{out}: writing .beton files ({reason})")
+        (out / MANIFEST).unlink(missing_ok=True)  # no manifest may describe a half-replaced set of files
+        manifest = convert(data, out, wanted, args.jpeg_quality, args.workers, read_s)
+        t = manifest["timing_s"]
+        print(f"{out}: wrote {', '.join(BETON_FILES)} + {MANIFEST}: {len(data.train)} train + {len(data.test)} test "
+              f"images{' (SYNTHETIC)' if data.synthetic else ''} in {t['total']:.1f} s (read {t['read']} s, "
+              f"write {t['write']} s, checksum {t['checksum']} s; {args.workers} workers)")
+    if args.export_png is not None:
+        export_png(data, args.export_png, wanted, args.workers)
+    return 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None  # kill: clean up too
+    try:
+        return run(args)
+    except DatasetError as e:
+        print(f"make_dataset: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("make_dataset: interrupted - nothing was left half-written (temp files removed)", file=sys.stderr)
+        return 130
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
