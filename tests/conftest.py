@@ -1,0 +1,107 @@
+"""Shared test fixtures: small datasets written by the real tools, in every input format, and a .beton reader.
+
+- small_dataset (session): a folder with the four .beton files + manifest.json that `make dataset` writes, built by
+  tools.make_dataset from SMALL_TRAIN / SMALL_TEST synthetic images; small_dataset_arrays is what they contain.
+- make_cifar_tarball(path, data): the official CIFAR-10 python tarball format (pickled batches in a .tar.gz).
+- write_png_folder(root, data): the Kaggle PNG layout, written with PIL independently of tools' exporter.
+- read_beton(path, order=...): every image and label of a .beton through FFCV's Loader, as numpy arrays.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools.cifar10 import CLASSES, Cifar10, load_synthetic
+
+SMALL_TRAIN, SMALL_TEST, SMALL_SEED = 256, 64, 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs in the formats tools/ reads
+
+def make_cifar_tarball(path: Path, data: Cifar10, skip: tuple[str, ...] = ()) -> Path:
+    """Write `data` as cifar-10-python.tar.gz does: cifar-10-batches-py/data_batch_1..5 (train split in 5 parts),
+    test_batch and batches.meta, each a protocol-2 pickle of a dict with bytes keys; b'data' is (N, 3072) uint8,
+    each row the R, G and B planes of one image, row-major. Members named in `skip` are left out."""
+    def batch(images: np.ndarray, labels: np.ndarray, name: str) -> dict:
+        return {b"batch_label": name.encode(), b"labels": [int(v) for v in labels],
+                b"data": np.ascontiguousarray(images.transpose(0, 3, 1, 2)).reshape(len(images), 3072),
+                b"filenames": [f"img_{i}.png".encode() for i in range(len(images))]}
+
+    members = {f"data_batch_{k + 1}": batch(imgs, labels, f"training batch {k + 1} of 5")
+               for k, (imgs, labels) in enumerate(zip(np.array_split(data.train.images, 5),
+                                                      np.array_split(data.train.labels, 5)))}
+    members["test_batch"] = batch(data.test.images, data.test.labels, "testing batch 1 of 1")
+    members["batches.meta"] = {b"label_names": [c.encode() for c in CLASSES], b"num_cases_per_batch": 10000,
+                               b"num_vis": 3072}
+    with tarfile.open(path, "w:gz") as tar:
+        for name, obj in members.items():
+            if name in skip:
+                continue
+            payload = pickle.dumps(obj, protocol=2)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return path
+
+
+def write_png_folder(root: Path, data: Cifar10, with_test: bool = True) -> Path:
+    """Kaggle layout: root/train/<id>.png (ids from 1) + root/trainLabels.csv ('id,label', class names); test too."""
+    from PIL import Image
+    splits = [("train", data.train)] + ([("test", data.test)] if with_test else [])
+    for name, split in splits:
+        (root / name).mkdir(parents=True)
+        for i, image in enumerate(split.images):
+            Image.fromarray(image).save(root / name / f"{i + 1}.png")
+        with open(root / f"{name}Labels.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["id", "label"])
+            writer.writerows((i + 1, CLASSES[label]) for i, label in enumerate(split.labels))
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading back
+
+def read_beton(path, order: str = "sequential", seed: int = 0, batch_size: int = 100):
+    """All (images (N, 32, 32, 3) uint8, labels (N,) int64) of a .beton via FFCV's Loader, in `order`
+    ('sequential' = file order, 'random' = a seeded permutation). One Loader costs ~1 s of numba compilation."""
+    from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import Squeeze, ToTensor
+
+    loader = Loader(str(path), batch_size=batch_size, num_workers=1, seed=seed, drop_last=False,
+                    order={"sequential": OrderOption.SEQUENTIAL, "random": OrderOption.RANDOM}[order],
+                    pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
+                               "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x.numpy().copy())  # the loader reuses its batch buffers
+        labels.append(y.numpy().reshape(-1).copy())
+    return np.concatenate(images), np.concatenate(labels)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixtures
+
+@pytest.fixture(scope="session")
+def small_dataset_arrays() -> Cifar10:
+    """What small_dataset holds: SMALL_TRAIN / SMALL_TEST synthetic images (seed SMALL_SEED)."""
+    return load_synthetic(SMALL_TRAIN, SMALL_TEST, SMALL_SEED)
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    """A data folder as `make dataset SOURCE=synthetic` writes it (four .beton files + manifest.json), small."""
+    from tools.make_dataset import main
+    out = tmp_path_factory.mktemp("small_dataset")
+    rc = main(["--source", "synthetic", "--out", str(out), "--num-synthetic", str(SMALL_TRAIN),
+               "--num-synthetic-test", str(SMALL_TEST), "--seed", str(SMALL_SEED), "--workers", "2"])
+    assert rc == 0, "tools.make_dataset failed to build the small synthetic dataset"
+    return out
