@@ -1,0 +1,218 @@
+"""The Gaussian diffusion process: β schedules, q_sample, the ε-MSE training loss, DDPM and DDIM samplers.
+
+The model is any ``model(x_t, t, y=None) -> ε estimate``; only this module knows the schedule. Images live in
+[-1, 1]. ``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync,
+no data-dependent Python branching, so it can sit inside a compiled training step. The samplers are plain loops
+over Python-float coefficients (read from the schedule once per call) and are seeded by their own generator.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DiffusionConfig:
+    schedule: str = "linear"  # β schedule: "linear" (Ho et al., beta_start -> beta_end) or "cosine" (Nichol & Dhariwal)
+    timesteps: int = 1000  # T, the number of diffusion steps
+    beta_start: float = 1e-4  # β_1 of the linear schedule
+    beta_end: float = 0.02  # β_T of the linear schedule
+    p_uncond: float = 0.1  # probability a training label is replaced by the null label (classifier-free guidance)
+
+
+def make_betas(cfg: DiffusionConfig) -> torch.Tensor:
+    """β_t for t = 0..T-1 in float64."""
+    T = cfg.timesteps
+    if T < 1:
+        raise ValueError(f"timesteps={T} must be >= 1")
+    if cfg.schedule == "linear":
+        if not 0.0 < cfg.beta_start <= cfg.beta_end < 1.0:
+            raise ValueError(f"need 0 < beta_start <= beta_end < 1, got {cfg.beta_start}, {cfg.beta_end}")
+        return torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float64)
+    if cfg.schedule == "cosine":
+        # ᾱ(t) = cos²((t/T + s)/(1 + s) · π/2), s = 0.008; β clipped at 0.999 so the last step is not singular.
+        s = 0.008
+        f = torch.cos((torch.arange(T + 1, dtype=torch.float64) / T + s) / (1 + s) * math.pi / 2) ** 2
+        return (1 - f[1:] / f[:-1]).clamp(max=0.999)
+    raise ValueError(f"schedule={cfg.schedule!r}: use 'linear' or 'cosine'")
+
+
+def timesteps_for_sampling(timesteps: int, steps: int) -> list[int]:
+    """`steps` distinct timesteps from T-1 down to 0, evenly spaced (all T of them when steps == T)."""
+    if not 1 <= steps <= timesteps:
+        raise ValueError(f"steps={steps} must be between 1 and timesteps={timesteps}")
+    return [int(t) for t in np.linspace(timesteps - 1, 0, steps).round()]
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] floats -> uint8 [0, 255], rounding to nearest."""
+    return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+class GaussianDiffusion(nn.Module):
+    """Holds the schedule as buffers (moves with ``.to(device)``); see the module docstring."""
+
+    def __init__(self, cfg: DiffusionConfig | None = None):
+        super().__init__()
+        self.cfg = cfg or DiffusionConfig()
+        if not 0.0 <= self.cfg.p_uncond <= 1.0:
+            raise ValueError(f"p_uncond={self.cfg.p_uncond} must be in [0, 1]")
+        betas = make_betas(self.cfg)
+        abar = torch.cumprod(1 - betas, dim=0)
+        self.num_timesteps = self.cfg.timesteps
+        # float32 on the device for the training path; samplers re-read these in float64 on the host.
+        for name, value in [
+            ("betas", betas),
+            ("alphas_cumprod", abar),
+            ("sqrt_alphas_cumprod", abar.sqrt()),
+            ("sqrt_one_minus_alphas_cumprod", (1 - abar).sqrt()),
+        ]:
+            self.register_buffer(name, value.float(), persistent=False)
+        self._betas64 = betas  # exact values for the samplers' Python-float coefficients
+        self._abar64 = abar
+
+    def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """x_t = sqrt(ᾱ_t) x0 + sqrt(1 - ᾱ_t) ε, per-sample t of shape (B,)."""
+        a = self.sqrt_alphas_cumprod[t].view(-1, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
+        s = self.sqrt_one_minus_alphas_cumprod[t].view(-1, 1, 1, 1)
+        return (a * x0 + s * noise).to(x0.dtype)
+
+    def loss(
+        self, model: nn.Module, x0: torch.Tensor, y: torch.Tensor | None = None, null_label: int | None = None
+    ) -> torch.Tensor:
+        """The paper's simple loss: E ||ε - ε_θ(x_t, t)||², t ~ U{0..T-1}, averaged over every element.
+
+        With labels y, a p_uncond fraction is replaced by ``null_label`` (the model's num_classes) so the same
+        network also learns the unconditional ε for classifier-free guidance."""
+        B = x0.shape[0]
+        t = torch.randint(0, self.num_timesteps, (B,), device=x0.device)
+        noise = torch.randn_like(x0)  # keeps x0's memory format (channels_last stays channels_last)
+        if y is not None and self.cfg.p_uncond > 0:
+            if null_label is None:
+                raise ValueError("labels were given with p_uncond > 0: pass null_label=model's num_classes")
+            drop = torch.rand(B, device=x0.device) < self.cfg.p_uncond
+            y = torch.where(drop, torch.full_like(y, null_label), y)
+        eps = model(self.q_sample(x0, t, noise), t, y)
+        return F.mse_loss(eps.float(), noise.float())
+
+    @torch.no_grad()
+    def sample(
+        self,
+        model: nn.Module,
+        n: int,
+        *,
+        sampler: str = "ddpm",
+        steps: int = 50,
+        eta: float = 0.0,
+        seed: int = 0,
+        y: torch.Tensor | None = None,
+        guidance_scale: float = 1.0,
+        null_label: int | None = None,
+        shape: tuple[int, int, int] = (3, 32, 32),
+        device: torch.device | str | None = None,
+        clip_denoised: bool = True,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ) -> torch.Tensor:
+        """n images as a uint8 (n, C, H, W) tensor on `device` (default: the schedule's device).
+
+        sampler="ddpm": ancestral sampling over all T steps with σ_t² = β_t (the paper's CIFAR-10 setting).
+        sampler="ddim": `steps` evenly spaced steps, σ_t = eta · sqrt((1-ᾱ_prev)/(1-ᾱ_t)) · sqrt(1-ᾱ_t/ᾱ_prev);
+        eta=0 is deterministic given the starting noise, eta=1 matches DDPM's posterior variance.
+        With labels y and guidance_scale != 1, ε = ε_uncond + s (ε_cond - ε_uncond), conditional and unconditional
+        halves batched in one forward; null_label defaults to the model's ``num_classes``. clip_denoised clamps the
+        predicted x0 to [-1, 1] at each step. The same seed on the same device gives the same images. The model is
+        put in eval mode for the call (dropout off) and restored after."""
+        device = torch.device(device) if device is not None else self.betas.device
+        if sampler not in ("ddpm", "ddim"):
+            raise ValueError(f"sampler={sampler!r}: use 'ddpm' or 'ddim'")
+        if n < 1:
+            raise ValueError(f"n={n} must be >= 1")
+        guided = y is not None and guidance_scale != 1.0
+        if y is not None:
+            if y.shape != (n,):
+                raise ValueError(f"y has shape {tuple(y.shape)}; need one label per image, shape ({n},)")
+            y = y.to(device=device, dtype=torch.long)
+        if guided:
+            null_label = null_label if null_label is not None else getattr(model, "num_classes", 0)
+            if not null_label:
+                raise ValueError("guidance needs a conditional model: pass null_label (the model's num_classes)")
+            y = torch.cat([y, torch.full_like(y, null_label)])  # (2n,): conditional half, then unconditional
+
+        def eps_fn(x: torch.Tensor, t: int) -> torch.Tensor:
+            x_in = torch.cat([x, x]) if guided else x
+            tt = torch.full((x_in.shape[0],), t, device=device, dtype=torch.long)
+            eps = model(x_in, tt, y).float()
+            if not guided:
+                return eps
+            cond, uncond = eps.chunk(2)
+            return uncond + guidance_scale * (cond - uncond)
+
+        gen = torch.Generator(device=device).manual_seed(seed)
+        randn = lambda: torch.randn((n, *shape), generator=gen, device=device).contiguous(  # noqa: E731
+            memory_format=memory_format
+        )
+        ts = timesteps_for_sampling(self.num_timesteps, self.num_timesteps if sampler == "ddpm" else steps)
+        abar = self._abar64.tolist()
+        betas = self._betas64.tolist()
+
+        was_training = model.training
+        model.eval()
+        try:
+            x = randn()
+            for i, t in enumerate(ts):
+                t_prev = ts[i + 1] if i + 1 < len(ts) else -1
+                a_t, a_prev = abar[t], (abar[t_prev] if t_prev >= 0 else 1.0)
+                eps = eps_fn(x, t)
+                x0 = (x - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
+                x0 = x0.clamp(-1, 1) if clip_denoised else x0
+                if sampler == "ddpm":
+                    # Posterior mean of q(x_{t-1} | x_t, x0) (Ho et al. eq. 7), σ_t² = β_t.
+                    b_t = betas[t]
+                    mean = (b_t * math.sqrt(a_prev) * x0 + (1 - a_prev) * math.sqrt(1 - b_t) * x) / (1 - a_t)
+                    sigma = math.sqrt(b_t)
+                else:
+                    eps = (x - math.sqrt(a_t) * x0) / math.sqrt(1 - a_t)  # ε consistent with the (clipped) x0
+                    sigma = eta * math.sqrt((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev))
+                    mean = math.sqrt(a_prev) * x0 + math.sqrt(max(1 - a_prev - sigma**2, 0.0)) * eps
+                x = mean + sigma * randn() if (t_prev >= 0 and sigma > 0) else mean
+        finally:
+            model.train(was_training)
+        return to_uint8(x)
+
+
+def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int | None = None, padding: int = 2) -> None:
+    """Writes uint8 images (N, C, H, W), C in {1, 3}, as one PNG grid (nrow per row, default ~sqrt(N)), atomically."""
+    from PIL import Image
+
+    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"save_grid needs uint8 (N, 1|3, H, W) images, got {images.dtype} {tuple(images.shape)}")
+    N, C, H, W = images.shape
+    nrow = nrow or math.ceil(math.sqrt(N))
+    rows = math.ceil(N / nrow)
+    grid = torch.zeros(C, rows * (H + padding) + padding, nrow * (W + padding) + padding, dtype=torch.uint8)
+    for i, img in enumerate(images.cpu()):
+        r, c = divmod(i, nrow)
+        top, left = padding + r * (H + padding), padding + c * (W + padding)
+        grid[:, top : top + H, left : left + W] = img
+    arr = grid.permute(1, 2, 0).numpy()  # (C, H, W) -> (H, W, C)
+    pil = Image.fromarray(arr[:, :, 0] if C == 1 else arr)
+
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".grid-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            pil.save(f, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
