@@ -1,0 +1,380 @@
+"""Train a DDPM on an FFCV .beton, one readable function.
+
+    python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data/cifar10_train_raw.beton data.batch_size=256
+    python -m ffcv_ddpm.train --resume runs/00003-ddpm-cifar10        # continue from the newest complete checkpoint
+
+Every run writes runs/<id>-<preset>[-desc]/: config.json, environment.json, stats.jsonl (one line per log interval),
+samples-*.png and ckpt-*.pt (atomic, newest K kept).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ffcv_ddpm.checkpoint import load_latest, save_checkpoint
+from ffcv_ddpm.config import RunConfig, apply_override, load_config
+from ffcv_ddpm.data import check_beton, dataset_info, make_loader, prepare_batch
+from ffcv_ddpm.diffusion import GaussianDiffusion, save_grid
+from ffcv_ddpm.ema import EMA
+from ffcv_ddpm.env import environment
+from ffcv_ddpm.timing import StepTimer
+from ffcv_ddpm.unet import build_model
+
+AMP_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingError(Exception):
+    """A fault the user should read as a message, not a traceback (bad input, NaN loss, out of memory)."""
+
+
+@dataclass
+class Trainer:
+    cfg: RunConfig
+    device: torch.device
+    model: torch.nn.Module          # the uncompiled module: its state_dict has no _orig_mod. prefixes
+    diffusion: GaussianDiffusion
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: EMA | None
+    step: Callable                  # step(images_u8, labels, lr) -> loss tensor; one full iteration, no host sync
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"device {name!r} asked for, but this machine has no CUDA GPU; use train.device=cpu")
+    return device
+
+
+def set_precision(precision: str, device: torch.device) -> None:
+    if precision not in AMP_DTYPES:
+        raise TrainingError(f"train.precision={precision!r}: choose one of {', '.join(AMP_DTYPES)}")
+    if precision == "fp16" and device.type != "cuda":
+        raise TrainingError("train.precision=fp16 needs a CUDA GPU (GradScaler); use bf16 or fp32 on CPU")
+    # PyTorch lets cuDNN use TF32 by default; "fp32" means true fp32 here, so a baseline row is what it says.
+    tf32 = precision != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig) -> Callable:
+    """One training iteration. Everything stays on the device: the caller reads the loss at log intervals."""
+    amp_dtype = AMP_DTYPES[cfg.train.precision]
+    device_type = next(model.parameters()).device.type
+    conditional = cfg.model.num_classes > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(images, labels, lr: float):
+        x = prepare_batch(images, flip=cfg.data.flip == "gpu", channels_last=cfg.train.channels_last)
+        with torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = diffusion.loss(compiled, x, labels if conditional else None,
+                                  null_label=cfg.model.num_classes if conditional else None)
+        scaler.scale(loss).backward()
+        if cfg.train.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip, foreach=True)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # With the fused AdamW, GradScaler hands found_inf to the kernel instead of reading it on the host.
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(model)
+        return loss.detach()
+
+    return step
+
+
+def build(cfg: RunConfig, device: torch.device) -> Trainer:
+    """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
+    set_precision(cfg.train.precision, device)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model).to(device)
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    diffusion = GaussianDiffusion(cfg.diffusion).to(device)
+    fused = cfg.train.fused_adam and device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                                  weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+    compiled = model
+    if cfg.train.compile and device.type == "cuda":
+        compiled = torch.compile(model, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
+    step = make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg)
+    return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)
+
+
+def largest_fitting_batch(step: Callable, device: torch.device, batch_size: int, image_size: int) -> int | None:
+    """Halve the batch until one training step fits; None if even 1 does not."""
+    bs = batch_size // 2
+    while bs >= 1:
+        try:
+            images = torch.randint(0, 256, (bs, 3, image_size, image_size), dtype=torch.uint8, device=device)
+            labels = torch.randint(0, 10, (bs,), device=device)
+            step(images, labels, 0.0)
+            return bs
+        except torch.cuda.OutOfMemoryError:
+            bs //= 2
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return None
+
+
+def lr_at(step: int, cfg) -> float:
+    return cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+
+
+def new_run_dir(cfg: RunConfig) -> Path:
+    out = Path(cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [int(m.group(1)) for p in out.iterdir() if (m := re.match(r"^(\d{5})-", p.name))]
+    name = f"{max(ids, default=-1) + 1:05d}-{cfg.preset}" + (f"-{cfg.train.desc}" if cfg.train.desc else "")
+    run_dir = out / name
+    run_dir.mkdir()
+    return run_dir
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def rng_state(device: torch.device) -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag the loop checks between steps; a second signal stops at once."""
+
+    def __init__(self):
+        self.signal = None
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def restore(self):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train(cfg: RunConfig) -> Path:
+    # ---- set-up ---------------------------------------------------------------------------------------------
+    device = resolve_device(cfg.train.device)
+    check_beton(cfg.data.path)  # before any model is built or compiled
+    if cfg.train.compile and device.type != "cuda":
+        print("train: torch.compile is used on CUDA only; running eagerly on CPU")
+    cfg.train.ckpt_every = math.ceil(cfg.train.ckpt_every / cfg.train.log_every) * cfg.train.log_every
+    run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
+    print(f"train: run folder {run_dir}\n{cfg.summary()}")
+    write_json(run_dir / "config.json", cfg.to_dict())
+    write_json(run_dir / "environment.json", {**environment(), "dataset": dataset_info(cfg.data.path)})
+
+    # ---- data -----------------------------------------------------------------------------------------------
+    loader = make_loader(cfg.data, device)
+    steps_per_epoch = len(loader)
+    if steps_per_epoch == 0:
+        raise TrainingError(f"{cfg.data.path} holds fewer images ({loader.num_images}) than one batch "
+                            f"({cfg.data.batch_size}); lower data.batch_size")
+
+    # ---- model, optimizer -----------------------------------------------------------------------------------
+    t = build(cfg, device)
+    start_step = 0
+    if cfg.train.resume:
+        state, path = load_latest(run_dir, map_location=device)
+        if state is not None:
+            t.model.load_state_dict(state["model"])
+            t.optimizer.load_state_dict(state["optimizer"])
+            t.scaler.load_state_dict(state["scaler"])
+            if t.ema is not None:
+                t.ema.load_state_dict(state["ema"])
+            set_rng_state(state["rng"], device)
+            start_step = state["step"]
+            print(f"train: resumed from {path} at step {start_step}")
+        else:
+            print(f"train: {run_dir} has no checkpoint yet; starting at step 0")
+
+    def checkpoint(step: int) -> None:
+        state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
+                 "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                 "scaler": t.scaler.state_dict(), "ema": t.ema.state_dict() if t.ema is not None else None,
+                 "rng": rng_state(device), "config": cfg.to_dict()}
+        save_checkpoint(state, run_dir, step, cfg.train.keep_ckpts)
+
+    def batches(step: int):
+        """Endless batches, starting where `step` left off: the loader replays each epoch's order from its seed."""
+        epoch, skip = divmod(step, steps_per_epoch)
+        while True:
+            loader.set_epoch(epoch)
+            it = iter(loader)
+            for _ in range(skip):
+                next(it)
+            skip = 0
+            yield from it
+            epoch += 1
+
+    # ---- loop -----------------------------------------------------------------------------------------------
+    stop = StopRequest()
+    timer = StepTimer(device)
+    loss_sum = torch.zeros((), device=device)
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    data = batches(start_step)
+    progress = None
+    if cfg.train.progress:
+        from tqdm import tqdm
+        progress = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
+    t_start, window = time.perf_counter(), 0
+    step = start_step
+    try:
+        while step < cfg.train.steps:
+            timer.start()
+            images, labels = next(data)
+            timer.data_ready()
+            try:
+                loss = t.step(images, labels, lr_at(step, cfg.train))
+            except torch.cuda.OutOfMemoryError:
+                if step > start_step:
+                    raise
+                raise TrainingError(oom_message(cfg, device, t)) from None
+            loss_sum += loss
+            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
+            step += 1
+            window += 1
+            if progress is not None:
+                progress.update()
+            if step % cfg.train.log_every and step < cfg.train.steps and stop.signal is None:
+                continue
+
+            # ---- log interval: the only host-device syncs ------------------------------------------------------
+            timer.stop()
+            iter_ms, wait_ms = timer.read()
+            bad = int(first_bad)
+            if bad >= 0:
+                # Checkpoints are written only after this check, so every one on disk predates the bad step.
+                raise TrainingError(f"non-finite loss at step {bad}; stopping. The checkpoints in {run_dir} are "
+                                    f"all from before it; lower train.lr or check the data")
+            stats = {
+                "step": step, "loss": float(loss_sum) / window, "lr": lr_at(step - 1, cfg.train),
+                "img_per_s": window * cfg.data.batch_size / (sum(iter_ms) / 1e3),
+                "iter_ms_median": float(np.median(iter_ms)), "data_wait_ms": float(np.mean(wait_ms)),
+                "data_wait_share": sum(wait_ms) / sum(iter_ms),
+                "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                "wall_s": time.perf_counter() - t_start,
+            }
+            with open(run_dir / "stats.jsonl", "a") as f:
+                f.write(json.dumps(stats) + "\n")
+            if progress is not None:
+                progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}")
+            loss_sum.zero_()
+            window = 0
+
+            # ---- checkpoint, sample ----------------------------------------------------------------------------
+            if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stop.signal is not None:
+                checkpoint(step)
+            if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == cfg.train.steps):
+                sample_grid(t, cfg, run_dir / f"samples-{step:08d}.png")
+            if stop.signal is not None:
+                print(f"\ntrain: {stop.signal} received; checkpoint written at step {step}, exiting")
+                break
+    finally:
+        stop.restore()
+        if progress is not None:
+            progress.close()
+    return run_dir
+
+
+def oom_message(cfg: RunConfig, device: torch.device, t: Trainer) -> str:
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    t.optimizer.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    eager = make_step(t.model, t.model, t.diffusion, t.optimizer, t.scaler, None, cfg)
+    fits = largest_fitting_batch(eager, device, cfg.data.batch_size, cfg.model.image_size)
+    msg = f"batch size {cfg.data.batch_size} does not fit in this GPU's {total:.0f} GiB. "
+    if fits:
+        return msg + f"Batch {fits} fit (probed in eager mode; compiled steps usually need less): data.batch_size={fits}"
+    return msg + "Not even batch 1 fit: use a smaller preset"
+
+
+@torch.no_grad()
+def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
+    model = t.ema.module if t.ema is not None else t.model
+    amp_dtype = AMP_DTYPES[cfg.train.precision]
+    labels = (torch.arange(cfg.train.sample_n, device=t.device) % cfg.model.num_classes
+              if cfg.model.num_classes > 0 else None)
+    with torch.autocast(t.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+        images = t.diffusion.sample(model, cfg.train.sample_n, sampler="ddim", steps=cfg.train.sample_steps,
+                                    seed=cfg.train.seed, y=labels, device=t.device,
+                                    shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size))
+    save_grid(images, path)
+
+
+def parse_args(argv: list[str]) -> RunConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
+                                       "data.batch_size=256 precision=fp32 compile=False")
+    p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
+    p.add_argument("--data", help="train .beton file (data.path)")
+    p.add_argument("--resume", help="run folder to continue from its newest complete checkpoint")
+    args, rest = p.parse_known_args(argv)
+    overrides = [r.lstrip("-") for r in rest]
+    if args.resume:
+        saved = Path(args.resume) / "config.json"
+        if not saved.is_file():
+            raise TrainingError(f"--resume {args.resume}: no config.json there; give a run folder made by train")
+        cfg = RunConfig.from_dict(json.loads(saved.read_text()))
+        for item in overrides:
+            apply_override(cfg, item)
+        cfg.train.resume = args.resume
+    else:
+        cfg = load_config(args.preset, overrides)
+    if args.data:
+        cfg.data.path = args.data
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        train(cfg)
+    except (TrainingError, ValueError, FileNotFoundError) as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("train: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The trainer on CPU with the tiny preset: run folder, loss going down, bit-exact resume, kill -9, SIGTERM, NaN."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from ffcv.fields import IntField, RGBImageField
+from ffcv.writer import DatasetWriter
+
+from ffcv_ddpm import train as train_mod
+from ffcv_ddpm.checkpoint import list_checkpoints
+from ffcv_ddpm.config import RunConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Arrays:
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.labels[i])
+
+
+def write_beton(path: Path, n: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    # Smooth colour ramps plus noise: structured, never all zeros.
+    ramp = np.linspace(0, 200, 32, dtype=np.float32)[None, :, None, None]
+    images = (ramp + rng.integers(0, 56, (n, 32, 32, 3))).astype(np.uint8)
+    labels = rng.integers(0, 10, n)
+    DatasetWriter(str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()},
+                  num_workers=1).from_indexed_dataset(_Arrays(images, labels))
+    return path
+
+
+@pytest.fixture(scope="module")
+def beton(tmp_path_factory) -> Path:
+    return write_beton(tmp_path_factory.mktemp("data") / "train.beton", 64)
+
+
+def tiny_cfg(beton: Path, out: Path, *overrides: str) -> RunConfig:
+    return load_config("tiny", [
+        f"data.path={beton}", "data.batch_size=8", "data.num_workers=1", "data.loader=ffcv",
+        "train.device=cpu", "train.precision=fp32", "train.compile=False", "train.progress=False",
+        "train.steps=8", "train.log_every=2", "train.ckpt_every=4", "train.sample_every=0", "train.warmup_steps=1",
+        "train.lr=1e-3", f"train.out_dir={out}", *overrides])
+
+
+def read_stats(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+
+
+def test_config_overrides_and_round_trip():
+    cfg = load_config("tiny", ["batch_size=32", "train.lr=1e-3", "precision=bf16", "model.channel_mult=(1, 2)"])
+    assert cfg.data.batch_size == 32 and cfg.train.lr == 1e-3 and cfg.train.precision == "bf16"
+    assert cfg.model.channel_mult == (1, 2)
+    again = RunConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again == cfg
+    with pytest.raises(ValueError, match="no field"):
+        load_config("tiny", ["train.batch_sizee=3"])
+    with pytest.raises(ValueError, match="unknown or ambiguous"):
+        load_config("tiny", ["nonsense=3"])
+    with pytest.raises(ValueError, match="unknown preset"):
+        load_config("no-such-preset")
+
+
+def test_run_folder_contents(beton, tmp_path):
+    cfg = tiny_cfg(beton, tmp_path, "train.sample_every=8", "train.sample_n=4", "train.sample_steps=2")
+    run_dir = train_mod.train(cfg)
+    assert run_dir.parent == tmp_path and run_dir.name.startswith("00000-tiny")
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert RunConfig.from_dict(saved) == cfg
+    env = json.loads((run_dir / "environment.json").read_text())
+    assert env["torch"] == torch.__version__ and "dataset" in env
+    stats = read_stats(run_dir)
+    assert [s["step"] for s in stats] == [2, 4, 6, 8]
+    for s in stats:
+        assert np.isfinite(s["loss"]) and s["img_per_s"] > 0 and 0 <= s["data_wait_share"] <= 1
+    assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
+    assert (run_dir / "samples-00000008.png").stat().st_size > 0
+    ckpt = torch.load(run_dir / "ckpt-00000008.pt", weights_only=False)
+    assert ckpt["step"] == 8 and not any(k.startswith("_orig_mod") for k in ckpt["model"])
+
+
+def test_loss_falls_on_a_repeated_batch(tmp_path):
+    # One batch is the whole dataset and flips are off, so every step sees the same 8 images.
+    one_batch = write_beton(tmp_path / "one.beton", 8, seed=1)
+    cfg = tiny_cfg(one_batch, tmp_path, "train.steps=60", "train.log_every=10", "train.ckpt_every=1000",
+                   "data.flip=none", "train.lr=3e-3", "train.ema_decay=0", "model.dropout=0.0")
+    losses = [s["loss"] for s in read_stats(train_mod.train(cfg))]
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_resume_is_bit_exact(beton, tmp_path):
+    """4 steps + resume to 8 gives the same weights, EMA and optimizer state as 8 steps straight (CPU, fp32)."""
+    straight = train_mod.train(tiny_cfg(beton, tmp_path / "a"))
+    first = train_mod.train(tiny_cfg(beton, tmp_path / "b", "train.steps=4"))
+    train_mod.train(tiny_cfg(beton, tmp_path / "b", f"train.resume={first}"))
+    a = torch.load(straight / "ckpt-00000008.pt", weights_only=False)
+    b = torch.load(first / "ckpt-00000008.pt", weights_only=False)
+    for key in ("model", "ema", "optimizer", "rng"):
+        assert_identical(a[key], b[key], key)
+
+
+def assert_identical(a, b, where):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where} differs after resume"
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), f"{where} differs after resume"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _spawn(beton, out, *overrides):
+    args = [sys.executable, "-m", "ffcv_ddpm.train", "--preset", "tiny", "--data", str(beton),
+            "data.batch_size=8", "data.num_workers=1", "train.device=cpu", "train.precision=fp32",
+            "train.progress=False", "train.sample_every=0", f"train.out_dir={out}", *overrides]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(predicate, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early ({proc.returncode}):\n{proc.stdout.read()}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("trainer did not get there in time")
+        time.sleep(0.05)
+
+
+def test_kill9_leaves_a_resumable_checkpoint(beton, tmp_path):
+    proc = _spawn(beton, tmp_path, "train.steps=100000", "train.log_every=1", "train.ckpt_every=1",
+                  "train.keep_ckpts=2")
+    run_dirs = lambda: list(tmp_path.glob("00000-*"))  # noqa: E731
+    _wait_for(lambda: run_dirs() and len(list_checkpoints(run_dirs()[0])) >= 2, proc)
+    time.sleep(0.3)  # land the kill at an arbitrary point, quite likely mid-write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_dir = run_dirs()[0]
+    ckpts = list_checkpoints(run_dir)
+    assert 1 <= len(ckpts) <= 2
+    for path in ckpts:  # every checkpoint under its final name is complete
+        assert torch.load(path, weights_only=False)["step"] == int(path.stem.split("-")[1])
+    last = int(ckpts[-1].stem.split("-")[1])
+    cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    cfg.train.resume, cfg.train.steps = str(run_dir), last + 2
+    train_mod.train(cfg)
+    assert read_stats(run_dir)[-1]["step"] == last + 2
+    assert not list(run_dir.glob(".*.tmp"))
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(beton, tmp_path):
+    proc = _spawn(beton, tmp_path, "train.steps=100000", "train.log_every=5", "train.ckpt_every=100000")
+    _wait_for(lambda: any(tmp_path.glob("*/stats.jsonl")), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "SIGTERM received" in out
+    run_dir = next(tmp_path.glob("00000-*"))
+    (ckpt,) = list_checkpoints(run_dir)
+    assert torch.load(ckpt, weights_only=False)["step"] == read_stats(run_dir)[-1]["step"]
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(beton, tmp_path, monkeypatch):
+    real_loss = train_mod.GaussianDiffusion.loss
+    calls = {"n": 0}
+
+    def loss_nan_from_step_5(self, *args, **kwargs):
+        calls["n"] += 1
+        loss = real_loss(self, *args, **kwargs)
+        return loss * float("nan") if calls["n"] > 5 else loss
+
+    monkeypatch.setattr(train_mod.GaussianDiffusion, "loss", loss_nan_from_step_5)
+    cfg = tiny_cfg(beton, tmp_path, "train.log_every=2", "train.ckpt_every=2")
+    with pytest.raises(train_mod.TrainingError, match="non-finite loss at step 5"):
+        train_mod.train(cfg)
+    run_dir = next(tmp_path.glob("00000-*"))
+    assert [int(p.stem.split("-")[1]) for p in list_checkpoints(run_dir)] == [2, 4]
+    weights = torch.load(list_checkpoints(run_dir)[-1], weights_only=False)["model"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_missing_or_wrong_beton_fails_before_building(tmp_path, capsys):
+    argv = ["--preset", "tiny", "--data", str(tmp_path / "nope.beton"), "train.device=cpu",
+            f"train.out_dir={tmp_path / 'runs'}"]
+    assert train_mod.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "nope.beton" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_largest_fitting_batch_reports_what_fits():
+    seen = []
+
+    def step(images, labels, lr):
+        seen.append(len(images))
+        if len(images) > 24:
+            raise torch.cuda.OutOfMemoryError("fake")
+
+    assert train_mod.largest_fitting_batch(step, torch.device("cpu"), 128, 32) == 16
+    assert seen == [64, 32, 16]
+    assert train_mod.largest_fitting_batch(lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError()),
+                                           torch.device("cpu"), 8, 32) is None
