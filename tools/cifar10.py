@@ -91,7 +91,7 @@ def remove_stale_partials(folder: Path) -> list[Path]:
     for p in folder.glob(f".*{PARTIAL_TAG}*"):
         pid = p.name.rsplit(PARTIAL_TAG, 1)[1]
         if pid.isdigit() and not _pid_alive(int(pid)):
-            _remove(p)
+            remove_path(p)
             removed.append(p)
     return removed
 
@@ -108,7 +108,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove(p: Path) -> None:
+def remove_path(p: Path) -> None:
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p, ignore_errors=True)
     else:

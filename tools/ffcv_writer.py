@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ffcv.fields import IntField, RGBImageField
 from ffcv.memory_allocator import MemoryAllocator
-from ffcv.writer import DatasetWriter, worker_job_indexed_dataset
+from ffcv.writer import DatasetWriter
 from tqdm import tqdm
 
 from tools.cifar10 import Split

@@ -23,9 +23,9 @@ import threading
 import time
 from pathlib import Path
 
-from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, Cifar10, DatasetError, _remove, export_png_dir,
-                           load_source, partial_path, png_fingerprint, remove_stale_partials, synthetic_fingerprint,
-                           synthetic_spec, tarball_fingerprint)
+from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, Cifar10, DatasetError, export_png_dir,
+                           load_source, partial_path, png_fingerprint, remove_path, remove_stale_partials,
+                           synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
 
 TOOL_VERSION = "1"  # bump when the written files change for the same input: old manifests then trigger a rebuild
 MANIFEST = "manifest.json"
@@ -111,7 +111,7 @@ class Staged:
                 _fsync(tmp)
         for tmp, final in self.pending:
             if tmp.is_dir() and final.exists():
-                _remove(final)  # a folder cannot be replaced in one step; the caller checked it is ours
+                remove_path(final)  # a folder cannot be replaced in one step; the caller checked it is ours
             os.replace(tmp, final)
         for folder in {final.parent for _, final in self.pending}:
             _fsync(folder)  # the renames themselves survive a power cut
@@ -122,7 +122,7 @@ class Staged:
 
     def __exit__(self, *exc):
         for tmp, _ in self.pending:
-            _remove(tmp)
+            remove_path(tmp)
         self.pending.clear()
 
 
@@ -227,7 +227,8 @@ def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: 
             split = getattr(data, split_name)
             for mode in WRITE_MODES:
                 name = beton_name(split_name, mode)
-                write_beton(staged.path(out / name), split, mode, jpeg_quality, workers, PAGE_SIZE, desc=f"write {name}")
+                write_beton(staged.path(out / name), split, mode, jpeg_quality, workers, PAGE_SIZE,
+                            desc=f"write {name}")
                 files[name] = {"split": split_name, "write_mode": mode, "count": len(split),
                                **({"jpeg_quality": jpeg_quality} if mode == "jpg" else {})}
         write_s = time.perf_counter() - t0
