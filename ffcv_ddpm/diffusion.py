@@ -57,6 +57,15 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
+def guided_eps(
+    model: nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, guidance_scale: float, null_label: int
+) -> torch.Tensor:
+    """Classifier-free guidance: ε_uncond + s (ε_cond - ε_uncond), both halves in one batched forward."""
+    y_in = torch.cat([y, torch.full_like(y, null_label)])  # (2B,): conditional half, then unconditional
+    cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]), y_in).float().chunk(2)
+    return uncond + guidance_scale * (cond - uncond)
+
+
 class GaussianDiffusion(nn.Module):
     """Holds the schedule as buffers (moves with ``.to(device)``); see the module docstring."""
 
@@ -144,16 +153,10 @@ class GaussianDiffusion(nn.Module):
             null_label = null_label if null_label is not None else getattr(model, "num_classes", 0)
             if not null_label:
                 raise ValueError("guidance needs a conditional model: pass null_label (the model's num_classes)")
-            y = torch.cat([y, torch.full_like(y, null_label)])  # (2n,): conditional half, then unconditional
 
         def eps_fn(x: torch.Tensor, t: int) -> torch.Tensor:
-            x_in = torch.cat([x, x]) if guided else x
-            tt = torch.full((x_in.shape[0],), t, device=device, dtype=torch.long)
-            eps = model(x_in, tt, y).float()
-            if not guided:
-                return eps
-            cond, uncond = eps.chunk(2)
-            return uncond + guidance_scale * (cond - uncond)
+            tt = torch.full((n,), t, device=device, dtype=torch.long)
+            return guided_eps(model, x, tt, y, guidance_scale, null_label) if guided else model(x, tt, y).float()
 
         gen = torch.Generator(device=device).manual_seed(seed)
         randn = lambda: torch.randn((n, *shape), generator=gen, device=device).contiguous(  # noqa: E731
