@@ -9,8 +9,9 @@ Two counts, side by side:
   which have no weights, count as zero. For the small UNet that misses more than half the forward work.
 
 Why the meta device: FlopCounterMode derives FLOPs from shapes, so no arithmetic has to run (the 35.7M UNet counts
-in about a second), and it is the same on every machine. It also matters for attention: on CPU, SDPA runs
-`_scaled_dot_product_flash_attention_for_cpu`, which FlopCounterMode has no formula for and counts as ZERO; on meta,
+in about a second), and it is the same on every machine. It also matters for attention: on CPU, SDPA can run
+`_scaled_dot_product_flash_attention_for_cpu` (it does for contiguous inputs), which FlopCounterMode has no formula
+for and counts as ZERO; on meta,
 SDPA decomposes into its math form (two bmm forward, four backward), which is exactly what the counter's CUDA flash /
 efficient-attention formulas give. `train_flops_per_image` counts both attn_impl="sdpa" and "math" and refuses to
 return if they disagree, so a future PyTorch that stops decomposing SDPA on meta cannot silently drop attention.

@@ -1,0 +1,648 @@
+"""`make bench`: the training-step table (the published MFU table's rows, then ours), each row in a fresh process.
+
+    python -m benchmarks.bench --data data                       # CUDA: both models; no CUDA: the CPU-sized 'quick' table
+    python -m benchmarks.bench --data data --table small --measure-peak --sampling
+    python -m benchmarks.bench --list --table both               # print the rows and their overrides, run nothing
+
+A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule. For each row a child process builds the
+trainer and loader, runs the first step (compilation: reported as seconds to first step, not timed), `--warmup`
+more steps, then times `--iters` steps with StepTimer: CUDA events per iteration, the wait for the next batch inside
+each iteration, one sync at the end. Results (raw per-iteration times, environment, full configs, dataset source)
+go to benchmarks/results/<card>/<table>.json, with the Markdown table and PNG chart beside it (benchmarks.report).
+
+Why a fresh process per row: every row then starts from the same state -- an empty CUDA caching allocator (so peak
+memory and "largest batch that fits" are the row's own), no compiled graphs or autotuning caches from earlier rows,
+default backend flags -- and one row's OOM or crash cannot poison the next. Freeing in-process (dynamo reset, gc,
+empty_cache) leaves allocator fragmentation and global state behind and is hard to prove clean. The cost is a few
+seconds of process start per row, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BETON = "cifar10_train_raw.beton"  # what tools.make_dataset writes; the raw (uint8) train split
+PNG_TRAIN = Path("png") / "train"  # where `make dataset ... --export-png DATA/png` puts the Kaggle-layout folder
+
+# ---------------------------------------------------------------------------------------------------- the rows
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # what the row adds, as shown in the table
+    preset: str  # model preset (ffcv_ddpm.unet.PRESETS); rows of one preset form one table section
+    overrides: tuple[str, ...]  # load_config overrides, complete (not relative to another row)
+    batch: int | str  # images per step: a number, "max" (largest that fits, probed), or an earlier row's name
+    baseline: bool = False  # speedups in this preset's section are relative to this row
+
+
+# The published table's starting point: true fp32 (no TF32), eager, explicit matmul-softmax attention, NCHW, the
+# default (foreach) AdamW, flips done in the loader's worker processes as torchvision transforms do.
+BASELINE = (
+    "train.precision=fp32",
+    "train.compile=False",
+    "model.attn_impl=math",
+    "train.channels_last=False",
+    "train.fused_adam=False",
+    "data.flip=cpu",
+)
+
+# Each step adds its overrides to everything above it: (name, added overrides, batch rule).
+STACK = (
+    ("baseline (fp32, eager, math attention, PyTorch DataLoader)", (), 128),
+    ("+ largest batch that fits", (), "max"),
+    ("+ torch.compile", ("train.compile=True",), "prev"),
+    ("+ SDPA attention", ("model.attn_impl=sdpa",), "max"),
+    ("+ bf16 autocast", ("train.precision=bf16",), "max"),
+    ("+ FFCV loading", ("data.loader=ffcv",), "prev"),
+    ("+ channels_last", ("train.channels_last=True",), "prev"),
+    ("+ fused AdamW", ("train.fused_adam=True",), "prev"),
+    ("+ GPU-resident data, flips on GPU", ("data.loader=gpu", "data.flip=gpu"), "prev"),
+)
+# Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
+# overrides on top of that row). They run at that row's batch.
+VARIANTS = (
+    ("fp16 + GradScaler (instead of bf16)", "+ bf16 autocast", ("train.precision=fp16",)),
+    ("compile mode max-autotune-no-cudagraphs", "+ GPU-resident data, flips on GPU",
+     ("train.compile_mode=max-autotune-no-cudagraphs",)),
+    ("compile mode reduce-overhead (CUDA graphs)", "+ GPU-resident data, flips on GPU",
+     ("train.compile_mode=reduce-overhead",)),
+)
+
+
+def merge(*groups: tuple[str, ...]) -> tuple[str, ...]:
+    """Overrides with one entry per key, the last value winning (a later step changes an earlier setting)."""
+    out: dict[str, str] = {}
+    for item in (i for g in groups for i in g):
+        out[item.split("=", 1)[0]] = item
+    return tuple(out.values())
+
+
+def table_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
+    """The published table's rows and ours beyond it, for one model preset."""
+    rows, acc = [], merge(BASELINE, baseline_loader)
+    for i, (name, added, batch) in enumerate(STACK):
+        acc = merge(acc, added)
+        rows.append(Row(name, preset, acc, rows[-1].name if batch == "prev" else batch, baseline=i == 0))
+    last: dict[str, str] = {}  # parent -> the row a new variant goes after (the parent, then its earlier variants)
+    for name, parent, added in VARIANTS:
+        p = next(r for r in rows if r.name == parent)
+        after = next(i for i, r in enumerate(rows) if r.name == last.get(parent, parent))
+        rows.insert(after + 1, Row(name, preset, merge(p.overrides, added), p.name))
+        last[parent] = name
+    return rows
+
+
+def quick_rows(baseline_loader: tuple[str, ...]) -> list[Row]:
+    """CPU-sized: the tiny preset and the small UNet at small batches, the rows that mean something on a CPU."""
+    rows = []
+    for preset, batch in (("tiny", 32), ("annotated-small", 4)):
+        # Two loader processes / threads: the quick table has to run on a 2-core CI machine.
+        base = merge(BASELINE, baseline_loader, ("data.num_workers=2",))
+        sdpa = merge(base, ("model.attn_impl=sdpa",))
+        rows += [
+            Row("baseline (fp32, eager, math attention, PyTorch DataLoader)", preset, base, batch, baseline=True),
+            Row("+ SDPA attention", preset, sdpa, batch),
+            Row("+ FFCV loading", preset, merge(sdpa, ("data.loader=ffcv",)), batch),
+        ]
+    return rows
+
+
+TABLES = {
+    "small": lambda loader: table_rows("annotated-small", loader),
+    "ddpm": lambda loader: table_rows("ddpm-cifar10", loader),
+    "both": lambda loader: table_rows("annotated-small", loader) + table_rows("ddpm-cifar10", loader),
+    "quick": quick_rows,
+}
+
+# Batch sizes tried for "max" rows (the published table's 320 / 2048 / 3072 sit between these steps).
+BATCH_LADDER = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+# ---------------------------------------------------------------------------------------------------- child side
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _endless(loader):
+    """Batches across epoch boundaries (the epoch restart cost is part of training, so it stays in the timing)."""
+    while True:
+        yield from loader
+
+
+def _sdpa_backend(model, cfg, device) -> str:
+    """Which attention kernel the row's forward runs: read off the aten op names of one small profiled forward."""
+    import torch
+
+    from ffcv_ddpm.train import AMP_DTYPES
+
+    if cfg.model.attn_impl != "sdpa":
+        return "math (explicit matmul-softmax)"
+    amp = AMP_DTYPES[cfg.train.precision]
+    x = torch.randn(2, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, device=device)
+    if cfg.train.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    t = torch.randint(0, cfg.diffusion.timesteps, (2,), device=device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            model(x, t)
+    names = {e.name for e in prof.events() if "scaled_dot_product" in e.name or "attention" in e.name}
+    for key, label in (("cudnn", "cuDNN attention"), ("flash_attention_for_cpu", "flash (CPU kernel)"),
+                       ("flash", "flash"), ("efficient", "memory-efficient"), ("math", "math (SDPA fallback)")):
+        if any(key in n for n in names):
+            return f"SDPA {label}"
+    return "SDPA (kernel not identified: " + ", ".join(sorted(names)) + ")"
+
+
+def _tf32_flags() -> dict:
+    import torch
+
+    return {"tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+            "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32)}
+
+
+def run_row(spec: dict) -> dict:
+    """Build, warm up, time. Returns the raw figures; no derived metrics (benchmarks.report computes those)."""
+    import torch
+
+    from ffcv_ddpm.config import load_config
+    from ffcv_ddpm.data import make_loader
+    from ffcv_ddpm.timing import StepTimer
+    from ffcv_ddpm.train import build
+
+    cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg.train.device = str(device)
+    torch.manual_seed(cfg.train.seed)
+
+    t0 = time.perf_counter()
+    loader = make_loader(cfg.data, device)
+    loader_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trainer = build(cfg, device)
+    build_s = time.perf_counter() - t0
+    flags = _tf32_flags()  # as build() left them for this precision
+    backend = _sdpa_backend(trainer.model, cfg, device)
+    lr = cfg.train.lr
+    data = _endless(loader)
+
+    # The first step compiles (when compile=True) and autotunes: reported on its own, never timed with the rest.
+    t0 = time.perf_counter()
+    images, labels = next(data)
+    loss = trainer.step(images, labels, lr)
+    _sync(device)
+    first_step_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(spec["warmup"]):
+        images, labels = next(data)
+        loss = trainer.step(images, labels, lr)
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+
+    cuda = device.type == "cuda"
+    peak_incl_warmup = torch.cuda.max_memory_allocated(device) if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    timer = StepTimer(device)
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(spec["iters"]):
+        timer.start()  # before asking for the batch: a late loader shows up as a longer iteration
+        images, labels = next(data)
+        timer.data_ready()
+        loss_sum += trainer.step(images, labels, lr)
+    timer.stop()
+    iter_ms, wait_ms = timer.read()  # the one sync of the timed region
+    mean_loss = float(loss_sum) / spec["iters"]
+    if not torch.isfinite(torch.tensor(mean_loss)):
+        raise RuntimeError(f"non-finite training loss ({mean_loss}) during the timed iterations")
+    return {
+        "batch_size": cfg.data.batch_size,
+        "precision": cfg.train.precision,
+        **flags,
+        "sdpa_backend": backend,
+        "compiled": bool(cfg.train.compile and cuda),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else None,
+        "iter_ms": iter_ms,
+        "wait_ms": wait_ms,
+        "first_step_s": first_step_s,
+        "warmup_s": warmup_s,
+        "loader_build_s": loader_s,
+        "trainer_build_s": build_s,
+        "mean_loss": mean_loss,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+        "peak_mem_bytes_incl_warmup": peak_incl_warmup,
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if cuda else None,
+        "config": cfg.to_dict(),
+    }
+
+
+def probe_batch(spec: dict) -> dict:
+    """Largest BATCH_LADDER size whose training step fits in `mem_fraction` of GPU memory, tried eagerly.
+
+    Eager because compiling per candidate size would take minutes; a compiled step needs no more memory than the
+    eager one (Inductor frees intermediates earlier), so the batch found also fits the compiled row. Memory grows
+    linearly with the batch, so the next size's peak is predicted from the two last measured ones and not tried
+    when it would not fit: the probe never has to recover from an out-of-memory error (though it can).
+    """
+    import torch
+
+    from ffcv_ddpm.config import load_config
+    from ffcv_ddpm.train import build
+
+    cfg = load_config(spec["preset"], [*spec["overrides"], "train.compile=False"])
+    device = torch.device("cuda")
+    trainer = build(cfg, device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = spec["mem_fraction"] * total
+    size = cfg.model.image_size
+    trace, fits = [], []
+    for b in BATCH_LADDER:
+        if b > spec["cap"]:
+            break
+        if len(fits) >= 2:
+            (b0, m0), (b1, m1) = fits[-2], fits[-1]
+            if m1 + (m1 - m0) * (b - b1) / (b1 - b0) > limit:
+                trace.append({"batch": b, "skipped": "predicted not to fit"})
+                break
+        images = torch.randint(0, 256, (b, 3, size, size), dtype=torch.uint8, device=device)
+        labels = torch.randint(0, 10, (b,), device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            trainer.step(images, labels, 0.0)
+            torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            trace.append({"batch": b, "oom": True})
+            break
+        finally:
+            del images, labels
+            trainer.optimizer.zero_grad(set_to_none=True)
+        peak = torch.cuda.max_memory_allocated(device)
+        trace.append({"batch": b, "peak_bytes": peak})
+        if peak > limit:
+            break
+        fits.append((b, peak))
+    if not fits:
+        raise RuntimeError(f"not even batch {BATCH_LADDER[0]} fits in {spec['mem_fraction']:.0%} of GPU memory")
+    return {"batch_size": fits[-1][0], "trace": trace, "total_memory": total}
+
+
+def measure_peaks(_spec: dict) -> dict:
+    from benchmarks.peaks import PRECISIONS, measure_peak
+
+    return {p: measure_peak(p) for p in PRECISIONS}
+
+
+def run_sampling(spec: dict) -> list[dict]:
+    """Images/s of DDPM (all T steps) and DDIM sampling with the row's model in bf16 (random weights: speed only)."""
+    import torch
+
+    from benchmarks.flops import train_flops_per_image
+    from ffcv_ddpm.config import load_config
+    from ffcv_ddpm.diffusion import GaussianDiffusion
+    from ffcv_ddpm.unet import build_model
+
+    cfg = load_config(spec["preset"], [])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last).eval()
+    net = torch.compile(model) if device.type == "cuda" else model
+    diffusion = GaussianDiffusion(cfg.diffusion).to(device)
+    shape = (cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size)
+    fwd = train_flops_per_image(cfg.model)["fwd"]
+    amp = dict(device_type=device.type, dtype=torch.bfloat16)
+
+    def sample(sampler: str, steps: int, n: int):
+        with torch.autocast(**amp):
+            return diffusion.sample(net, n, sampler=sampler, steps=steps, seed=0, shape=shape, device=device,
+                                    memory_format=torch.channels_last)
+
+    t0 = time.perf_counter()
+    sample("ddim", 2, spec["n"])  # compiles the model at this batch
+    _sync(device)
+    compile_s = time.perf_counter() - t0
+    out = []
+    for sampler, steps in (("ddim", spec["ddim_steps"]), ("ddpm", cfg.diffusion.timesteps)):
+        t0 = time.perf_counter()
+        images = sample(sampler, steps, spec["n"])
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        if images.float().std() == 0:
+            raise RuntimeError(f"{sampler} sampling returned constant images")
+        out.append({
+            "name": spec["preset"], "sampler": sampler, "steps": steps, "n": spec["n"], "seconds": seconds,
+            "img_per_s": spec["n"] / seconds, "precision": "bf16", "compiled": device.type == "cuda",
+            "compile_s": compile_s,
+            "tflops": fwd * spec["n"] * steps / seconds / 1e12,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        })
+    return out
+
+
+WORKERS = {"row": run_row, "probe": probe_batch, "peaks": measure_peaks, "sampling": run_sampling}
+
+
+def worker_main(kind: str, spec_path: str, result_path: str) -> int:
+    """Child entry: run one job, write {"status": "ok", "result": ...} or {"status": "failed", "error": ...}."""
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        out = {"status": "ok", "result": WORKERS[kind](spec)}
+    except Exception as e:  # the parent reports it in the table and goes on with the next row
+        import torch
+
+        oom = isinstance(e, torch.cuda.OutOfMemoryError)
+        msg = "out of memory" if oom else f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+        out = {"status": "failed", "error": msg.splitlines()[0][:300]}
+    Path(result_path).write_text(json.dumps(out))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------- parent side
+
+
+class BenchError(Exception):
+    """A user-facing problem (bad arguments, missing dataset tool); printed without a traceback."""
+
+
+def spawn(kind: str, spec: dict, timeout: float) -> dict:
+    """Run one worker job in a fresh Python process; its output streams through, its result comes back as JSON."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "benchmarks.bench", "--worker", kind, str(spec_path), str(result_path)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "error": f"timed out after {timeout:.0f} s (raise --row-timeout)"}
+        if not result_path.is_file():
+            return {"status": "failed", "error": f"worker exited with code {proc.returncode} and no result"}
+        return json.loads(result_path.read_text())
+
+
+def _gpu_name() -> str | None:
+    """The GPU's name without creating a CUDA context in this (parent) process, which would hold GPU memory."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        finally:
+            pynvml.nvmlShutdown()
+        return name.decode() if isinstance(name, bytes) else name
+    except Exception:  # no NVML: the first row's worker reports the name through torch
+        return None
+
+
+def ensure_dataset(data_dir: Path, beton: Path, num_synthetic: int) -> bool:
+    """Builds a synthetic dataset when the .beton is missing; True if it did."""
+    if beton.is_file():
+        return False
+    if beton.parent != data_dir:
+        raise BenchError(f"--beton {beton} does not exist")
+    print(f"bench: NOTE: no {BETON} in {data_dir}/, so building a SYNTHETIC dataset there first "
+          f"({num_synthetic} images, tools.make_dataset --source synthetic). Its numbers measure speed only; "
+          "run `make dataset` for CIFAR-10.", flush=True)
+    cmd = [sys.executable, "-m", "tools.make_dataset", "--source", "synthetic", "--out", str(data_dir),
+           "--num-synthetic", str(num_synthetic), "--num-synthetic-test", str(max(64, num_synthetic // 5))]
+    if subprocess.run(cmd, cwd=REPO).returncode != 0 or not beton.is_file():
+        raise BenchError(f"building the synthetic dataset failed (command: {' '.join(cmd)})")
+    return True
+
+
+def resolve_rows(rows: list[Row], selected: str | None) -> list[Row]:
+    """The rows to run: all, or those whose 1-based index or name substring is listed (comma-separated)."""
+    if not selected:
+        return rows
+    keep = []
+    for i, row in enumerate(rows, 1):
+        for token in selected.split(","):
+            token = token.strip()
+            if token and (token == str(i) or token.lower() in row.name.lower()):
+                keep.append(row)
+                break
+    if not keep:
+        raise BenchError(f"--rows {selected!r} matches no row; see --list")
+    return keep
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (made by `make dataset`)")
+    p.add_argument("--beton", type=Path, help=f"train .beton (default: DATA/{BETON})")
+    p.add_argument("--table", choices=sorted(TABLES), help="row set (default: both with CUDA, quick without)")
+    p.add_argument("--rows", help="run only these rows: 1-based indices or name substrings, comma-separated")
+    p.add_argument("--list", action="store_true", help="print the rows and their overrides and exit")
+    p.add_argument("--iters", type=int, help="timed iterations per row (default: 50 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=int, help="warm-up iterations after the first step (default: 10 CUDA, 1 CPU)")
+    p.add_argument("--baseline-loader", choices=("auto", "torch-memory", "torch-files"), default="auto",
+                   help="loader of the rows before '+ FFCV loading'; auto = torch-files (PNG decode per image) if "
+                        f"DATA/{PNG_TRAIN} exists, else torch-memory (a DataLoader over arrays in RAM)")
+    p.add_argument("--max-batch", type=int, default=4096, help="cap for the 'largest batch that fits' rows")
+    p.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory share a probed batch may use")
+    p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
+    p.add_argument("--sampling", action="store_true", help="also time DDPM (1000 steps) and DDIM sampling, bf16")
+    p.add_argument("--sample-n", type=int, help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
+    p.add_argument("--ddim-steps", type=int, default=50, help="DDIM steps for the sampling figure")
+    p.add_argument("--num-synthetic", type=int, help="images in a synthetic dataset built when none exists "
+                                                     "(default: 50000 on CUDA, 4096 on CPU)")
+    p.add_argument("--row-timeout", type=float, default=1800, help="seconds before a row's process is stopped")
+    p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
+    p.add_argument("--name", help="output file stem (default: the table name)")
+    return p.parse_args(argv)
+
+
+def _summary_line(row: Row, raw: dict, flops: dict, device_name: str | None) -> str:
+    from benchmarks.report import row_metrics
+
+    m = row_metrics({"raw": raw}, flops, device_name, None)
+    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else m["peak_note"]
+    return (f"{m['ms_median']:.2f} ms/iter (p10 {m['ms_p10']:.2f}, p90 {m['ms_p90']:.2f}), "
+            f"{m['img_per_s']:,.1f} img/s, data wait {100 * m['data_wait_share']:.1f}%, "
+            f"{m['tflops']:.3g} TFLOP/s, MFU {mfu}, first step {raw['first_step_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker_main(*argv[1:4])
+    try:
+        return bench(parse_args(argv), argv)
+    except BenchError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+
+
+def bench(args: argparse.Namespace, argv: list[str]) -> int:
+    import torch
+
+    from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
+    from benchmarks.peaks import card_slug
+    from benchmarks.report import write_reports
+    from ffcv_ddpm.env import environment
+    from ffcv_ddpm.unet import PRESETS
+
+    cuda = torch.cuda.is_available()  # does not create a CUDA context: the children own the GPU
+    table = args.table or ("both" if cuda else "quick")
+    iters = args.iters or (50 if cuda else 5)
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    if iters < 1 or warmup < 0:
+        raise BenchError(f"--iters must be >= 1 and --warmup >= 0 (got {iters}, {warmup})")
+    data_dir = args.data
+    beton = args.beton or data_dir / BETON
+    png_dir = data_dir / PNG_TRAIN
+    if args.baseline_loader == "torch-files" and not png_dir.is_dir():
+        raise BenchError(f"--baseline-loader torch-files needs the PNG folder {png_dir}; write it with "
+                         f"`python -m tools.make_dataset ... --export-png {data_dir / 'png'}`")
+    use_png = args.baseline_loader == "torch-files" or (args.baseline_loader == "auto" and png_dir.is_dir())
+    baseline_loader = (("data.loader=torch-files", f"data.png_dir={png_dir}") if use_png
+                       else ("data.loader=torch-memory",))
+    rows = resolve_rows(TABLES[table](baseline_loader), args.rows)
+    if args.list:
+        for i, row in enumerate(rows, 1):
+            batch = row.batch if isinstance(row.batch, int) or row.batch == "max" else f"as in '{row.batch}'"
+            print(f"{i:2d}. [{row.preset}] {row.name}  (batch: {batch})\n    {' '.join(row.overrides)}")
+        return 0
+
+    # ---- first lines: what runs, on what, with which data --------------------------------------------------------
+    gpu = _gpu_name() if cuda else None
+    where = f"CUDA ({gpu or 'GPU'})" if cuda else "CPU only: MFU is n/a (no CUDA)"
+    print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "
+          "each row in a fresh process", flush=True)
+    if not cuda and table != "quick":
+        print(f"bench: WARNING: table '{table}' on a CPU will take a long time; --table quick is sized for CPUs")
+    built = ensure_dataset(data_dir, beton, args.num_synthetic or (50_000 if cuda else 4096))
+    from ffcv_ddpm.data import dataset_info
+
+    try:
+        dataset = dataset_info(beton)
+    except (FileNotFoundError, ValueError) as e:
+        raise BenchError(str(e)) from None
+    print(f"bench: data {beton}: {dataset['num_images']} images, source {dataset['source']}"
+          + (" -- SYNTHETIC: speed only, not a training result" if dataset["synthetic"] else "")
+          + (f"; baseline loader reads PNGs from {png_dir}" if use_png else ""), flush=True)
+    data_overrides = (f"data.path={beton}",)
+
+    # ---- FLOPs per image, once per model (meta device, no GPU) ------------------------------------------------------
+    flops = {}
+    for preset in dict.fromkeys(r.preset for r in rows):
+        flops[preset] = {"train": train_flops_per_image(PRESETS[preset]),
+                         "published": published_style_flops_per_image(PRESETS[preset])}
+        f = flops[preset]
+        print(f"bench: {preset}: {f['train']['fwd_bwd'] / 1e9:.3f} GFLOP/img fwd+bwd (FlopCounterMode), "
+              f"{f['published']['fwd_bwd'] / 1e9:.3f} counted the published way", flush=True)
+
+    result = {
+        "schema": 1,
+        "table": table,
+        "command": ["python", "-m", "benchmarks.bench", *argv],
+        "device_name": gpu,
+        "dataset": dataset,
+        "dataset_built_now": built,
+        "settings": {"iters": iters, "warmup": warmup, "max_batch": args.max_batch,
+                     "mem_fraction": args.mem_fraction, "batch_ladder": list(BATCH_LADDER),
+                     "baseline_loader": baseline_loader[0].split("=")[1]},
+        "flops": flops,
+        "measured_peaks": None,
+        "rows": [],
+        "sampling": None,
+    }
+
+    if args.measure_peak:
+        if not cuda:
+            print("bench: --measure-peak needs CUDA; skipped")
+        else:
+            got = spawn("peaks", {}, args.row_timeout)
+            result["measured_peaks"] = got.get("result")
+            print(f"bench: measured peaks (TFLOP/s): {got.get('result') or got.get('error')}", flush=True)
+
+    # ---- the rows --------------------------------------------------------------------------------------------------
+    resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
+    cap = min(args.max_batch, dataset["num_images"])
+    for i, row in enumerate(rows, 1):
+        overrides = [*row.overrides, *data_overrides]
+        entry = {"name": row.name, "group": row.preset, "preset": row.preset, "baseline": row.baseline,
+                 "overrides": overrides, "batch_rule": row.batch, "status": None, "raw": None}
+        batch_note, probe = None, None
+        if isinstance(row.batch, int):
+            batch = min(row.batch, dataset["num_images"])
+        elif row.batch == "max":
+            if cuda:
+                probe = spawn("probe", {"preset": row.preset, "overrides": overrides, "cap": cap,
+                                        "mem_fraction": args.mem_fraction}, args.row_timeout)
+                batch = probe.get("result", {}).get("batch_size")
+                batch_note = (f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory "
+                              f"(eager probe, cap {cap})")
+            else:
+                batch = resolved.get((row.preset, rows[i - 2].name)) if i > 1 else None
+                batch_note = "no CUDA: batch not probed"
+        else:
+            batch = resolved.get((row.preset, row.batch))
+        print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {row.name} (batch {batch})", flush=True)
+        if batch is None:
+            entry.update(status="failed", error=(probe or {}).get("error") or "no batch size (its source row failed)")
+        else:
+            got = spawn("row", {"preset": row.preset, "overrides": overrides, "batch_size": batch,
+                                "iters": iters, "warmup": warmup}, args.row_timeout)
+            entry.update(status=got["status"], error=got.get("error"), raw=got.get("result"))
+            if entry["raw"] is not None:
+                entry["raw"]["batch_note"] = batch_note
+                entry["raw"]["batch_probe"] = (probe or {}).get("result")
+                entry["config"] = entry["raw"].pop("config")
+                resolved[(row.preset, row.name)] = batch
+                result["device_name"] = result["device_name"] or entry["raw"]["device_name"]
+        result["rows"].append(entry)
+        if entry["status"] == "ok":
+            print(f"bench:   {_summary_line(row, entry['raw'], flops[row.preset], result['device_name'])}", flush=True)
+        else:
+            print(f"bench:   FAILED: {entry['error']}", flush=True)
+
+    if args.sampling:
+        preset = "ddpm-cifar10" if cuda else "tiny"
+        n = args.sample_n or (1024 if cuda else 4)
+        print(f"\nbench: sampling throughput, {preset}, bf16, {n} images", flush=True)
+        got = spawn("sampling", {"preset": preset, "n": n, "ddim_steps": args.ddim_steps}, args.row_timeout)
+        result["sampling"] = got.get("result")
+        if got["status"] != "ok":
+            print(f"bench:   sampling FAILED: {got['error']}")
+        for s in result["sampling"] or []:
+            print(f"bench:   {s['sampler']} {s['steps']} steps: {s['img_per_s']:,.1f} img/s ({s['seconds']:.1f} s)")
+
+    # ---- write ---------------------------------------------------------------------------------------------------
+    result["environment"] = environment()  # last: in this process it would otherwise hold a CUDA context all along
+    result["card"] = card_slug(result["device_name"]) if cuda else "cpu"
+    out_dir = args.out or REPO / "benchmarks" / "results" / result["card"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{args.name or table}.json"
+    from benchmarks.report import add_metrics
+
+    add_metrics(result)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    md, png = write_reports(result, json_path)
+    failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
+    print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"
+          + (f"; {len(failed)} row(s) FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed and len(failed) == len(result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Turn a benchmark JSON into its Markdown table and PNG chart; every derived figure is recomputed from raw ones.
+
+    python -m benchmarks.report benchmarks/results/h100-sxm/small.json     # writes small.md and small.png beside it
+
+Metrics are computed here, not in the timing loop, so a committed JSON can be re-rendered (or a formula fixed)
+without rerunning the GPU. Definitions (also in benchmarks/README.md):
+- ms/iter: median and p10/p90 of the per-iteration CUDA-event times; an iteration includes waiting for its batch.
+- img/s: batch x iterations / total timed seconds (the sum, not the median: stalls count).
+- data wait: sum of wait times / sum of iteration times (the share of GPU time spent idle waiting for the loader).
+- TFLOP/s: model FLOPs per image (FlopCounterMode, forward+backward, attention included) x img/s.
+- MFU: TFLOP/s / the card's dense peak for the precision the row ran at (fp32 with TF32 allowed -> TF32 peak).
+- MFU (published count): the same, but with the published table's FLOPs (torchinfo mult-adds x 2 x 3, no attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.peaks import lookup_peak
+
+# The published A100 table (small UNet; torchinfo mult-adds x 2 x 3, attention counted as zero; the fp32 rows are
+# divided by the FP32 peak 19.5 although PyTorch lets cuDNN run fp32 convolutions on TF32 tensor cores by default).
+PUBLISHED = {
+    "card": "A100",
+    "preset": "annotated-small",
+    "rows": [
+        # (row, batch, TFLOP/s as published, speedup, precision whose peak the published MFU used, MFU as published)
+        ("baseline (fp32)", 128, 2.096, 1.00, "fp32", 0.1075),
+        ("scale up batch size", 320, 2.404, 1.15, "fp32", 0.1233),
+        ("torch.compile", 320, 3.24, 1.54, "fp32", 0.1662),
+        ("PyTorch SDPA", 2048, 6.06, 2.89, "fp32", 0.3108),
+        ("mixed precision (fp16)", 3072, 16.47, 7.86, "fp16", 0.0528),
+        ("FFCV data loading", 3072, 16.70, 7.97, "fp16", 0.0535),
+    ],
+}
+
+
+# ---------------------------------------------------------------------------------------------------- metrics
+
+
+def row_metrics(row: dict, flops: dict | None, device_name: str | None, measured_peaks: dict | None) -> dict:
+    """Derived figures of one finished row from its raw timings; `flops` is the row's model entry of result["flops"]."""
+    raw = row["raw"]
+    iter_ms = np.asarray(raw["iter_ms"], dtype=np.float64)
+    wait_ms = np.asarray(raw["wait_ms"], dtype=np.float64)
+    total_s = iter_ms.sum() / 1e3
+    img_s = raw["batch_size"] * len(iter_ms) / total_s
+    peak = lookup_peak(device_name, raw["precision"], raw.get("tf32_matmul", False), raw.get("tf32_cudnn", False))
+    m = {
+        "iters": int(len(iter_ms)),
+        "ms_median": float(np.median(iter_ms)),
+        "ms_p10": float(np.percentile(iter_ms, 10)),
+        "ms_p90": float(np.percentile(iter_ms, 90)),
+        "img_per_s": float(img_s),
+        "data_wait_share": float(wait_ms.sum() / iter_ms.sum()),
+        "peak_precision": peak.precision,
+        "peak_tflops": peak.tflops,
+        "peak_note": peak.note,
+    }
+    if flops is not None:
+        ours, published = flops["train"]["fwd_bwd"], flops["published"]["fwd_bwd"]
+        tflops = ours * img_s / 1e12
+        m.update(
+            flops_per_img=ours,
+            published_flops_per_img=published,
+            tflops=tflops,
+            published_tflops=published * img_s / 1e12,
+            mfu=tflops / peak.tflops if peak.tflops else None,
+            published_mfu=published * img_s / 1e12 / peak.tflops if peak.tflops else None,
+        )
+        measured = (measured_peaks or {}).get(peak.precision)
+        m["measured_peak_tflops"] = measured
+        m["mfu_measured_peak"] = tflops / measured if measured else None
+    return m
+
+
+def add_metrics(result: dict) -> dict:
+    """Fills each ok row's "metrics" and its speedup over its group's baseline row (same run, same card)."""
+    baselines = {}
+    for row in result["rows"]:
+        if row.get("status") != "ok":
+            row["metrics"] = None
+            continue
+        row["metrics"] = row_metrics(
+            row, result.get("flops", {}).get(row["preset"]), result.get("device_name"), result.get("measured_peaks")
+        )
+        if row.get("baseline"):
+            baselines[row["group"]] = row["metrics"]["img_per_s"]
+    for row in result["rows"]:
+        if row["metrics"] is not None:
+            base = baselines.get(row["group"])
+            row["metrics"]["speedup"] = row["metrics"]["img_per_s"] / base if base else None
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- Markdown
+
+
+def _num(x: float) -> str:
+    # Three significant figures for small values (CPU rows run at a few img/s), thousands separators for large.
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _mfu(x: float | None, note: str) -> str:
+    # Without CUDA (or for an unknown card) the reason is the cell: "n/a (no CUDA)".
+    return _pct(x) if x is not None else ("n/a (no CUDA)" if note == "n/a (no CUDA)" else "n/a")
+
+
+def _header(result: dict) -> list[str]:
+    env = result["environment"]
+    ds = result.get("dataset") or {}
+    commit = env.get("commit") or "unknown"
+    commit = commit[:10] + (" (dirty)" if env.get("dirty") else "")
+    gpu = result.get("device_name") or f"CPU only ({env.get('cpu_count')} cores)"
+    source = ds.get("source") or "unknown"
+    synthetic = ds.get("synthetic")
+    data_line = f"{ds.get('path')} ({ds.get('num_images')} images, source: {source}"
+    data_line += ", SYNTHETIC images: throughput only, not a training result)" if synthetic else ")"
+    if result.get("dataset_built_now"):
+        data_line += "; built by this run because no .beton was present"
+    lines = [
+        f"- Device: {gpu}; torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
+        f"Python {env.get('python')}",
+        f"- Commit {commit}, {env.get('date_utc')}; command: `{' '.join(result.get('command', []))}`",
+        f"- Data: {data_line}",
+        f"- Timing: {result['settings']['warmup']} warm-up iterations (plus the first, compiling, step), then "
+        f"{result['settings']['iters']} timed iterations per row, each row in a fresh process; the wait for data is "
+        "inside every timed iteration.",
+    ]
+    for preset, f in result.get("flops", {}).items():
+        tr, pub = f["train"], f["published"]
+        cat = tr["fwd_by_category"]
+        lines.append(
+            f"- FLOPs/img {preset}: {tr['fwd_bwd'] / 1e9:.2f} GFLOP fwd+bwd (FlopCounterMode; forward "
+            f"{tr['fwd'] / 1e9:.2f} = conv {cat['conv'] / 1e9:.2f} + linear {cat['linear'] / 1e9:.3f} + attention "
+            f"{cat['attention'] / 1e9:.2f}); published-style count {pub['fwd_bwd'] / 1e9:.2f} GFLOP "
+            f"({tr['fwd_bwd'] / pub['fwd_bwd']:.2f}x less)"
+        )
+    peaks = result.get("measured_peaks")
+    if peaks:
+        lines.append("- Measured matmul peaks (TFLOP/s): " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
+    return lines
+
+
+_COLUMNS = (
+    "row", "batch", "ms/iter median (p10-p90)", "img/s", "speedup", "data wait", "first step s", "TFLOP/s",
+    "MFU", "MFU (published count)", "peak mem GiB", "notes",
+)
+
+
+def _row_cells(row: dict, measured: bool) -> list[str]:
+    raw, m = row.get("raw") or {}, row["metrics"]
+    batch = str(raw.get("batch_size", "?"))
+    if m is None:
+        return [row["name"], batch] + ["-"] * (len(_COLUMNS) - 3 + measured) + [f"FAILED: {row.get('error', '')}"]
+    mem = raw.get("peak_mem_bytes")
+    notes = [raw["precision"] + (f" vs {m['peak_precision']} peak" if m["peak_tflops"] else "")]
+    if raw.get("sdpa_backend"):
+        notes.append(f"attention: {raw['sdpa_backend']}")
+    if raw.get("batch_note"):
+        notes.append(raw["batch_note"])
+    cells = [
+        row["name"],
+        batch,
+        f"{m['ms_median']:.1f} ({m['ms_p10']:.1f}-{m['ms_p90']:.1f})",
+        _num(m["img_per_s"]),
+        f"{m['speedup']:.2f}x" if m.get("speedup") else "-",
+        _pct(m["data_wait_share"]),
+        f"{raw['first_step_s']:.1f}",
+        _num(m["tflops"]) if "tflops" in m else "-",
+        _mfu(m.get("mfu"), m["peak_note"]),
+    ]
+    if measured:
+        cells.append(_mfu(m.get("mfu_measured_peak"), m["peak_note"]))
+    cells += [
+        _mfu(m.get("published_mfu"), m["peak_note"]),
+        f"{mem / 2**30:.1f}" if mem is not None else "n/a",
+        "; ".join(notes),
+    ]
+    return cells
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def published_lines(result: dict) -> list[str]:
+    """The published A100 table beside a recount with the FLOPs and peaks used here."""
+    f = result.get("flops", {}).get(PUBLISHED["preset"])
+    ratio = f["train"]["fwd_bwd"] / f["published"]["fwd_bwd"] if f else None
+    header = ["row (published, A100)", "batch", "TFLOP/s as published", "speedup", "MFU as published"]
+    if ratio:
+        header += ["TFLOP/s recounted", "MFU recounted"]
+    rows = []
+    for name, batch, tflops, speedup, precision, mfu in PUBLISHED["rows"]:
+        cells = [name, str(batch), f"{tflops:.2f}", f"{speedup:.2f}x", f"{100 * mfu:.2f}% (of {precision})"]
+        if ratio:
+            # fp32 rows ran their convolutions on TF32 tensor cores (PyTorch's cuDNN default), so their peak is TF32.
+            peak = lookup_peak("A100", precision, tf32_cudnn=True)
+            cells += [f"{tflops * ratio:.2f}", f"{100 * tflops * ratio / peak.tflops:.2f}% (of {peak.precision})"]
+        rows.append(cells)
+    lines = [f"### The published table ({PUBLISHED['card']}, {PUBLISHED['preset']})", ""]
+    if ratio:
+        lines += [
+            f"Recounted: TFLOP/s x {ratio:.2f} (FlopCounterMode FLOPs / the published torchinfo count, which left "
+            "out attention), divided by the dense peak of the precision the row really ran at (fp32 rows: TF32, "
+            "because cuDNN used TF32 for fp32 convolutions by default).",
+            "",
+        ]
+    return lines + _table(header, rows)
+
+
+def render_markdown(result: dict) -> str:
+    """The whole report: provenance header, one table per model, sampling throughput, the published table."""
+    measured = bool(result.get("measured_peaks"))
+    columns = list(_COLUMNS)
+    if measured:
+        columns.insert(columns.index("MFU") + 1, "MFU (measured peak)")
+    lines = [f"# Training-step benchmark: {result['table']} table on {result.get('card', '?')}", ""]
+    lines += _header(result) + [""]
+    groups: dict[str, list[dict]] = {}
+    for row in result["rows"]:
+        groups.setdefault(row["group"], []).append(row)
+    for group, rows in groups.items():
+        lines += [f"## {group}", ""] + _table(columns, [_row_cells(r, measured) for r in rows]) + [""]
+        lines += [f"Overrides per row (on top of `load_config({rows[0]['preset']!r})`):", ""]
+        lines += [f"- {r['name']}: `{' '.join(r['overrides'])}`" for r in rows] + [""]
+    if result.get("sampling"):
+        lines += ["## Sampling throughput", ""]
+        srows = [
+            [s["name"], s["sampler"], str(s["steps"]), str(s["n"]), f"{s['seconds']:.2f}", _num(s["img_per_s"]),
+             _num(s["tflops"]) if s.get("tflops") is not None else "-"]
+            for s in result["sampling"]
+        ]
+        lines += _table(["model", "sampler", "steps", "images", "seconds", "img/s", "TFLOP/s"], srows) + [""]
+    lines += published_lines(result) + [""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- chart
+
+
+def plot(result: dict, path: Path) -> None:
+    """Horizontal bars of img/s per row, one panel per model, each bar labelled with its MFU (or 'n/a')."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[dict]] = {}
+    for row in result["rows"]:
+        groups.setdefault(row["group"], []).append(row)
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 1.0 + 0.45 * len(result["rows"]) + len(groups)),
+                             squeeze=False)
+    for ax, (group, rows) in zip(axes[:, 0], groups.items()):
+        names = [r["name"] for r in rows][::-1]
+        values = [r["metrics"]["img_per_s"] if r["metrics"] else 0.0 for r in rows][::-1]
+        bars = ax.barh(names, values, color="#4c72b0")
+        for bar, r in zip(bars, rows[::-1]):
+            m = r["metrics"]
+            label = "FAILED" if m is None else f" {_num(m['img_per_s'])} img/s, MFU {_mfu(m.get('mfu'), m['peak_note'])}"
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
+        ax.set_title(group, fontsize=10)
+        ax.set_xlabel("images / s (training step, data loading in the loop)")
+        ax.set_xlim(0, max(values + [1.0]) * 1.45)  # room for the labels
+    env = result["environment"]
+    fig.suptitle(f"{result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "
+                 f"{(env.get('commit') or 'no git')[:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
+    """(Markdown, PNG) written beside the JSON, metrics recomputed first."""
+    add_metrics(result)
+    md, png = json_path.with_suffix(".md"), json_path.with_suffix(".png")
+    md.write_text(render_markdown(result))
+    plot(result, png)
+    return md, png
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
+    p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
+    args = p.parse_args(argv)
+    try:
+        result = json.loads(args.json.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"report: error: cannot read {args.json}: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(result, dict) or "rows" not in result or "environment" not in result:
+        print(f"report: error: {args.json} is not a benchmarks.bench result (no 'rows'/'environment')", file=sys.stderr)
+        return 2
+    md, png = write_reports(result, args.json)
+    print(f"report: wrote {md} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
