@@ -36,13 +36,15 @@ class _Arrays:
 
 def write_dataset(folder: Path, n: int = N, height: int = H, width: int = W, seed: int = 0,
                   formats=("raw",)) -> tuple[np.ndarray, np.ndarray]:
-    """Random non-zero images: <folder>/train_<fmt>.beton for each format, and the Kaggle PNG layout in png/."""
+    """Random non-zero images in the layout of `make dataset`: <folder>/cifar10_train_<fmt>.beton for each format,
+    and the Kaggle PNG layout in <folder>/png (train/1.png.. + trainLabels.csv)."""
     rng = np.random.default_rng(seed)
     images = rng.integers(1, 256, (n, height, width, 3), dtype=np.uint8)
     labels = rng.integers(0, 10, n).astype(np.int64)
     for fmt in formats:
-        DatasetWriter(str(folder / f"train_{fmt}.beton"), {"image": RGBImageField(write_mode=fmt), "label": IntField()},
-                      num_workers=1).from_indexed_dataset(_Arrays(images, labels))
+        fields = {"image": RGBImageField(write_mode=fmt), "label": IntField()}
+        DatasetWriter(str(folder / f"cifar10_train_{fmt}.beton"), fields, num_workers=1).from_indexed_dataset(
+            _Arrays(images, labels))
     (folder / "png" / "train").mkdir(parents=True)
     for i, image in enumerate(images):
         Image.fromarray(image).save(folder / "png" / "train" / f"{i + 1}.png")
@@ -62,7 +64,8 @@ def data(tmp_path_factory):
 
 def config(folder, loader, **kw) -> DataConfig:
     kw = {"batch_size": 32, "num_workers": 0 if loader.startswith("torch") else 1, "drop_last": False, **kw}
-    return DataConfig(path=str(folder / "train_raw.beton"), loader=loader, png_dir=str(folder / "png" / "train"), **kw)
+    return DataConfig(path=str(folder / "cifar10_train_raw.beton"), loader=loader,
+                      png_dir=str(folder / "png" / "train"), **kw)
 
 
 def one_epoch(loader) -> tuple[np.ndarray, np.ndarray]:
@@ -182,7 +185,7 @@ def test_prepare_batch_compiles_without_graph_breaks():
 # ---- bad input -----------------------------------------------------------------------------------------------------
 
 def test_check_beton_says_what_is_wrong(data, tmp_path):
-    check_beton(data[0] / "train_raw.beton")
+    check_beton(data[0] / "cifar10_train_raw.beton")
     with pytest.raises(FileNotFoundError, match="make dataset"):
         check_beton(tmp_path / "missing.beton")
     with pytest.raises(ValueError, match="not a file"):
@@ -201,10 +204,10 @@ def test_check_beton_says_what_is_wrong(data, tmp_path):
 
 
 def test_dataset_info_reads_the_manifest(data, tmp_path):
-    info = dataset_info(data[0] / "train_raw.beton")
+    info = dataset_info(data[0] / "cifar10_train_raw.beton")
     assert (info["num_images"], info["height"], info["width"], info["synthetic"]) == (N, H, W, None)
     beton = tmp_path / "cifar10_train_raw.beton"
-    beton.write_bytes((data[0] / "train_raw.beton").read_bytes())
+    beton.write_bytes((data[0] / "cifar10_train_raw.beton").read_bytes())
     (tmp_path / "manifest.json").write_text(json.dumps({"source": "synthetic", "synthetic": True}))
     info = dataset_info(beton)
     assert (info["source"], info["synthetic"]) == ("synthetic", True)
