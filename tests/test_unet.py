@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ffcv_ddpm.unet import (
     PRESETS,
@@ -28,6 +29,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# Ops that copy a device value to the host: each one is a GPU sync (.item(), float(t), bool(t), boolean masks).
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def host_syncs(fn, *args, **kwargs) -> list[str]:
+    """The host-syncing ops fn runs (checked on CPU by op name, so it holds on the GPU too)."""
+    with _OpRecorder() as rec:
+        fn(*args, **kwargs)
+    return [op for op in rec.ops if op in SYNC_OPS]
 
 
 # A tiny annotated-arch config, so both network families are exercised at CPU-test size.
@@ -181,13 +203,26 @@ def test_channels_last_same_result_and_layout(name):
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_compiles_as_one_graph(name):
-    """fullgraph=True fails on any graph break (host sync, data-dependent branch); the eager backend keeps the
-    check fast on CPU (no code generation), the tracing is the same as inductor's."""
+    """fullgraph=True fails on any graph break (data-dependent Python branching, untraceable calls); the eager
+    backend keeps the check fast on CPU (no code generation), the tracing is the same as inductor's."""
     torch._dynamo.reset()
     model = build_model(TINY_CONFIGS[name])
     x, t = inputs(2)
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x, t), model(x, t))
+
+
+def test_host_sync_detector_sees_item():
+    x = torch.ones(3)
+    assert host_syncs(lambda: x.sum().item()) == ["_local_scalar_dense"]
+    assert "nonzero" in host_syncs(lambda: x.nonzero())
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_forward_backward_without_host_sync(name):
+    model = build_model(dataclasses.replace(TINY_CONFIGS[name], num_classes=10))
+    x, t = inputs(2)
+    assert host_syncs(lambda: model(x, t, torch.tensor([1, 2])).square().mean().backward()) == []
 
 
 def test_pixel_unshuffle_downsample_keeps_neighbourhoods():
