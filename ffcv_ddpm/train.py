@@ -2,6 +2,7 @@
 
     python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data/cifar10_train_raw.beton data.batch_size=256
     python -m ffcv_ddpm.train --resume runs/00003-ddpm-cifar10        # continue from the newest complete checkpoint
+    torchrun --nproc_per_node 4 -m ffcv_ddpm.train --preset ddpm-cifar10 --data ...   # DDP, batch_size per GPU
 
 Every run writes runs/<id>-<preset>[-desc]/: config.json, environment.json, stats.jsonl (one line per log interval),
 samples-*.png and ckpt-*.pt (atomic, newest K kept).
@@ -22,6 +23,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ffcv_ddpm.checkpoint import load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, load_config
@@ -33,10 +36,38 @@ from ffcv_ddpm.timing import StepTimer
 from ffcv_ddpm.unet import build_model
 
 AMP_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
+# symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class TrainingError(Exception):
     """A fault the user should read as a message, not a traceback (bad input, NaN loss, out of memory)."""
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPU); a plain single process otherwise."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return Dist()
+    if os.environ.get("FFCV_DDPM_ALLOW_NVLS") != "1":
+        os.environ.update(NO_MULTICAST)
+    ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(ddp.local_rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return ddp
 
 
 @dataclass
@@ -51,10 +82,12 @@ class Trainer:
     step: Callable                  # step(images_u8, labels, lr) -> loss tensor; one full iteration, no host sync
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, ddp: Dist = Dist()) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ddp.local_rank)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainingError(f"device {name!r} asked for, but this machine has no CUDA GPU; use train.device=cpu")
     return device
@@ -100,7 +133,7 @@ def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig
     return step
 
 
-def build(cfg: RunConfig, device: torch.device) -> Trainer:
+def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
     torch.manual_seed(cfg.train.seed)
@@ -113,10 +146,17 @@ def build(cfg: RunConfig, device: torch.device) -> Trainer:
                                   weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-    compiled = model
+    net = model
+    if ddp.world_size > 1:
+        # Gradients as views into the all-reduce buckets: no copy in or out of them.
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True)
     if cfg.train.compile and device.type == "cuda":
-        compiled = torch.compile(model, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
-    step = make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg)
+        # Compiling the DDP wrapper lets dynamo split the graph at bucket boundaries (all-reduce overlaps backward).
+        net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
+    # Each rank draws its own noise and timesteps (the weights above were seeded alike).
+    torch.manual_seed(cfg.train.seed + ddp.rank)
+    step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg)
     return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)
 
 
@@ -187,27 +227,33 @@ class StopRequest:
             signal.signal(s, h)
 
 
-def train(cfg: RunConfig) -> Path:
+def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
     # ---- set-up ---------------------------------------------------------------------------------------------
-    device = resolve_device(cfg.train.device)
+    device = resolve_device(cfg.train.device, ddp)
     check_beton(cfg.data.path)  # before any model is built or compiled
-    if cfg.train.compile and device.type != "cuda":
+    if cfg.train.compile and device.type != "cuda" and ddp.main:
         print("train: torch.compile is used on CUDA only; running eagerly on CPU")
     cfg.train.ckpt_every = math.ceil(cfg.train.ckpt_every / cfg.train.log_every) * cfg.train.log_every
-    run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
-    print(f"train: run folder {run_dir}\n{cfg.summary()}")
-    write_json(run_dir / "config.json", cfg.to_dict())
-    write_json(run_dir / "environment.json", {**environment(), "dataset": dataset_info(cfg.data.path)})
+    run_dir = None
+    if ddp.main:
+        run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
+        print(f"train: run folder {run_dir}, {ddp.world_size} process(es)\n{cfg.summary()}")
+        write_json(run_dir / "config.json", cfg.to_dict())
+        write_json(run_dir / "environment.json", {**environment(), "world_size": ddp.world_size,
+                                                  "multicast_env": {k: os.environ.get(k) for k in NO_MULTICAST},
+                                                  "dataset": dataset_info(cfg.data.path)})
+    if ddp.world_size > 1:
+        shared = [str(run_dir) if run_dir else None]
+        dist.broadcast_object_list(shared, src=0)
+        run_dir = Path(shared[0])
 
     # ---- data -----------------------------------------------------------------------------------------------
-    loader = make_loader(cfg.data, device)
+    loader = make_loader(cfg.data, device, rank=ddp.rank, world_size=ddp.world_size)
     steps_per_epoch = len(loader)
-    if steps_per_epoch == 0:
-        raise TrainingError(f"{cfg.data.path} holds fewer images ({loader.num_images}) than one batch "
-                            f"({cfg.data.batch_size}); lower data.batch_size")
+    global_batch = cfg.data.batch_size * ddp.world_size
 
     # ---- model, optimizer -----------------------------------------------------------------------------------
-    t = build(cfg, device)
+    t = build(cfg, device, ddp)
     start_step = 0
     if cfg.train.resume:
         state, path = load_latest(run_dir, map_location=device)
@@ -217,17 +263,24 @@ def train(cfg: RunConfig) -> Path:
             t.scaler.load_state_dict(state["scaler"])
             if t.ema is not None:
                 t.ema.load_state_dict(state["ema"])
-            set_rng_state(state["rng"], device)
             start_step = state["step"]
-            print(f"train: resumed from {path} at step {start_step}")
+            if ddp.main:
+                set_rng_state(state["rng"], device)  # bit-exact for one process; other ranks reseed below
+            else:
+                torch.manual_seed(cfg.train.seed + ddp.rank + 1_000_003 * start_step)
+            log(ddp, f"train: resumed from {path} at step {start_step}")
         else:
-            print(f"train: {run_dir} has no checkpoint yet; starting at step 0")
+            log(ddp, f"train: {run_dir} has no checkpoint yet; starting at step 0")
 
     def checkpoint(step: int) -> None:
+        if ddp.world_size > 1:
+            check_ranks_agree(t.model, step)
+        if not ddp.main:
+            return
         state = {"step": step, "epoch": step // steps_per_epoch, "batch_in_epoch": step % steps_per_epoch,
                  "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                  "scaler": t.scaler.state_dict(), "ema": t.ema.state_dict() if t.ema is not None else None,
-                 "rng": rng_state(device), "config": cfg.to_dict()}
+                 "rng": rng_state(device), "config": cfg.to_dict(), "world_size": ddp.world_size}
         save_checkpoint(state, run_dir, step, cfg.train.keep_ckpts)
 
     def batches(step: int):
@@ -251,7 +304,7 @@ def train(cfg: RunConfig) -> Path:
         torch.cuda.reset_peak_memory_stats(device)
     data = batches(start_step)
     progress = None
-    if cfg.train.progress:
+    if cfg.train.progress and ddp.main:
         from tqdm import tqdm
         progress = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
     t_start, window = time.perf_counter(), 0
@@ -273,45 +326,69 @@ def train(cfg: RunConfig) -> Path:
             window += 1
             if progress is not None:
                 progress.update()
-            if step % cfg.train.log_every and step < cfg.train.steps and stop.signal is None:
+            # One process stops at once on a signal; ranks of a process group agree on it at the next interval.
+            stop_now = stop.signal is not None and ddp.world_size == 1
+            if step % cfg.train.log_every and step < cfg.train.steps and not stop_now:
                 continue
 
             # ---- log interval: the only host-device syncs ------------------------------------------------------
             timer.stop()
             iter_ms, wait_ms = timer.read()
-            bad = int(first_bad)
+            flags = torch.stack([first_bad, torch.tensor(int(stop.signal is not None), device=device)])
+            if ddp.world_size > 1:
+                dist.all_reduce(loss_sum)
+                loss_sum /= ddp.world_size
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            bad, stop_now = int(flags[0]), bool(flags[1])
             if bad >= 0:
                 # Checkpoints are written only after this check, so every one on disk predates the bad step.
                 raise TrainingError(f"non-finite loss at step {bad}; stopping. The checkpoints in {run_dir} are "
                                     f"all from before it; lower train.lr or check the data")
             stats = {
                 "step": step, "loss": float(loss_sum) / window, "lr": lr_at(step - 1, cfg.train),
-                "img_per_s": window * cfg.data.batch_size / (sum(iter_ms) / 1e3),
+                "img_per_s": window * global_batch / (sum(iter_ms) / 1e3),
                 "iter_ms_median": float(np.median(iter_ms)), "data_wait_ms": float(np.mean(wait_ms)),
                 "data_wait_share": sum(wait_ms) / sum(iter_ms),
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                 "wall_s": time.perf_counter() - t_start,
             }
-            with open(run_dir / "stats.jsonl", "a") as f:
-                f.write(json.dumps(stats) + "\n")
+            if ddp.main:
+                with open(run_dir / "stats.jsonl", "a") as f:
+                    f.write(json.dumps(stats) + "\n")
             if progress is not None:
                 progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}")
             loss_sum.zero_()
             window = 0
 
             # ---- checkpoint, sample ----------------------------------------------------------------------------
-            if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stop.signal is not None:
+            if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stop_now:
                 checkpoint(step)
-            if cfg.train.sample_every and (step % cfg.train.sample_every == 0 or step == cfg.train.steps):
+            if ddp.main and cfg.train.sample_every and (step % cfg.train.sample_every == 0
+                                                        or step == cfg.train.steps):
                 sample_grid(t, cfg, run_dir / f"samples-{step:08d}.png")
-            if stop.signal is not None:
-                print(f"\ntrain: {stop.signal} received; checkpoint written at step {step}, exiting")
+            if stop_now:
+                log(ddp, f"\ntrain: {stop.signal or 'stop'} received; checkpoint written at step {step}, exiting")
                 break
     finally:
         stop.restore()
         if progress is not None:
             progress.close()
     return run_dir
+
+
+def log(ddp: Dist, msg: str) -> None:
+    if ddp.main:
+        print(msg, flush=True)
+
+
+def check_ranks_agree(model: torch.nn.Module, step: int) -> None:
+    """DDP keeps replicas equal by construction; a checksum per rank at each checkpoint proves it did."""
+    checksum = torch.stack([torch.cat([p.detach().double().sum().view(1), p.detach().double().square().sum().view(1)])
+                            for p in model.parameters()]).flatten()
+    gathered = [torch.empty_like(checksum) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, checksum)
+    if not all(torch.equal(g, gathered[0]) for g in gathered):
+        raise TrainingError(f"step {step}: model replicas differ between ranks; refusing to checkpoint")
 
 
 def oom_message(cfg: RunConfig, device: torch.device, t: Trainer) -> str:
@@ -364,15 +441,20 @@ def parse_args(argv: list[str]) -> RunConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    ddp = Dist()
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        train(cfg)
+        ddp = init_distributed()
+        train(cfg, ddp)
     except (TrainingError, ValueError, FileNotFoundError) as e:
-        print(f"train: error: {e}", file=sys.stderr)
+        print(f"train: error{f' (rank {ddp.rank})' if ddp.world_size > 1 else ''}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("train: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
