@@ -433,7 +433,8 @@ def resolve_rows(rows: list[Row], selected: str | None) -> list[Row]:
     for i, row in enumerate(rows, 1):
         for token in selected.split(","):
             token = token.strip()
-            if token and (token == str(i) or token.lower() in row.name.lower()):
+            # A number is an index only: "3" must not pick every row whose name says "fp32".
+            if token and (token == str(i) if token.isdigit() else token.lower() in row.name.lower()):
                 keep.append(row)
                 break
     if not keep:

@@ -1,0 +1,130 @@
+"""The benchmark harness on CPU: row definitions, metrics and rendering from a hand-made result, an end-to-end run."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench import STACK, merge, quick_rows, table_rows
+from benchmarks.report import add_metrics, render_markdown, write_reports
+from ffcv_ddpm.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_rows_are_complete_configs_that_load():
+    rows = table_rows("annotated-small", ("data.loader=torch-memory",))
+    assert rows[0].baseline and sum(r.baseline for r in rows) == 1
+    names = [r.name for r in rows]
+    for row in rows:
+        keys = [o.split("=")[0] for o in row.overrides]
+        assert len(keys) == len(set(keys)), f"{row.name}: a key appears twice"
+        # A batch rule is a number, "max", or an EARLIER row's name.
+        assert isinstance(row.batch, int) or row.batch == "max" or names.index(row.batch) < names.index(row.name)
+        load_config(row.preset, list(row.overrides))  # every row is a valid RunConfig
+    cfg = {r.name: load_config(r.preset, list(r.overrides)) for r in rows}
+    base, last = cfg[STACK[0][0]], cfg[STACK[-1][0]]
+    assert (base.train.precision, base.train.compile, base.model.attn_impl) == ("fp32", False, "math")
+    assert (last.train.precision, last.train.compile, last.model.attn_impl, last.data.loader) == (
+        "bf16", True, "sdpa", "gpu")
+    assert cfg["fp16 + GradScaler (instead of bf16)"].data.loader == "torch-memory"  # a variant, not stacked
+    assert names.index("fp16 + GradScaler (instead of bf16)") == names.index("+ bf16 autocast") + 1
+
+
+def test_merge_keeps_one_entry_per_key_last_wins():
+    assert merge(("a=1", "b=2"), ("a=3",)) == ("a=3", "b=2")
+
+
+def test_quick_rows_stay_small():
+    rows = quick_rows(("data.loader=torch-memory",))
+    assert {r.preset for r in rows} == {"tiny", "annotated-small"}
+    assert all(isinstance(r.batch, int) and r.batch <= 32 for r in rows)
+
+
+def _fake_result(device_name):
+    """A result as bench writes it, with round numbers: 10 iterations of 100 ms at batch 1000 -> 10,000 img/s."""
+    flops = {"train": {"fwd": 2e9, "fwd_bwd": 6e9, "fwd_by_category": {"conv": 1e9, "linear": 0.0, "attention": 1e9},
+                       "params": 1},
+             "published": {"mult_adds_fwd": 0.5e9, "fwd_bwd": 3e9}}
+
+    def row(name, ms, baseline=False, precision="bf16", status="ok"):
+        raw = {"batch_size": 1000, "precision": precision, "tf32_matmul": False, "tf32_cudnn": False,
+               "iter_ms": [ms] * 10, "wait_ms": [ms / 10] * 10, "first_step_s": 1.0, "peak_mem_bytes": 2**30,
+               "sdpa_backend": "SDPA flash"}
+        return {"name": name, "group": "annotated-small", "preset": "annotated-small", "baseline": baseline,
+                "overrides": ["train.precision=" + precision], "status": status,
+                "error": None if status == "ok" else "out of memory", "raw": raw if status == "ok" else None}
+
+    return {
+        "table": "small", "command": ["python", "-m", "benchmarks.bench"], "device_name": device_name, "card": "x",
+        "environment": {"commit": "abc", "torch": "2.x", "cuda": "12", "date_utc": "2026-01-01"},
+        "dataset": {"path": "d.beton", "num_images": 50000, "source": "synthetic", "synthetic": True},
+        "settings": {"iters": 10, "warmup": 1}, "flops": {"annotated-small": flops}, "measured_peaks": None,
+        "rows": [row("base", 200.0, baseline=True, precision="fp32"), row("fast", 100.0), row("oom", 1, status="x")],
+        "sampling": [{"name": "ddpm-cifar10", "sampler": "ddim", "steps": 50, "n": 8, "seconds": 2.0,
+                      "img_per_s": 4.0, "tflops": 1.0}],
+    }
+
+
+def test_metrics_from_raw_figures():
+    result = add_metrics(_fake_result("NVIDIA H100 80GB HBM3"))
+    base, fast, oom = (r["metrics"] for r in result["rows"])
+    assert fast["img_per_s"] == pytest.approx(10_000)
+    assert fast["data_wait_share"] == pytest.approx(0.1)
+    assert fast["tflops"] == pytest.approx(60.0)  # 6 GFLOP/img x 10,000 img/s
+    assert fast["mfu"] == pytest.approx(60.0 / 989.4)
+    assert fast["published_mfu"] == pytest.approx(30.0 / 989.4)
+    assert base["mfu"] == pytest.approx(30.0 / 67.0)  # true fp32 (no TF32) against the FP32 peak
+    assert fast["speedup"] == pytest.approx(2.0) and base["speedup"] == pytest.approx(1.0)
+    assert oom is None
+
+
+def test_report_renders_markdown_and_png(tmp_path):
+    result = _fake_result(None)  # a CPU run: MFU must read n/a, not 0 or a made-up number
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(result))
+    md, png = write_reports(json.loads(path.read_text()), path)
+    text = md.read_text()
+    assert "| fast | 1000 |" in text and "10,000" in text and "n/a (no CUDA)" in text
+    assert "FAILED: out of memory" in text and "SYNTHETIC" in text
+    assert "### The published table" in text and "2.10" in text  # the published rows, with the recount beside them
+    assert png.stat().st_size > 10_000
+    on_gpu = render_markdown(add_metrics(_fake_result("NVIDIA H200")))
+    assert "6.1%" in on_gpu  # 60 TFLOP/s of 989.4
+
+
+def test_report_cli_rejects_a_foreign_file(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.report", str(bad)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and "not a benchmarks.bench result" in proc.stderr
+
+
+def test_quick_table_end_to_end(tmp_path):
+    """`make bench` on a CPU: builds a synthetic dataset, runs a row in a child process, writes JSON/MD/PNG.
+
+    One row (tiny preset): the harness code is the same for every loader and model, and each row costs a process
+    start; the FFCV loader itself is tested in tests/test_data.py."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "benchmarks.bench", "--table", "quick", "--data", str(tmp_path / "data"),
+           "--num-synthetic", "128", "--rows", "1", "--iters", "2", "--warmup", "0", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[:3]
+    assert any("SYNTHETIC" in line for line in first), first  # said up front, not buried
+    result = json.loads((out / "quick.json").read_text())
+    assert result["dataset"]["synthetic"] is True and result["dataset_built_now"] is True
+    assert [(r["preset"], r["name"]) for r in result["rows"]] == [
+        ("tiny", "baseline (fp32, eager, math attention, PyTorch DataLoader)")]
+    for row in result["rows"]:
+        assert row["status"] == "ok", row.get("error")
+        assert len(row["raw"]["iter_ms"]) == 2 and all(ms > 0 for ms in row["raw"]["iter_ms"])
+        assert row["metrics"]["img_per_s"] > 0 and row["metrics"]["mfu"] is None
+        assert row["config"]["data"]["batch_size"] == 32
+    assert result["rows"][0]["config"]["data"]["loader"] == "torch-memory"
+    assert len(result["rows"][0]["raw"]["wait_ms"]) == 2
+    assert result["environment"]["torch"] and "commit" in result["environment"]
+    assert "n/a (no CUDA)" in (out / "quick.md").read_text() and (out / "quick.png").is_file()
