@@ -353,7 +353,13 @@ def run_sampling(spec: dict) -> list[dict]:
     return out
 
 
-WORKERS = {"row": run_row, "probe": probe_batch, "peaks": measure_peaks, "sampling": run_sampling}
+def environment(_spec: dict) -> dict:
+    from ffcv_ddpm.env import environment as env
+
+    return env()
+
+
+WORKERS = {"row": run_row, "probe": probe_batch, "peaks": measure_peaks, "sampling": run_sampling, "env": environment}
 
 
 def worker_main(kind: str, spec_path: str, result_path: str) -> int:
@@ -392,21 +398,6 @@ def spawn(kind: str, spec: dict, timeout: float) -> dict:
         if not result_path.is_file():
             return {"status": "failed", "error": f"worker exited with code {proc.returncode} and no result"}
         return json.loads(result_path.read_text())
-
-
-def _gpu_name() -> str | None:
-    """The GPU's name without creating a CUDA context in this (parent) process, which would hold GPU memory."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        finally:
-            pynvml.nvmlShutdown()
-        return name.decode() if isinstance(name, bytes) else name
-    except Exception:  # no NVML: the first row's worker reports the name through torch
-        return None
 
 
 def ensure_dataset(data_dir: Path, beton: Path, num_synthetic: int) -> bool:
@@ -498,8 +489,7 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
     from benchmarks.peaks import card_slug
-    from benchmarks.report import write_reports
-    from ffcv_ddpm.env import environment
+    from benchmarks.report import add_metrics, write_reports
     from ffcv_ddpm.unet import PRESETS
 
     cuda = torch.cuda.is_available()  # does not create a CUDA context: the children own the GPU
@@ -525,8 +515,14 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         return 0
 
     # ---- first lines: what runs, on what, with which data --------------------------------------------------------
-    gpu = _gpu_name() if cuda else None
-    where = f"CUDA ({gpu or 'GPU'})" if cuda else "CPU only: MFU is n/a (no CUDA)"
+    # The environment (GPU name included) comes from a child too: asking torch here would create a CUDA context
+    # in this process, holding GPU memory the rows' processes should have.
+    env = spawn("env", {}, 120)
+    if env["status"] != "ok":
+        raise BenchError(f"could not read the environment: {env['error']}")
+    env = env["result"]
+    gpu = env["gpus"][0]["name"] if cuda and env["gpus"] else None
+    where = f"CUDA ({gpu})" if cuda else "CPU only: MFU is n/a (no CUDA)"
     print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "
           "each row in a fresh process", flush=True)
     if not cuda and table != "quick":
@@ -555,8 +551,11 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     result = {
         "schema": 1,
         "table": table,
+        "complete": False,  # True once every row has run (the file is rewritten after each row)
         "command": ["python", "-m", "benchmarks.bench", *argv],
+        "environment": env,
         "device_name": gpu,
+        "card": card_slug(gpu) if cuda else "cpu",
         "dataset": dataset,
         "dataset_built_now": built,
         "settings": {"iters": iters, "warmup": warmup, "max_batch": args.max_batch,
@@ -567,6 +566,16 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         "rows": [],
         "sampling": None,
     }
+
+    out_dir = args.out or REPO / "benchmarks" / "results" / result["card"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{args.name or table}.json"
+
+    def save() -> None:
+        # Rewritten after every row, so a crash or timeout mid-table keeps the rows already measured.
+        tmp = json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(json_path)
 
     if args.measure_peak:
         if not cuda:
@@ -610,8 +619,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
                 entry["raw"]["batch_probe"] = (probe or {}).get("result")
                 entry["config"] = entry["raw"].pop("config")
                 resolved[(row.preset, row.name)] = batch
-                result["device_name"] = result["device_name"] or entry["raw"]["device_name"]
         result["rows"].append(entry)
+        save()
         if entry["status"] == "ok":
             print(f"bench:   {_summary_line(row, entry['raw'], flops[row.preset], result['device_name'])}", flush=True)
         else:
@@ -629,15 +638,9 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"bench:   {s['sampler']} {s['steps']} steps: {s['img_per_s']:,.1f} img/s ({s['seconds']:.1f} s)")
 
     # ---- write ---------------------------------------------------------------------------------------------------
-    result["environment"] = environment()  # last: in this process it would otherwise hold a CUDA context all along
-    result["card"] = card_slug(result["device_name"]) if cuda else "cpu"
-    out_dir = args.out or REPO / "benchmarks" / "results" / result["card"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{args.name or table}.json"
-    from benchmarks.report import add_metrics
-
+    result["complete"] = True
     add_metrics(result)
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    save()
     md, png = write_reports(result, json_path)
     failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
     print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"

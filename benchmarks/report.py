@@ -136,6 +136,8 @@ def _header(result: dict) -> list[str]:
         f"{result['settings']['iters']} timed iterations per row, each row in a fresh process; the wait for data is "
         "inside every timed iteration.",
     ]
+    if not result.get("complete", True):
+        lines.append("- INCOMPLETE: the run stopped before its last row; the rows below are those it finished")
     for preset, f in result.get("flops", {}).items():
         tr, pub = f["train"], f["published"]
         cat = tr["fwd_by_category"]
