@@ -240,11 +240,13 @@ def render_markdown(result: dict) -> str:
     if result.get("sampling"):
         lines += ["## Sampling throughput", ""]
         srows = [
-            [s["name"], s["sampler"], str(s["steps"]), str(s["n"]), f"{s['seconds']:.2f}", _num(s["img_per_s"]),
+            [s["name"], s["sampler"], s["precision"], str(s["steps"]), str(s["n"]), f"{s['seconds']:.2f}",
+             _num(s["img_per_s"]),
              _num(s["tflops"]) if s.get("tflops") is not None else "-"]
             for s in result["sampling"]
         ]
-        lines += _table(["model", "sampler", "steps", "images", "seconds", "img/s", "TFLOP/s"], srows) + [""]
+        lines += _table(["model", "sampler", "precision", "steps", "images", "seconds", "img/s", "TFLOP/s"],
+                        srows) + [""]
     lines += published_lines(result) + [""]
     return "\n".join(lines)
 
