@@ -222,7 +222,10 @@ def _pivot(result: dict, cell) -> list[str]:
 def render_markdown(result: dict) -> str:
     env, data, s = result["environment"], result["dataset"], result["settings"]
     synthetic = {True: "synthetic", False: "real", None: "unknown (no manifest)"}[data["synthetic"]]
-    skipped = sorted({f"{r['name']}: {r['skipped']}" for r in result["rows"] if "skipped" in r})
+    skipped: dict[str, list[str]] = {}  # reason -> variants, so a reason shared by many rows is said once
+    for r in result["rows"]:
+        if "skipped" in r and r["name"] not in skipped.setdefault(r["skipped"], []):
+            skipped[r["skipped"]].append(r["name"])
     lines = [
         f"# Loader alone: images/s delivered onto {result['device']}",
         "",
@@ -242,7 +245,7 @@ def render_markdown(result: dict) -> str:
         *_pivot(result, lambda r: "skip" if "skipped" in r else f"{r['first_epoch_s']:.2f} ({r['setup_s']:.2f})"),
     ]
     if skipped:
-        lines += ["", "Skipped:", *[f"- {line}" for line in skipped]]
+        lines += ["", "Skipped:", *[f"- {', '.join(names)}: {reason}" for reason, names in skipped.items()]]
     return "\n".join(lines) + "\n"
 
 

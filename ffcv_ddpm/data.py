@@ -432,5 +432,7 @@ def prepare_batch(images: torch.Tensor, *, flip: bool, channels_last: bool) -> t
         raise TypeError(f"prepare_batch expects uint8 images from a loader, got {images.dtype}")
     if flip:
         images = flip_images(images)  # on uint8: a quarter of the bytes the float tensor would move
-    x = images.float().div(127.5).sub(1.0)  # 255 / 127.5 is exactly 2 in float32
+    # Centre first: inductor turns the division into a multiply by fl(1/127.5), and (+-127.5) * fl(1/127.5) still
+    # rounds to exactly +-1, whereas x * fl(1/127.5) - 1 (fused) gives 1.0000001 for 255.
+    x = (images.float() - 127.5) / 127.5
     return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)

@@ -158,7 +158,9 @@ def test_prepare_batch_maps_0_255_to_exactly_minus1_1():
     x = prepare_batch(images, flip=False, channels_last=True)
     assert x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
     assert x.min().item() == -1.0 and x.max().item() == 1.0
-    np.testing.assert_array_equal(x[0, 0, 0].numpy(), (np.arange(256, dtype=np.float32) / np.float32(127.5)) - 1)
+    values = np.arange(256, dtype=np.float32)
+    np.testing.assert_array_equal(x[0, 0, 0].numpy(), (values - np.float32(127.5)) / np.float32(127.5))
+    np.testing.assert_allclose(x[0, 0, 0].numpy(), values / 127.5 - 1, rtol=0, atol=1e-7)
     assert prepare_batch(images, flip=False, channels_last=False).is_contiguous()
     with pytest.raises(TypeError, match="uint8"):
         prepare_batch(images.float(), flip=False, channels_last=True)
@@ -168,7 +170,7 @@ def test_gpu_flip_mirrors_about_half_per_sample():
     torch.manual_seed(0)
     images = torch.randint(1, 256, (400, 3, 4, 5), dtype=torch.uint8)
     x = prepare_batch(images, flip=True, channels_last=True)
-    ref = images.float() / 127.5 - 1
+    ref = prepare_batch(images, flip=False, channels_last=True)
     same = (x == ref).flatten(1).all(1)
     mirrored = (x == ref.flip(3)).flatten(1).all(1)
     assert (same | mirrored).all() and 150 < mirrored.sum() < 250
