@@ -169,6 +169,7 @@ class BatchLoader:
 
     Each `iter()` runs epoch `self.epoch` and then advances it; `set_epoch(e)` chooses the next epoch to run. The
     order of an epoch depends only on (seed, epoch, rank, world_size), so a resumed run replays the same batches.
+    So do the torch loaders' CPU flips; FFCV's CPU flip does not (RandomHorizontalFlip draws from numba's own RNG).
     """
 
     def __init__(self, cfg: DataConfig, device: torch.device, rank: int, world_size: int,
