@@ -29,7 +29,8 @@ def git_state() -> dict:
     """Commit hash and whether tracked files differ from it (None for both outside a git checkout)."""
     commit = _git("rev-parse", "HEAD")
     if commit is None:
-        return {"commit": None, "dirty": None}
+        # A copy of the tree without .git (e.g. shipped to a GPU machine): the sender names the commit it copied.
+        return {"commit": os.environ.get("FFCV_DDPM_COMMIT"), "dirty": None}
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
