@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,9 +158,11 @@ def _sdpa_backend(model, cfg, device) -> str:
     if cfg.train.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     t = torch.randint(0, cfg.diffusion.timesteps, (2,), device=device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            model(x, t)
+    with warnings.catch_warnings():  # the profiler warns about its own event buffering; nothing to act on
+        warnings.simplefilter("ignore")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                model(x, t)
     names = {e.name for e in prof.events() if "scaled_dot_product" in e.name or "attention" in e.name}
     for key, label in (("cudnn", "cuDNN attention"), ("flash_attention_for_cpu", "flash (CPU kernel)"),
                        ("flash", "flash"), ("efficient", "memory-efficient"), ("math", "math (SDPA fallback)")):
@@ -466,7 +469,7 @@ def _summary_line(row: Row, raw: dict, flops: dict, device_name: str | None) -> 
 
     m = row_metrics({"raw": raw}, flops, device_name, None)
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else m["peak_note"]
-    return (f"{m['ms_median']:.2f} ms/iter (p10 {m['ms_p10']:.2f}, p90 {m['ms_p90']:.2f}), "
+    return (f"{raw['sdpa_backend']}; {m['ms_median']:.2f} ms/iter (p10 {m['ms_p10']:.2f}, p90 {m['ms_p90']:.2f}), "
             f"{m['img_per_s']:,.1f} img/s, data wait {100 * m['data_wait_share']:.1f}%, "
             f"{m['tflops']:.3g} TFLOP/s, MFU {mfu}, first step {raw['first_step_s']:.1f} s")
 
