@@ -451,6 +451,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="loader of the rows before '+ FFCV loading'; auto = torch-files (PNG decode per image) if "
                         f"DATA/{PNG_TRAIN} exists, else torch-memory (a DataLoader over arrays in RAM)")
     p.add_argument("--max-batch", type=int, default=4096, help="cap for the 'largest batch that fits' rows")
+    p.add_argument("--batch", type=int, help="run every row at this batch (no probing; for subsets and CPUs)")
     p.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory share a probed batch may use")
     p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
     p.add_argument("--sampling", action="store_true", help="also time DDPM (1000 steps) and DDIM sampling, bf16")
@@ -500,8 +501,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     table = args.table or ("both" if cuda else "quick")
     iters = args.iters or (50 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
-    if iters < 1 or warmup < 0:
-        raise BenchError(f"--iters must be >= 1 and --warmup >= 0 (got {iters}, {warmup})")
+    if iters < 1 or warmup < 0 or (args.batch is not None and args.batch < 1):
+        raise BenchError(f"--iters and --batch must be >= 1 and --warmup >= 0 (got {iters}, {args.batch}, {warmup})")
     data_dir = args.data
     beton = args.beton or data_dir / BETON
     png_dir = data_dir / PNG_TRAIN
@@ -596,24 +597,26 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         overrides = [*row.overrides, *data_overrides]
         entry = {"name": row.name, "group": row.preset, "preset": row.preset, "baseline": row.baseline,
                  "overrides": overrides, "batch_rule": row.batch, "status": None, "raw": None}
-        batch_note, probe = None, None
-        if isinstance(row.batch, int):
+        batch_note, probe, why = None, None, None
+        if args.batch:
+            batch, batch_note = args.batch, "fixed by --batch"
+        elif isinstance(row.batch, int):
             batch = min(row.batch, dataset["num_images"])
+        elif row.batch == "max" and cuda:
+            probe = spawn("probe", {"preset": row.preset, "overrides": overrides, "cap": cap,
+                                    "mem_fraction": args.mem_fraction}, args.row_timeout)
+            batch = (probe.get("result") or {}).get("batch_size")
+            why = probe.get("error")
+            batch_note = (f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory "
+                          f"(eager probe, cap {cap})")
         elif row.batch == "max":
-            if cuda:
-                probe = spawn("probe", {"preset": row.preset, "overrides": overrides, "cap": cap,
-                                        "mem_fraction": args.mem_fraction}, args.row_timeout)
-                batch = probe.get("result", {}).get("batch_size")
-                batch_note = (f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory "
-                              f"(eager probe, cap {cap})")
-            else:
-                batch = resolved.get((row.preset, rows[i - 2].name)) if i > 1 else None
-                batch_note = "no CUDA: batch not probed"
+            batch, why = None, "the largest-batch probe needs CUDA; pass --batch N"
         else:
             batch = resolved.get((row.preset, row.batch))
+            why = f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass --batch N"
         print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {row.name} (batch {batch})", flush=True)
         if batch is None:
-            entry.update(status="failed", error=(probe or {}).get("error") or "no batch size (its source row failed)")
+            entry.update(status="failed", error=why)
         else:
             got = spawn("row", {"preset": row.preset, "overrides": overrides, "batch_size": batch,
                                 "iters": iters, "warmup": warmup}, args.row_timeout)
