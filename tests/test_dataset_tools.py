@@ -23,8 +23,8 @@ from PIL import Image
 import tools.ffcv_writer
 import tools.make_dataset
 from conftest import SMALL_TEST, SMALL_TRAIN, make_cifar_tarball, read_beton, write_png_folder
-from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic,
-                           remove_stale_partials)
+from tools.atomic import remove_stale_partials
+from tools.cifar10 import CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic
 from tools.make_dataset import BETON_FILES, MANIFEST, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,8 @@ def tarball_case(tmp_path_factory):
     data = load_synthetic(200, 50, seed=7)
     tarball = make_cifar_tarball(root / "cifar-10-python.tar.gz", data)
     out = root / "data"
-    args = ["--source", "tarball", "--tarball", str(tarball), "--out", str(out), "--jpeg-quality", "90"]
+    args = ["--source", "tarball", "--tarball", str(tarball), "--out", str(out), "--jpeg-quality", "90",
+            "--workers", "2"]
     assert main(args) == 0
     return data, tarball, out, args
 
@@ -92,6 +93,10 @@ def test_raw_beton_is_bit_exact_in_file_order(tarball_case, split):
     assert images.shape == expected.images.shape and images.dtype == np.uint8
     np.testing.assert_array_equal(images, expected.images)
     np.testing.assert_array_equal(labels, expected.labels)
+    if split == "train":  # 200 images: written by 2 processes, each filling its own page of the file
+        from ffcv.reader import Reader
+        pointers = Reader(str(out / "cifar10_train_raw.beton")).metadata["f0"]["data_ptr"]
+        assert len(np.unique(pointers // tools.make_dataset.PAGE_SIZE)) == 2
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
@@ -481,11 +486,34 @@ def _start_big_conversion(out: Path) -> subprocess.Popen:
     return proc
 
 
+def _live_members(pgid: int) -> list[int]:
+    """Pids of the processes in group `pgid` that are still running (zombies excluded)."""
+    live = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            live.append(int(stat.parent.name))
+    return live
+
+
+def _group_ends(pgid: int, timeout: float = 30) -> list[int]:
+    """Waits until no process of group `pgid` runs (workers die with their parent); returns those still running."""
+    deadline = time.monotonic() + timeout
+    while (live := _live_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
 def test_kill_mid_write_leaves_no_beton_and_next_run_cleans_up(tmp_path, capsys):
     proc = _start_big_conversion(tmp_path)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: the CLI and its FFCV writer workers
+    proc.kill()  # kill -9 of the CLI alone: its FFCV writer workers must not live on as orphans
     proc.wait(timeout=60)
     proc.stderr.close()
+    assert _group_ends(proc.pid) == [], "writer workers outlived the killed CLI"
     assert betons(tmp_path) == [] and not (tmp_path / MANIFEST).exists()
     left = partials(tmp_path)
     assert left, "SIGKILL cannot clean up: the temp file should still be there for the next run"
@@ -494,13 +522,19 @@ def test_kill_mid_write_leaves_no_beton_and_next_run_cleans_up(tmp_path, capsys)
     assert partials(tmp_path) == [] and betons(tmp_path) == sorted(BETON_FILES)
 
 
-def test_sigterm_mid_write_cleans_up_itself(tmp_path):
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_stopped_mid_write_cleans_up_itself(tmp_path, how):
     proc = _start_big_conversion(tmp_path)
-    proc.send_signal(signal.SIGTERM)  # plain `kill`
+    if how == "kill":
+        proc.send_signal(signal.SIGTERM)  # plain `kill <pid>`: the CLI alone
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the CLI and its workers
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 128 + (signal.SIGTERM if how == "kill" else signal.SIGINT), err
     assert "interrupted" in err and "Traceback" not in err
     assert betons(tmp_path) == [] and partials(tmp_path) == []
+    assert _group_ends(proc.pid) == [], "writer workers outlived the stopped CLI"
 
 
 def test_stale_partials_of_live_processes_are_kept(tmp_path):

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import http.client
 import json
 import os
 import pickle
-import shutil
 import tarfile
 import urllib.error
 import urllib.request
@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tools.atomic import Staged, worker_init
+
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
 TARBALL_NAME = "cifar-10-python.tar.gz"
@@ -32,7 +34,6 @@ TRAIN_BATCHES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_BATCH = "test_batch"
 # Bump when the synthetic images change for the same seed: the manifest then no longer matches and data is rebuilt.
 SYNTHETIC_VERSION = 1
-PARTIAL_TAG = ".partial-"  # temp files are ".<final name>.partial-<pid>", removed at the next run if <pid> is gone
 
 
 class DatasetError(Exception):
@@ -80,41 +81,6 @@ def check_arrays(images: np.ndarray, labels: np.ndarray, what: str) -> None:
         raise DatasetError(f"{what}: labels must be in 0..{len(CLASSES) - 1}, found {labels.min()}..{labels.max()}")
 
 
-def partial_path(final: Path) -> Path:
-    """Temp name for `final` in the same folder (so os.replace is atomic), tagged with our pid."""
-    return final.with_name(f".{final.name}{PARTIAL_TAG}{os.getpid()}")
-
-
-def remove_stale_partials(folder: Path) -> list[Path]:
-    """Remove temp files/folders left by runs that were killed. Those of a still-running process are kept."""
-    removed = []
-    for p in folder.glob(f".*{PARTIAL_TAG}*"):
-        pid = p.name.rsplit(PARTIAL_TAG, 1)[1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            remove_path(p)
-            removed.append(p)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # our own pid on a leftover means a previous process had it: stale
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_path(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        p.unlink(missing_ok=True)
-
-
 def file_digests(path: Path, desc: str | None = None) -> dict:
     """MD5 (what CIFAR-10 publishes) and SHA-256 of a file, in one pass."""
     md5, sha = hashlib.md5(), hashlib.sha256()
@@ -147,9 +113,9 @@ def download(dest: Path, url: str = CIFAR10_URL, md5: str = CIFAR10_MD5, timeout
             return dest
         print(f"{dest} does not have the expected MD5 {md5}: downloading it again")
         dest.unlink()
-    tmp = partial_path(dest)
     digest = hashlib.md5()
-    try:
+    with Staged() as staged:
+        tmp = staged.path(dest)
         try:
             with urllib.request.urlopen(url, timeout=timeout) as resp, open(tmp, "wb") as out:
                 total = int(resp.headers.get("Content-Length") or 0) or None
@@ -158,21 +124,19 @@ def download(dest: Path, url: str = CIFAR10_URL, md5: str = CIFAR10_MD5, timeout
                         out.write(chunk)
                         digest.update(chunk)
                         bar.update(len(chunk))
-                out.flush()
-                os.fsync(out.fileno())
         except urllib.error.HTTPError as e:
             raise DatasetError(offline_message(url, f"HTTP {e.code} {e.reason}")) from None
         except urllib.error.URLError as e:
             raise DatasetError(offline_message(url, str(e.reason))) from None
-        except (OSError, ValueError) as e:  # timeouts, resets, an URL urllib cannot parse
+        except (TimeoutError, ConnectionError, http.client.HTTPException, ValueError) as e:  # ValueError: bad URL
             raise DatasetError(offline_message(url, f"{type(e).__name__}: {e}")) from None
+        except OSError as e:  # not the network: the disk
+            raise DatasetError(f"writing the download to {dest.parent} failed ({e.strerror or e})") from None
         if digest.hexdigest() != md5:
             raise DatasetError(f"the file downloaded from {url} has MD5 {digest.hexdigest()}, expected {md5}; the "
                                f"partial file was removed. Run the command again, or download it yourself and pass "
                                f"it with CIFAR=/path/to/{TARBALL_NAME}.")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+        staged.commit()
     return dest
 
 
@@ -329,7 +293,7 @@ def _parallel_chunks(fn, items: list, workers: int, desc: str, chunk: int = 512,
                 results.append(fn(part))
                 bar.update(len(part))
             return results
-        with ProcessPoolExecutor(workers) as pool:
+        with ProcessPoolExecutor(workers, initializer=worker_init) as pool:
             results = []
             for part, res in zip(parts, pool.map(fn, parts)):
                 results.append(res)

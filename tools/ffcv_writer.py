@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import queue
-import signal
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from ffcv.memory_allocator import MemoryAllocator
 from ffcv.writer import DatasetWriter
 from tqdm import tqdm
 
+from tools.atomic import worker_init
 from tools.cifar10 import Split
 
 
@@ -33,10 +33,16 @@ class ArrayDataset:
 
 
 def _worker(work_fn, *args) -> None:
-    # Ctrl-C reaches the whole process group: the parent stops the workers, so they need not print a traceback each.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    worker_init()
     work_fn(*args)
+
+
+def _drain(q) -> None:
+    try:
+        while True:
+            q.get(timeout=0.05)
+    except queue.Empty:
+        pass
 
 
 class _Writer(DatasetWriter):
@@ -55,9 +61,9 @@ class _Writer(DatasetWriter):
         ctx = multiprocessing.get_context("fork")  # workers share the arrays with the parent instead of copying them
         self.num_samples = num_samples
         self.prepare()  # writes the header, allocates the shared metadata that `finally` frees
-        procs = []
+        procs, finished = [], False
+        work, allocations = ctx.Queue(), ctx.Queue()
         try:
-            work, allocations = ctx.Queue(), ctx.Queue()
             for todo in queue_content:
                 work.put(todo)
             for _ in range(self.num_workers):
@@ -81,11 +87,17 @@ class _Writer(DatasetWriter):
                 except queue.Empty:
                     self._check_workers(procs)
             self.finalize([a for table in allocation_list for a in table])
+            finished = True
         finally:
             for p in procs:
                 if p.is_alive():
                     p.terminate()
                 p.join()
+            if not finished:
+                # Work the stopped workers never read would keep the queue's feeder thread, and so this process's
+                # exit, blocked forever on a full pipe: read it back here.
+                _drain(work)
+                work.cancel_join_thread()
             self.metadata_sm.close()
             self.metadata_sm.unlink()
 
@@ -100,6 +112,7 @@ def write_beton(path: Path, split: Split, write_mode: str, jpeg_quality: int, wo
                 desc: str) -> None:
     """Write `split` to `path` ('raw': uint8 pixels; 'jpg': JPEG at `jpeg_quality`). Not atomic by itself."""
     fields = {"image": RGBImageField(write_mode=write_mode, jpeg_quality=jpeg_quality), "label": IntField()}
-    workers = max(1, min(workers, len(split) // 256 or 1))  # tiny splits: extra processes only cost start-up
+    workers = max(1, min(workers, len(split) // 100))  # tiny splits: extra processes would only cost start-up
+    chunk = max(1, min(256, len(split) // (4 * workers)))  # several chunks per worker, so all of them get work
     writer = _Writer(str(path), fields, desc=desc, num_workers=workers, page_size=page_size)
-    writer.from_indexed_dataset(ArrayDataset(split), chunksize=256)
+    writer.from_indexed_dataset(ArrayDataset(split), chunksize=chunk)

@@ -12,20 +12,20 @@ second run with the same inputs and settings checks the files against the manife
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import hashlib
 import json
 import os
 import platform
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
+from tools.atomic import Staged, abort_cleanly, partial_path, remove_stale_partials, write_json
 from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, Cifar10, DatasetError, export_png_dir,
-                           load_source, partial_path, png_fingerprint, remove_path, remove_stale_partials,
-                           synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
+                           load_source, png_fingerprint, synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
 
 TOOL_VERSION = "1"  # bump when the written files change for the same input: old manifests then trigger a rebuild
 MANIFEST = "manifest.json"
@@ -81,56 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Files that appear complete or not at all
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class Staged:
-    """Outputs written under temp names beside their final names, renamed into place together by commit().
-
-    Leaving the `with` block without commit() (an exception, Ctrl-C) removes the temp files; a killed process leaves
-    them behind under names that remove_stale_partials() recognises at the next run.
-    """
-
-    def __init__(self):
-        self.pending: list[tuple[Path, Path]] = []  # (temp, final)
-
-    def path(self, final: Path) -> Path:
-        tmp = partial_path(final)
-        self.pending.append((tmp, final))
-        return tmp
-
-    def commit(self) -> None:
-        for tmp, _ in self.pending:
-            if tmp.is_file():
-                _fsync(tmp)
-        for tmp, final in self.pending:
-            if tmp.is_dir() and final.exists():
-                remove_path(final)  # a folder cannot be replaced in one step; the caller checked it is ours
-            os.replace(tmp, final)
-        for folder in {final.parent for _, final in self.pending}:
-            _fsync(folder)  # the renames themselves survive a power cut
-        self.pending.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for tmp, _ in self.pending:
-            remove_path(tmp)
-        self.pending.clear()
-
-
-def write_json(path: Path, obj: dict) -> None:
-    with Staged() as staged:
-        staged.path(path).write_text(json.dumps(obj, indent=2) + "\n")
-        staged.commit()
-
 
 def ensure_writable(folder: Path, what: str, how: str) -> None:
     """Fail before any work if `folder` cannot be created or written (checked by writing, which also holds for root)."""
@@ -315,25 +265,19 @@ def run(args) -> int:
     return 0
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if in_main_thread else None  # kill: clean up too
+    stoppable = (abort_cleanly("make_dataset: interrupted - temp files removed, no .beton was left half-written")
+                 if threading.current_thread() is threading.main_thread() else contextlib.nullcontext())
     try:
-        return run(args)
+        with stoppable:
+            return run(args)
     except DatasetError as e:
         print(f"make_dataset: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("make_dataset: interrupted - nothing was left half-written (temp files removed)", file=sys.stderr)
+    except KeyboardInterrupt:  # raised by code rather than a signal: the `with` blocks have removed the temp files
+        print("make_dataset: interrupted - temp files removed, no .beton was left half-written", file=sys.stderr)
         return 130
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
