@@ -372,7 +372,7 @@ def export_png_dir(data: Cifar10, root: Path, workers: int = 1) -> None:
 def _write_pngs(jobs: list) -> None:
     from PIL import Image
     for path, image in jobs:
-        Image.fromarray(image, mode="RGB").save(path, format="PNG")
+        Image.fromarray(image).save(path, format="PNG")
 
 
 # ---------------------------------------------------------------------------------------------------------------

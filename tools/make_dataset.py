@@ -205,10 +205,12 @@ def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: 
     return manifest
 
 
-def export_png(data: Cifar10, folder: Path, wanted: dict, workers: int) -> None:
+def export_png(data: Cifar10, folder: Path, workers: int) -> None:
     """The PNG-folder layout of `data` in `folder`, replaced as a whole; skipped if its marker says it is current."""
     marker = folder / EXPORT_MARKER
-    want = {**wanted, "content_sha256": {s: getattr(data, s).sha256() for s in SPLITS}}
+    want = {"tool_version": TOOL_VERSION, "source": data.source, "synthetic": data.synthetic,
+            "counts": {s: len(getattr(data, s)) for s in SPLITS},
+            "content_sha256": {s: getattr(data, s).sha256() for s in SPLITS}}  # the pixels and labels written
     if folder.exists():
         if marker.is_file():
             try:
@@ -261,7 +263,7 @@ def run(args) -> int:
               f"images{' (SYNTHETIC)' if data.synthetic else ''} in {t['total']:.1f} s (read {t['read']} s, "
               f"write {t['write']} s, checksum {t['checksum']} s; {args.workers} workers)")
     if args.export_png is not None:
-        export_png(data, args.export_png, wanted, args.workers)
+        export_png(data, args.export_png, args.workers)
     return 0
 
 
