@@ -13,7 +13,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset bench train profile bench-ddp clean
+.PHONY: setup test dataset dataset-png bench bench-loaders train profile bench-ddp clean
 
 setup: $(SETUP)
 
@@ -27,8 +27,16 @@ dataset: $(SETUP)
 	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(DATA) --jpeg-quality $(JPEG_QUALITY) \
 		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(ARGS)
 
+# The .beton files plus the Kaggle-layout PNG folder $(DATA)/png, for the PyTorch-DataLoader-from-files baseline
+# (make bench and make bench-loaders use it when present).
+dataset-png: $(SETUP)
+	$(MAKE) dataset ARGS="--export-png $(DATA)/png $(ARGS)"
+
 bench: $(SETUP)
 	$(PY) -m benchmarks.bench --data $(DATA) $(ARGS)
+
+bench-loaders: $(SETUP)
+	$(PY) -m benchmarks.loaders --data $(DATA) $(ARGS)
 
 train: $(SETUP)
 	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(ARGS)
