@@ -28,6 +28,7 @@ kernel under Optimizer.step is the optimizer), else by generic kernel names (gem
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import re
@@ -120,6 +121,11 @@ def classify(name: str, context: tuple[str, ...] | list[str] = ()) -> str:
     """Op class of a kernel or op `name`; `context` = the CPU ops around it, outermost first (for a kernel: the op
     that launched it and that op's parents). The name's own specific pattern wins; then the outermost specific op
     of the context (what the user called: Optimizer.step, aten::convolution, ...); then generic kernel families."""
+    return _classify(name, tuple(context))
+
+
+@functools.lru_cache(maxsize=65536)  # a profile repeats the same (kernel, op chain) pairs every step
+def _classify(name: str, context: tuple[str, ...]) -> str:
     own, ctx = name.lower(), [n.lower() for n in context]
     for cls in (_specific(own), *map(_specific, ctx), *map(_generic, ctx), _generic(own)):
         if cls is not None:
@@ -153,7 +159,8 @@ def analyse(events, top: int = 10) -> dict:
     """Per-step figures from torch.profiler's events (prof.events()) of the active steps.
 
     Uses only FunctionEvent attributes that have been stable for years: name, device_type, time_range, cpu_parent,
-    self_cpu_time_total, cpu_time_total, self_device_time_total, id / linked_correlation_id, is_async.
+    kernels (the (name, device, duration) of each kernel an op launched itself), self_cpu_time_total,
+    cpu_time_total, self_device_time_total, is_async.
     """
     from torch.autograd import DeviceType
 
@@ -165,11 +172,11 @@ def analyse(events, top: int = 10) -> dict:
     cpu_step_us = sum(e.time_range.elapsed_us() for e in steps) / n
     ops = [e for e in events if e.device_type == cpu and not e.name.startswith(STEP_PREFIX) and not e.is_async]
     kernels = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
-    # A kernel's launching op: the frontend CPU event whose correlation id the kernel links to.
-    by_id = {e.id: e for e in ops if e.id and not getattr(e, "linked_correlation_id", 0)}
-
-    def launcher(k):
-        return by_id.get(getattr(k, "linked_correlation_id", 0) or -1)
+    # Which op launched which kernel: the profiler files each kernel under the innermost op active at its launch.
+    launched: dict[str, list] = defaultdict(list)  # kernel name -> [(op event, us)]
+    for e in ops:
+        for k in getattr(e, "kernels", ()):
+            launched[k.name].append((e, k.duration))
 
     # ---- ops: self CPU time, and the GPU time of the kernels each launched itself ---------------------------
     rows: dict[str, dict] = {}
@@ -196,16 +203,22 @@ def analyse(events, top: int = 10) -> dict:
         span_us = max(e for _, e in spans) - min(s for s, _ in spans)
         busy_us = _union_us(spans)
         for k in kernels:
-            op = launcher(k)
-            cls = classify(k.name, _chain(op) if op is not None else ())
-            dur = k.time_range.elapsed_us()
-            gpu_by_class[cls] += dur
             r = krows.setdefault(k.name, {"name": k.name, "calls": 0, "gpu_us": 0.0,
                                           "_classes": defaultdict(float), "_launchers": defaultdict(float)})
             r["calls"] += 1
-            r["gpu_us"] += dur
-            r["_classes"][cls] += dur
-            r["_launchers"][op.name if op is not None else "-"] += dur
+            r["gpu_us"] += k.time_range.elapsed_us()
+        for name, r in krows.items():
+            # Each launch is classified under its own op chain; what no op claims (a Triton kernel started from
+            # inductor's Python wrapper, a copy from a loader thread) by the kernel's name alone.
+            rest = r["gpu_us"]
+            claims = [(op.name, classify(name, _chain(op)), us) for op, us in launched.get(name, ())]
+            for op_name, cls, us in [*claims, ("-", classify(name), float("inf"))]:
+                us = min(us, rest)
+                rest -= us
+                if us > 0:
+                    r["_classes"][cls] += us
+                    r["_launchers"][op_name] += us
+                    gpu_by_class[cls] += us
         kernel_us = sum(gpu_by_class.values())
         gpu = {"span_ms_per_step": span_us / n / 1e3, "busy_ms_per_step": busy_us / n / 1e3,
                "kernel_ms_per_step": kernel_us / n / 1e3, "idle_share": 1 - busy_us / span_us if span_us else None}

@@ -1,0 +1,299 @@
+"""benchmarks.profile on CPU: op classes from real kernel names, the CUDA analysis on synthetic events, the telemetry
+A/B run with a fake trainer, and the whole command on the tiny preset (trace, tables, charts, summary)."""
+
+import gzip
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import Interval, Kernel
+
+from benchmarks import profile
+from benchmarks.profile import CLASSES, analyse, classify, telemetry_run
+
+# Kernel and op names as torch.profiler reports them on H100/A100 runs (cuDNN 9, FlashAttention-2, inductor).
+NAMES = {
+    "convolution fwd": [
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1_g1"
+        "_execute_segment_k_off_kernel__5x_cudnn",
+        "void cutlass__5x_cudnn::Kernel<cutlass_tensorop_bf16_s16816fprop_optimized_bf16_128x128_32x5_nhwc_align8>"
+        "(cutlass_tensorop_bf16_s16816fprop_optimized_bf16_128x128_32x5_nhwc_align8::Params)",
+        "void implicit_convolve_sgemm<float, float, 128, 5, 5, 3, 3, 3, 1, false, false, true>(int, int, int, float "
+        "const*, int, float*, float const*, kernel_conv_params, unsigned long long, int, float, float, int, float "
+        "const*, float const*, bool, int, int)",
+        "aten::cudnn_convolution", "aten::mkldnn_convolution", "triton_tem_fused_convolution_0",
+    ],
+    "convolution bwd": [
+        "sm80_xmma_dgrad_implicit_gemm_indexed_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize64x64x64_stage5_warpsize"
+        "2x2x1_g1_tensor16x8x16_kernel",
+        "void cudnn::cnn::dgrad2d_grouped_direct_kernel<float, int, float, float, true, false, 0, 1, 2>(cudnn::cnn::"
+        "GroupedDirectFpropParams, float const*, float const*, float*, float, float, cudnnActivationStruct)",
+        "sm90_xmma_wgrad_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64_warpgroupsize1x1x1_g1",
+        "void cudnn::cnn::wgrad_alg0_engine<float, 128, 5, 5, 3, 3, 3, false, 512>(int, int, int, float const*, int, "
+        "float*, float const*, kernel_grad_params, unsigned long long, int, float, int, int, int, int)",
+        "aten::convolution_backward", "autograd::engine::evaluate_function: ConvolutionBackward0",
+    ],
+    "attention": [
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::"
+        "bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, false, false, false, true, "
+        "true, false, false>(pytorch_flash::Flash_fwd_params)",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64, 128, 128, 8, 4, "
+        "2, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 8, cutlass::bfloat16_t> >, "
+        "false, false, false, false, false, false>(pytorch_flash::Flash_bwd_params)",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+        "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous "
+        "namespace)::SoftMaxForwardEpilogue>(float*, float const*, int)",
+        "aten::_scaled_dot_product_flash_attention", "triton_per_fused__softmax_3",
+    ],
+    "normalization": [
+        "triton_red_fused_native_group_norm_0",
+        "triton_per_fused_add_native_group_norm_silu_12",
+        "triton_red_fused_native_group_norm_backward_7",
+        "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<float, float>(long, float, float const*, "
+        "float*, float*)",
+        "aten::native_group_norm", "aten::native_group_norm_backward",
+        "autograd::engine::evaluate_function: NativeGroupNormBackward0",
+    ],
+    "elementwise/activation": [
+        "triton_poi_fused_add_convolution_silu_3",  # names a convolution, but only adds its bias: not a conv kernel
+        "triton_poi_fused_mul_silu_silu_backward_5",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::"
+        "{lambda()#1}::operator()() const::{lambda()#8}::operator()() const::{lambda(float)#1}, at::detail::Array"
+        "<char*, 2> >(int, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}, at::detail::Array<char*, 2>)",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+        "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+        "float>, unsigned int, float, 4, 4>)",
+        "aten::silu", "aten::add_", "aten::mse_loss", "autograd::engine::evaluate_function: SiluBackward0",
+    ],
+    "optimizer": [
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, (at::native::"
+        "ADAM_MODE)1, false>, double, double, double, double, double, double, bool, double*, double*>("
+        "at::native::(anonymous namespace)::TensorListMetadata<4>, ...)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<1>, at::native::(anonymous namespace)::LpNormFunctor<float, (at::native::(anonymous "
+        "namespace)::NormType)1, float, float>, float*, int>(at::native::(anonymous namespace)::TensorListMetadata<1>"
+        ", at::native::(anonymous namespace)::LpNormFunctor<float, (at::native::(anonymous namespace)::NormType)1, "
+        "float, float>, float*, int)",
+        "aten::_fused_adamw_", "aten::_foreach_lerp_", "Optimizer.step#AdamW.step",
+    ],
+    "data/copies": [
+        "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoD (Device -> Device)", "Memset (Device)",
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::"
+        "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::"
+        "operator()() const::{lambda(float)#1}>(at::TensorIteratorBase&, ...)::{lambda(int)#1}>(int, ...)",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2>"
+        ", unsigned int, 4, 64, 64>(...)",
+        "void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float, false, true, "
+        "(cudnnKernelDataType_t)0>(cudnn::engines_precompiled::nchw2nhwc_params_t<float>, __nv_bfloat16 const*, "
+        "__nv_bfloat16*)",
+        "triton_poi_fused__to_copy_2", "triton_poi_fused_cat_4", "aten::copy_", "aten::to", "data: next batch",
+    ],
+    "matmul (gemm)": [
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>(cutlass_80_wmma"
+        "_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8::Params)",
+        "ampere_sgemm_128x64_nn", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
+        "aten::addmm", "aten::bmm", "triton_tem_fused_mm_1",
+        "autograd::engine::evaluate_function: AddmmBackward0",
+    ],
+    "other": ["cudaLaunchKernel", "aten::empty_strided", "aten::view", "ProfilerStep*"],
+}
+
+
+@pytest.mark.parametrize("cls", sorted(NAMES))
+def test_kernel_and_op_names_classify(cls):
+    for name in NAMES[cls]:
+        assert classify(name) == cls, name
+
+
+def test_context_decides_what_a_generic_kernel_is():
+    gemm = "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT"
+    # cuDNN runs some 1x1 convolutions as plain GEMMs; the op that launched it says it is a convolution.
+    assert classify(gemm, ["ProfilerStep*", "aten::conv2d", "aten::convolution", "aten::cudnn_convolution"]) == (
+        "convolution fwd")
+    add = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, ...>"
+    assert classify(add, ["Optimizer.step#AdamW.step", "aten::add_"]) == "optimizer"
+    assert classify("aten::add_", ["autograd::engine::evaluate_function: NativeGroupNormBackward0"]) == (
+        "normalization")
+    assert classify("aten::randperm", ["data: next batch"]) == "data/copies"
+    # A specific kernel name beats its context; wrappers of compiled code say nothing.
+    assert classify("triton_red_fused_native_group_norm_0", ["CompiledFunction", "## Call CompiledFxGraph f1 ##"]) \
+        == "normalization"
+    assert set(CLASSES) >= set(NAMES)
+
+
+def _ev(name, start, end, device=DeviceType.CPU, parent=None, self_cpu=None):
+    return SimpleNamespace(name=name, device_type=device, time_range=Interval(start, end), cpu_parent=parent,
+                           is_async=False, is_user_annotation=False, kernels=[],
+                           self_cpu_time_total=(end - start) if self_cpu is None else self_cpu,
+                           cpu_time_total=end - start, self_device_time_total=0.0)
+
+
+def _launch(op, kernel):
+    """What the profiler does for each kernel: file it (name, device, duration) under the op that launched it."""
+    op.kernels.append(Kernel(kernel.name, 0, kernel.time_range.elapsed_us()))
+    op.self_device_time_total += kernel.time_range.elapsed_us()
+    return kernel
+
+
+def _cuda_events():
+    """Two 1 ms steps as torch.profiler reports them on CUDA: each launches a conv (one cuDNN kernel, one GEMM),
+    its backward, a fused AdamW under Optimizer.step, and a Triton kernel; the GPU idles 0.1 ms between them."""
+    cuda = DeviceType.CUDA
+    events = []
+    for s in range(2):
+        t = 1000.0 * s
+        step = _ev("ProfilerStep*", t, t + 1000, self_cpu=50)
+        conv = _ev("aten::convolution", t + 10, t + 60, parent=step, self_cpu=10)
+        cudnn = _ev("aten::cudnn_convolution", t + 20, t + 50, parent=conv)
+        bwd = _ev("aten::convolution_backward", t + 60, t + 100, parent=step)
+        opt = _ev("Optimizer.step#AdamW.step", t + 100, t + 150, parent=step, self_cpu=20)
+        adam = _ev("aten::_fused_adamw_", t + 110, t + 140, parent=opt)
+        events += [step, conv, cudnn, bwd, opt, adam, _ev("cudaLaunchKernel", t + 30, t + 35, parent=cudnn)]
+        events += [
+            _launch(cudnn, _ev("sm90_xmma_fprop_implicit_gemm_bf16", t + 50, t + 350, cuda)),
+            _launch(cudnn, _ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", t + 350, t + 450, cuda)),  # conv as GEMM
+            _launch(bwd, _ev("sm90_xmma_dgrad_implicit_gemm_bf16", t + 450, t + 750, cuda)),
+            _launch(adam, _ev("multi_tensor_apply_kernel<FusedAdamMathFunctor>", t + 750, t + 850, cuda)),
+            _ev("triton_poi_fused_add_convolution_silu_0", t + 850, t + 950, cuda),  # launched outside any aten op
+        ]
+    return events
+
+
+def test_analysis_of_cuda_events():
+    a = analyse(_cuda_events())
+    assert a["steps"] == 2 and a["basis"] == "GPU kernel time" and a["cpu_step_ms"] == pytest.approx(1.0)
+    g = a["gpu"]
+    assert g["span_ms_per_step"] == pytest.approx(0.95)  # first kernel at 50 us, last ends at 1950 us
+    assert g["busy_ms_per_step"] == pytest.approx(0.9) and g["idle_share"] == pytest.approx(0.1 / 1.9)  # one gap
+    cls = {c["class"]: c for c in a["classes"]}
+    assert cls["convolution fwd"]["ms_per_step"] == pytest.approx(0.4)  # cuDNN 0.3 + the GEMM it launched 0.1
+    assert cls["convolution bwd"]["ms_per_step"] == pytest.approx(0.3)
+    assert cls["optimizer"]["ms_per_step"] == pytest.approx(0.1)
+    assert cls["elementwise/activation"]["ms_per_step"] == pytest.approx(0.1)
+    assert sum(c["pct_of_total"] for c in a["classes"]) == pytest.approx(100)
+    assert cls["convolution fwd"]["pct_of_step"] == pytest.approx(100 * 0.4 / 0.95)
+    k = a["top_kernels"]
+    assert [r["name"][:20] for r in k[:2]] == ["sm90_xmma_fprop_impl", "sm90_xmma_dgrad_impl"]
+    assert k[0]["calls_per_step"] == 1 and k[0]["launched_by"] == "aten::cudnn_convolution"
+    assert next(r for r in k if r["name"].startswith("nvjet"))["class"] == "convolution fwd"
+    assert next(r for r in k if r["name"].startswith("triton"))["launched_by"] == "-"
+    assert sum(r["pct_of_step"] for r in k) <= 100
+    ops = {r["name"]: r for r in a["top_ops"]}
+    assert a["top_ops"][0]["name"] == "aten::cudnn_convolution" and ops["aten::cudnn_convolution"]["self_cuda_ms"] == (
+        pytest.approx(0.4))
+    assert ops["aten::_fused_adamw_"]["class"] == "optimizer"
+    assert "cudaLaunchKernel" in ops and ops["cudaLaunchKernel"]["class"] == "convolution fwd"  # its launcher's
+
+
+def test_analysis_needs_profiler_steps():
+    with pytest.raises(RuntimeError, match="ProfilerStep"):
+        analyse([e for e in _cuda_events() if not e.name.startswith("ProfilerStep")])
+
+
+class FakeTrainer:
+    def __init__(self):
+        self.steps = 0
+
+    def step(self, images, labels, lr):
+        self.steps += 1
+        return images.float().mean()
+
+
+class Counter:
+    """An endless scripted GPU whose energy counter grows 50 J between reads (start/stop of each block)."""
+
+    name, power_kind = "Scripted GPU", "scripted"
+
+    def __init__(self):
+        self.energy = 0.0
+
+    def read(self):
+        return {"power_w": 300.0, "gpu_util_pct": 99, "mem_used_gib": 12.0}
+
+    def energy_j(self):
+        self.energy += 50.0
+        return self.energy
+
+    def close(self):
+        pass
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    while True:
+        yield torch.randint(0, 256, (4, 3, 8, 8), dtype=torch.uint8, generator=g), torch.zeros(4, dtype=torch.long)
+
+
+def test_telemetry_run_alternates_blocks_and_gives_j_per_img(tmp_path):
+    trainer = FakeTrainer()
+    t = telemetry_run(trainer, _batches(), 0.0, torch.device("cpu"), batch=4, steps=3, rounds=2,
+                      path=tmp_path / "telemetry.jsonl", interval_s=0.01, source_factory=Counter)
+    assert trainer.steps == 2 * 2 * 3 and t["enabled"]
+    assert t["images"] == 2 * 3 * 4 and t["energy_j"] == pytest.approx(2 * 50.0)
+    assert t["j_per_img"] == pytest.approx(100.0 / 24) and t["energy_source"] == "nvml_counter"
+    assert t["mean_power_w"] == pytest.approx(300.0) and t["max_mem_used_gib"] == 12.0
+    assert len(t["overhead_ratio_per_round"]) == 2 and t["overhead_ratio"] > 0
+    assert (tmp_path / "telemetry.jsonl").read_text().count("\n") >= 4  # both sampled blocks appended to one file
+    lines = profile.telemetry_lines(t)
+    assert any("overhead ratio" in x for x in lines) and any("J/img" in x for x in lines)
+
+
+def test_telemetry_run_without_a_gpu_times_the_unsampled_blocks(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("ffcv_ddpm.telemetry.NvmlSource", _no_nvml)
+    trainer = FakeTrainer()
+    t = telemetry_run(trainer, _batches(), 0.0, torch.device("cpu"), batch=4, steps=2, rounds=2,
+                      path=tmp_path / "t.jsonl", interval_s=0.1)
+    assert capsys.readouterr().out.count("no NVIDIA GPU: telemetry off (NVML not usable: test)") == 1
+    assert not t["enabled"] and trainer.steps == 4 and t["ms_per_step_off"] > 0 and "overhead_ratio" not in t
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def _no_nvml(index):
+    raise RuntimeError("NVML not usable: test")
+
+
+def test_profile_command_on_the_tiny_preset(small_dataset, tmp_path, capsys):
+    out = tmp_path / "profile"
+    rc = profile.main(["--preset", "tiny", "--data", str(small_dataset), "data.batch_size=8", "data.loader=gpu",
+                       "train.precision=fp32", "--steps", "2", "--warmup", "2", "--telemetry-steps", "2",
+                       "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "no NVIDIA GPU: telemetry off" in printed or "telemetry overhead ratio" in printed
+    with gzip.open(out / "trace.json.gz", "rt") as f:
+        trace = json.load(f)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert len(trace["traceEvents"]) > 100 and "aten::convolution_backward" in names and "data: next batch" in names
+    tops = json.loads((out / "top_ops.json").read_text())["top_ops"]
+    assert 1 <= len(tops) <= 10 and tops[0]["self_cpu_ms"] > 0
+    assert 0 < sum(r["pct_of_step"] for r in tops) <= 100
+    s = json.loads((out / "summary.json").read_text())
+    a = s["profile"]
+    assert a["steps"] == 2 and a["gpu"] is None and s["environment"]["torch"] == torch.__version__
+    classes = {c["class"]: c["pct_of_total"] for c in a["classes"]}
+    assert sum(classes.values()) == pytest.approx(100) and sum(c["pct_of_step"] for c in a["classes"]) <= 100
+    for cls in ("convolution fwd", "convolution bwd", "normalization", "attention", "optimizer", "data/copies"):
+        assert classes[cls] > 0, cls  # the tiny UNet has all of these, and the loader has a named region
+    assert s["telemetry"]["ms_per_step_off"] > 0 and s["dataset"]["synthetic"] is True
+    md = (out / "profile.md").read_text()
+    assert "| 1 | `" in md and "### Time by op class" in md and "% of step" in md
+    assert "| convolution bwd |" in (out / "op_classes.md").read_text()
+    for png in ("top_ops.png", "op_classes.png"):
+        assert (out / png).stat().st_size > 10_000
+
+
+def test_profile_cli_errors(tmp_path, capsys):
+    assert profile.main(["--preset", "nope", "--data", str(tmp_path / "x.beton")]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert profile.main(["--preset", "tiny", "--data", str(tmp_path / "x.beton")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert profile.main(["--preset", "tiny", "data.batch_sise=4"]) == 2
+    assert "no field 'batch_sise'" in capsys.readouterr().err
+    assert profile.main(["--preset", "tiny", "--steps", "0", "--data", str(tmp_path / "x.beton")]) == 2
+    assert "--steps" in capsys.readouterr().err
