@@ -297,3 +297,74 @@ def test_profile_cli_errors(tmp_path, capsys):
     assert "no field 'batch_sise'" in capsys.readouterr().err
     assert profile.main(["--preset", "tiny", "--steps", "0", "--data", str(tmp_path / "x.beton")]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- sweeps
+
+
+def _keys(overrides):
+    return {o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides}
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_sweep_rows_change_only_the_swept_setting(cuda):
+    from benchmarks.sweeps import FULL, SWEEPS
+    from ffcv_ddpm.config import load_config
+
+    full = _keys(FULL)
+    assert (full["train.precision"], full["train.compile"], full["data.loader"]) == ("bf16", "True", "gpu")
+    swept = {"batch": set(), "amp-compile": {"train.precision", "train.compile"},
+             "workers": {"data.loader", "data.flip", "data.num_workers"}}
+    for name, sweep in SWEEPS.items():
+        rows = sweep.rows("tiny", ("data.loader=torch-memory",), cuda)
+        assert len(rows) >= 2 and [r.baseline for r in rows] == [True] + [False] * (len(rows) - 1)
+        assert len({r.name for r in rows}) == len(rows) and all(isinstance(r.batch, int) for r in rows)
+        for row in rows:
+            load_config(row.preset, list(row.overrides))
+            changed = {k for k, v in _keys(row.overrides).items() if full.get(k) != v}
+            assert changed <= swept[name], (row.name, changed)
+    if not cuda:  # what a CPU cannot run is not in its rows
+        assert all("fp16" not in r.name for r in SWEEPS["amp-compile"].rows("tiny", ("data.loader=x",), False))
+
+
+def _sweep_result():
+    def row(name, precision, compile_, ms, ok=True):
+        cfg = {"train": {"precision": precision, "compile": compile_}, "data": {"num_workers": 0, "loader": "gpu"}}
+        raw = {"batch_size": 256, "precision": precision, "iter_ms": [ms] * 4, "wait_ms": [0.0] * 4,
+               "first_step_s": 1.0, "peak_mem_bytes": 3 * 2**30}
+        return {"name": name, "group": "tiny", "preset": "tiny", "baseline": name == "fp32, eager", "status":
+                "ok" if ok else "failed", "error": None if ok else "out of memory", "raw": raw if ok else None,
+                "config": cfg if ok else None, "overrides": []}
+
+    return {"table": "sweep-amp-compile", "device_name": "NVIDIA H100 80GB HBM3", "environment": {"torch": "2.x"},
+            "flops": {}, "measured_peaks": None,
+            "rows": [row("fp32, eager", "fp32", False, 100.0), row("bf16, eager", "bf16", False, 50.0),
+                     row("fp32, compile", "fp32", True, 80.0), row("bf16, compile", "bf16", True, 25.0),
+                     row("fp16, compile", "fp16", True, 0, ok=False)]}
+
+
+def test_sweep_curve_from_a_result(tmp_path):
+    from benchmarks.report import add_metrics
+    from benchmarks.sweeps import SWEEPS, plot_sweep
+
+    result = add_metrics(_sweep_result())
+    assert result["rows"][3]["metrics"]["img_per_s"] == pytest.approx(256 / 0.025)
+    assert result["rows"][3]["metrics"]["speedup"] == pytest.approx(4.0)
+    png = plot_sweep(result, SWEEPS["amp-compile"], tmp_path / "curve.png")
+    assert png.stat().st_size > 10_000
+
+
+def test_sweeps_command_runs_a_row_through_bench(small_dataset, tmp_path, capsys):
+    from benchmarks import sweeps
+
+    assert sweeps.main(["--sweep", "nope"]) == 2 and "unknown sweep nope" in capsys.readouterr().err
+    out = tmp_path / "sweeps"
+    rc = sweeps.main(["--sweep", "batch", "--preset", "tiny", "--data", str(small_dataset), "--rows", "1",
+                      "--iters", "2", "--warmup", "0", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().out[-3000:]
+    result = json.loads((out / "sweep-batch-tiny.json").read_text())
+    assert result["table"] == "sweep-batch" and len(result["rows"]) == 1
+    row = result["rows"][0]
+    assert row["status"] == "ok" and row["raw"]["batch_size"] == row["config"]["data"]["batch_size"]
+    assert row["metrics"]["img_per_s"] > 0 and row["config"]["train"]["precision"] == "bf16"
+    assert (out / "sweep-batch-tiny-curve.png").stat().st_size > 10_000 and (out / "sweep-batch-tiny.md").is_file()

@@ -1,0 +1,203 @@
+"""Sweeps through the benchmark harness: training speed vs batch size, AMP x compile, and loader workers.
+
+    python -m benchmarks.sweeps --data data                         # all three (CUDA: ddpm-cifar10; CPU: tiny)
+    python -m benchmarks.sweeps --data data --sweep batch,workers --iters 30
+    python -m benchmarks.sweeps --sweep amp-compile --list           # the rows and their overrides; runs nothing
+
+Each sweep is a row table of benchmarks.bench (`sweep-batch`, `sweep-amp-compile`, `sweep-workers`), run by
+bench itself: every row in a fresh process, warm-up, CUDA-event timing with the data wait inside, JSON + Markdown +
+bar chart in benchmarks/results/<card>/. On top of that this module draws the sweep as a curve
+(<name>-curve.png): x = the swept setting, y = images/s, with peak memory or the data-wait share beneath.
+Any argument it does not know goes to bench (--iters, --warmup, --row-timeout, --baseline-loader, ...).
+
+Every row starts from the full stack of bench's table (bf16, compile, SDPA, channels_last, fused AdamW, GPU-resident
+data with GPU flips) and changes only the swept setting, so each curve isolates one knob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from benchmarks import bench
+from benchmarks.bench import BASELINE, STACK, Row, merge
+
+# The last row of bench's stack: everything on. Sweeps vary one setting of it.
+FULL = merge(BASELINE, *(added for _, added, _ in STACK))
+
+
+@dataclass(frozen=True)
+class Sweep:
+    rows: Callable[[str, tuple[str, ...], bool], list[Row]]  # (preset, bench's baseline loader, cuda) -> rows
+    x: Callable[[dict], object]  # a result row -> its x value
+    series: Callable[[dict], str]  # a result row -> the curve it belongs to
+    xlabel: str  # x axis label
+    lower: str  # what the lower panel shows: "mem" (peak GiB) or "wait" (data-wait share)
+    log_x: bool = False  # powers of two read best on a log axis
+
+
+def batch_rows(preset: str, _loader, cuda: bool) -> list[Row]:
+    sizes = (64, 128, 256, 512, 1024, 2048) if cuda else (4, 8)
+    return [Row(f"batch {b}", preset, FULL, b, baseline=i == 0) for i, b in enumerate(sizes)]
+
+
+def amp_compile_rows(preset: str, _loader, cuda: bool) -> list[Row]:
+    # fp16 needs a GradScaler on CUDA and compile is a no-op on CPU, so the CPU grid is fp32/bf16 eager only.
+    precisions = ("fp32", "tf32", "bf16", "fp16") if cuda else ("fp32", "bf16")
+    rows = []
+    for compile_ in ((False, True) if cuda else (False,)):
+        for p in precisions:
+            name = f"{p}, {'compile' if compile_ else 'eager'}"
+            rows.append(Row(name, preset, merge(FULL, (f"train.precision={p}", f"train.compile={compile_}")),
+                            256 if cuda else 8, baseline=not rows))
+    return rows
+
+
+def worker_rows(preset: str, loader: tuple[str, ...], cuda: bool) -> list[Row]:
+    """FFCV and bench's baseline loader (a torch DataLoader) at several worker counts, flips in the loader: the
+    question is whether the loader keeps the GPU fed, so it gets the flip work a CPU pipeline would do."""
+    name = loader[0].split("=", 1)[1]
+    counts = {"ffcv": (1, 2, 4, 8, 12, 16), name: (0, 2, 4, 8, 12, 16)} if cuda else {"ffcv": (1, 2), name: (0, 2)}
+    rows = []
+    for kind, extra in (("ffcv", ("data.loader=ffcv",)), (name, loader)):
+        for w in counts[kind]:
+            rows.append(Row(f"{kind}, {w} workers", preset, merge(FULL, extra, ("data.flip=cpu", f"data.num_workers={w}")),
+                            256 if cuda else 8, baseline=not rows))
+    return rows
+
+
+SWEEPS = {
+    "batch": Sweep(batch_rows, x=lambda r: r["raw"]["batch_size"], series=lambda r: "img/s", xlabel="batch size",
+                   lower="mem", log_x=True),
+    "amp-compile": Sweep(amp_compile_rows, x=lambda r: r["config"]["train"]["precision"],
+                         series=lambda r: "compiled" if r["config"]["train"]["compile"] else "eager",
+                         xlabel="precision", lower="mem"),
+    "workers": Sweep(worker_rows, x=lambda r: r["config"]["data"]["num_workers"],
+                     series=lambda r: r["config"]["data"]["loader"], xlabel="loader workers", lower="wait"),
+}
+
+
+def register(preset: str, cuda: bool) -> dict[str, str]:
+    """Adds each sweep to bench.TABLES as `sweep-<name>` (rows for `preset`); returns sweep -> table name."""
+    tables = {}
+    for name, sweep in SWEEPS.items():
+        table = f"sweep-{name}"
+        bench.TABLES[table] = lambda loader, rows=sweep.rows: rows(preset, loader, cuda)
+        tables[name] = table
+    return tables
+
+
+# ---------------------------------------------------------------------------------------------------- the curve
+
+
+def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
+    """img/s against the swept setting, one line per series; peak memory or data wait below. Failed rows
+    (out of memory, ...) are listed in the title instead of plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["rows"] if r.get("metrics")]
+    failed = [r["name"] for r in result["rows"] if not r.get("metrics")]
+    xs = list(dict.fromkeys(sweep.x(r) for r in ok))
+    categorical = any(isinstance(x, str) for x in xs)
+    fig, (top, low) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    for series in dict.fromkeys(sweep.series(r) for r in ok):
+        rows = [r for r in ok if sweep.series(r) == series]
+        x = [xs.index(sweep.x(r)) if categorical else sweep.x(r) for r in rows]
+        top.plot(x, [r["metrics"]["img_per_s"] for r in rows], "o-", label=series)
+        if sweep.lower == "mem":
+            mem = [r["raw"].get("peak_mem_bytes") for r in rows]
+            low.plot(x, [m / 2**30 if m is not None else float("nan") for m in mem], "o-", label=series)
+        else:
+            low.plot(x, [100 * r["metrics"]["data_wait_share"] for r in rows], "o-", label=series)
+    top.set_ylim(bottom=0)
+    top.set_ylabel("images / s (training step)")
+    if sweep.lower == "mem" and all(r["raw"].get("peak_mem_bytes") is None for r in ok):
+        low.text(0.5, 0.5, "peak memory: n/a (no CUDA)", ha="center", va="center", transform=low.transAxes)
+    low.set_ylabel("peak memory (GiB)" if sweep.lower == "mem" else "waiting for data (% of step)")
+    low.set_xlabel(sweep.xlabel)
+    if categorical:
+        low.set_xticks(range(len(xs)), xs)
+    elif sweep.log_x:
+        low.set_xscale("log", base=2)
+        low.set_xticks(xs, [str(x) for x in xs])
+    for ax in (top, low):
+        ax.grid(alpha=0.3)
+    if len({sweep.series(r) for r in ok}) > 1:
+        top.legend(fontsize=8)
+    env = result["environment"]
+    title = (f"{result['table']} ({result['rows'][0]['preset'] if result['rows'] else '?'}) - "
+             f"{result.get('device_name') or 'CPU'} - torch {env.get('torch')} - {(env.get('commit') or 'no git')[:10]}")
+    if failed:
+        title += "\nnot plotted (failed): " + ", ".join(failed)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- command
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweeps", description=__doc__.split("\n\n")[0],
+                                epilog="Other arguments are passed to benchmarks.bench (see its --help).")
+    p.add_argument("--sweep", default="all", help=f"comma-separated: {', '.join(SWEEPS)}, or all")
+    p.add_argument("--preset", help="model preset (default: ddpm-cifar10 with CUDA, tiny without)")
+    p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
+    return p.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = parse_args(argv)
+    names = list(SWEEPS) if args.sweep == "all" else [s.strip() for s in args.sweep.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SWEEPS]
+    if unknown or not names:
+        print(f"sweeps: error: unknown sweep {', '.join(unknown) or repr(args.sweep)}; choose from "
+              f"{', '.join(SWEEPS)} or all", file=sys.stderr)
+        return 2
+    if any(a == "--table" or a.startswith("--table=") or a == "--name" for a in rest):
+        print("sweeps: error: --table/--name are set by sweeps (use --sweep)", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available()  # no CUDA context here: bench's children own the GPU
+    preset = args.preset or ("ddpm-cifar10" if cuda else "tiny")
+    tables = register(preset, cuda)
+    listing = "--list" in rest
+    out = args.out
+    if out is None and not listing:
+        # The card's name from a child, as bench does, so this process never holds GPU memory.
+        env = bench.spawn("env", {}, 120)
+        if env["status"] != "ok":
+            print(f"sweeps: error: could not read the environment: {env['error']}", file=sys.stderr)
+            return 2
+        from benchmarks.peaks import card_slug
+
+        gpus = env["result"]["gpus"]
+        out = bench.REPO / "benchmarks" / "results" / card_slug(gpus[0]["name"] if cuda and gpus else None)
+    rc = 0
+    for name in names:
+        stem = tables[name] + ("" if preset == "ddpm-cifar10" else f"-{preset}")
+        print(f"\nsweeps: {tables[name]} ({preset})", flush=True)
+        code = bench.main(["--table", tables[name], "--name", stem, *(["--out", str(out)] if out else []), *rest])
+        rc = max(rc, code)
+        if code == 2 or listing:
+            continue
+        json_path = out / f"{stem}.json"
+        result = json.loads(json_path.read_text())
+        png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
+        print(f"sweeps: wrote {png}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
