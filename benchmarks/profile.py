@@ -286,8 +286,9 @@ def top_ops_lines(a: dict) -> list[str]:
     lines = [f"### Top {len(a['top_ops'])} ops by {'self CUDA' if cuda else 'self CPU'} time "
              f"(per step; % of the {step})", ""]
     lines += _md_table(["#", "op", "class", "calls", "self CUDA ms", "self CPU ms", "CPU total ms", "% of step"],
-                       [[str(i), f"`{short(r['name'])}`", r["class"], f"{r['calls_per_step']:g}", _ms(r["self_cuda_ms"]),
-                         _ms(r["self_cpu_ms"]), _ms(r["cpu_total_ms"]), f"{r['pct_of_step']:.1f}%"]
+                       [[str(i), f"`{short(r['name'])}`", r["class"], f"{r['calls_per_step']:g}",
+                         _ms(r["self_cuda_ms"]), _ms(r["self_cpu_ms"]), _ms(r["cpu_total_ms"]),
+                         f"{r['pct_of_step']:.1f}%"]
                         for i, r in enumerate(a["top_ops"], 1)])
     if a["top_kernels"]:
         lines += ["", f"### Top {len(a['top_kernels'])} GPU kernels (per step)", ""]
@@ -657,7 +658,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     (out / "op_classes.md").write_text("\n".join([f"# Op classes: {title}", "", *head, "", *class_lines(a), ""]))
     plot_top(a, out / "top_ops.png", title)
     plot_classes(a, out / "op_classes.png", title)
-    pics = [f"![top ops](top_ops.png)", "", "![op classes](op_classes.png)"]
+    pics = ["![top ops](top_ops.png)", "", "![op classes](op_classes.png)"]
     if "telemetry_plot" in files:
         pics += ["", "![telemetry](telemetry.png)"]
     (out / "profile.md").write_text("\n".join([

@@ -65,8 +65,8 @@ def worker_rows(preset: str, loader: tuple[str, ...], cuda: bool) -> list[Row]:
     rows = []
     for kind, extra in (("ffcv", ("data.loader=ffcv",)), (name, loader)):
         for w in counts[kind]:
-            rows.append(Row(f"{kind}, {w} workers", preset, merge(FULL, extra, ("data.flip=cpu", f"data.num_workers={w}")),
-                            256 if cuda else 8, baseline=not rows))
+            overrides = merge(FULL, extra, ("data.flip=cpu", f"data.num_workers={w}"))
+            rows.append(Row(f"{kind}, {w} workers", preset, overrides, 256 if cuda else 8, baseline=not rows))
     return rows
 
 
@@ -132,8 +132,9 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
     if len({sweep.series(r) for r in ok}) > 1:
         top.legend(fontsize=8)
     env = result["environment"]
-    title = (f"{result['table']} ({result['rows'][0]['preset'] if result['rows'] else '?'}) - "
-             f"{result.get('device_name') or 'CPU'} - torch {env.get('torch')} - {(env.get('commit') or 'no git')[:10]}")
+    preset = result["rows"][0]["preset"] if result["rows"] else "?"
+    title = (f"{result['table']} ({preset}) - {result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "
+             f"{(env.get('commit') or 'no git')[:10]}")
     if failed:
         title += "\nnot plotted (failed): " + ", ".join(failed)
     fig.suptitle(title, fontsize=9)

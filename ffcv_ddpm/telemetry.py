@@ -249,7 +249,8 @@ class GpuTelemetry:
             end = self._t_end if self._t_end is not None else self.clock()
             out["duration_s"] = end - self._t0
             # The counter covers start..stop exactly; the samples' mean may miss the edges of a short block.
-            out["mean_power_w_counter"] = counter / out["duration_s"] if counter is not None and end > self._t0 else None
+            known = counter is not None and end > self._t0
+            out["mean_power_w_counter"] = counter / out["duration_s"] if known else None
         return out
 
 

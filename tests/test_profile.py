@@ -63,7 +63,8 @@ NAMES = {
         "triton_poi_fused_mul_silu_silu_backward_5",
         "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)::"
         "{lambda()#1}::operator()() const::{lambda()#8}::operator()() const::{lambda(float)#1}, at::detail::Array"
-        "<char*, 2> >(int, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}, at::detail::Array<char*, 2>)",
+        "<char*, 2> >(int, at::native::silu_kernel(at::TensorIteratorBase&)::{lambda()#1}, "
+        "at::detail::Array<char*, 2>)",
         "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
         "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
         "float>, unsigned int, float, 4, 4>)",
