@@ -13,7 +13,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders train profile bench-ddp clean
+.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp clean
 
 setup: $(SETUP)
 
@@ -37,6 +37,12 @@ bench: $(SETUP)
 
 bench-loaders: $(SETUP)
 	$(PY) -m benchmarks.loaders --data $(DATA) $(ARGS)
+
+profile: $(SETUP)
+	$(PY) -m benchmarks.profile --preset $(PRESET) --data $(DATA) $(ARGS)
+
+sweeps: $(SETUP)
+	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)
 
 train: $(SETUP)
 	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(ARGS)

@@ -42,6 +42,7 @@ class TrainConfig:
     desc: str = ""                       # extra words in the run folder name
     resume: str = ""                     # a run folder to continue from its newest complete checkpoint
     progress: bool = True                # tqdm progress bar
+    telemetry: bool = True               # sample GPU power/util/memory/clocks via NVML into telemetry.jsonl (CUDA only)
 
 
 @dataclass

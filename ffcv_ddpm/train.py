@@ -32,6 +32,7 @@ from ffcv_ddpm.data import check_beton, dataset_info, make_loader, prepare_batch
 from ffcv_ddpm.diffusion import GaussianDiffusion, save_grid
 from ffcv_ddpm.ema import EMA
 from ffcv_ddpm.env import environment
+from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import StepTimer
 from ffcv_ddpm.unet import build_model
 
@@ -307,6 +308,9 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
     if cfg.train.progress and ddp.main:
         from tqdm import tqdm
         progress = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
+    # NVML reads the whole GPU, so one sampler per rank's GPU would be right; rank 0 samples its own GPU only.
+    telemetry = GpuTelemetry(run_dir / "telemetry.jsonl", device_index=device.index or 0,
+                             enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
     t_start, window = time.perf_counter(), 0
     step = start_step
     try:
@@ -371,8 +375,13 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
                 break
     finally:
         stop.restore()
+        telemetry.stop()
         if progress is not None:
             progress.close()
+    summary = telemetry.summary(images=(step - start_step) * cfg.data.batch_size)  # this rank's GPU and images
+    if ddp.main and summary.get("enabled", True):
+        write_json(run_dir / "telemetry-summary.json", summary)
+        plot_telemetry(run_dir / "telemetry.jsonl", run_dir / "telemetry.png")
     return run_dir
 
 
