@@ -1,6 +1,6 @@
 """`make bench`: the training-step table (the published MFU table's rows, then ours), each row in a fresh process.
 
-    python -m benchmarks.bench --data data                       # CUDA: both models; no CUDA: the CPU-sized 'quick' table
+    python -m benchmarks.bench --data data               # CUDA: both models; no CUDA: the CPU-sized 'quick' table
     python -m benchmarks.bench --data data --table small --measure-peak --sampling
     python -m benchmarks.bench --list --table both               # print the rows and their overrides, run nothing
 

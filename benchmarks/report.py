@@ -272,7 +272,8 @@ def plot(result: dict, path: Path) -> None:
         bars = ax.barh(names, values, color="#4c72b0")
         for bar, r in zip(bars, rows[::-1]):
             m = r["metrics"]
-            label = "FAILED" if m is None else f" {_num(m['img_per_s'])} img/s, MFU {_mfu(m.get('mfu'), m['peak_note'])}"
+            mfu = None if m is None else _mfu(m.get("mfu"), m["peak_note"])
+            label = "FAILED" if m is None else f" {_num(m['img_per_s'])} img/s, MFU {mfu}"
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
         ax.set_title(group, fontsize=10)
         ax.set_xlabel("images / s (training step, data loading in the loop)")

@@ -63,8 +63,8 @@ def _fake_result(device_name):
         "dataset": {"path": "d.beton", "num_images": 50000, "source": "synthetic", "synthetic": True},
         "settings": {"iters": 10, "warmup": 1}, "flops": {"annotated-small": flops}, "measured_peaks": None,
         "rows": [row("base", 200.0, baseline=True, precision="fp32"), row("fast", 100.0), row("oom", 1, status="x")],
-        "sampling": [{"name": "ddpm-cifar10", "sampler": "ddim", "precision": "bf16", "steps": 50, "n": 8, "seconds": 2.0,
-                      "img_per_s": 4.0, "tflops": 1.0}],
+        "sampling": [{"name": "ddpm-cifar10", "sampler": "ddim", "precision": "bf16", "steps": 50, "n": 8,
+                      "seconds": 2.0, "img_per_s": 4.0, "tflops": 1.0}],
     }
 
 
