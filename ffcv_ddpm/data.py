@@ -246,6 +246,13 @@ class _FFCVBatches(BatchLoader):
         # FFCV orders epoch e by (seed + e) (RANDOM, distributed sampler) or (seed * 912300 + e) (QUASI_RANDOM) and
         # then advances its own counter; setting the counter is how an epoch is chosen.
         self._loader.next_epoch = epoch
+        if self.device.type == "cuda":
+            # FFCV allocates each epoch's device buffers on the current stream, then fills them from its own
+            # streams without waiting for the current one. The caching allocator may hand it memory that kernels
+            # still queued on the current stream (the previous steps' activations) have just freed, so the copy
+            # can overwrite live activations: seen as a NaN loss on the first step of epoch 2 on an H200.
+            # Draining the stream first costs one sync per epoch, never one per step.
+            torch.cuda.current_stream(self.device).synchronize()
         if self._pristine_pages is not None:
             self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages
         batches = iter(self._loader)
