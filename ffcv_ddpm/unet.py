@@ -145,7 +145,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> t
 
 
 class SelfAttention(nn.Module):
-    """Pre-norm multi-head self-attention over all H*W positions, with a residual connection."""
+    """Pre-norm multi-head self-attention over all H*W positions, with a residual connection.
+
+    The fused qkv output is split in channels_last order, (B, H, W, 3*heads*d) -> (B, HW, 3, heads, d), so q, k, v
+    and their gradients are views of the conv's storage. Splitting in NCHW order instead ((B, 3, heads, d, HW),
+    then a transpose) made the backward do a stack plus a transposing copy of the whole qkv gradient: 7.29 vs
+    6.21 ms compiled for one fwd+bwd of a 32x32x32 block at batch 512 in bf16 on an H200 (torch 2.11).
+    """
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str):
         super().__init__()
@@ -159,10 +165,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x.shape
-        qkv = self.qkv(self.norm(x))  # (B, 3*heads*d, H, W)
-        # Flattening (H, W) and splitting channels are views for channels_last (and for NCHW) storage.
-        qkv = qkv.reshape(B, 3, self.heads, self.head_dim, H * W)  # (B, 3, heads, d, HW)
-        q, k, v = qkv.transpose(-2, -1).unbind(1)  # 3 x (B, heads, HW, d); d is the unit-stride dim if channels_last
+        qkv = self.qkv(self.norm(x)).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
+        qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if channels_last
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
         o = attention(q, k, v, self.impl)  # (B, heads, HW, d)
         # Back to an image in channels_last layout: (B, HW, heads, d) -> (B, H, W, heads*d) -> (B, heads*d, H, W).
         o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim).permute(0, 3, 1, 2)
