@@ -154,7 +154,10 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
                                       gradient_as_bucket_view=True)
     if cfg.train.compile and device.type == "cuda":
         # Compiling the DDP wrapper lets dynamo split the graph at bucket boundaries (all-reduce overlaps backward).
-        net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode)
+        # dynamic=False: batches have one size (drop_last), and a dynamic-shape recompile for a second size hit
+        # "misaligned address" in an inductor GroupNorm-backward kernel (H200, torch 2.11).
+        net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
+                            dynamic=False)
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).
     torch.manual_seed(cfg.train.seed + ddp.rank)
     step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg)
