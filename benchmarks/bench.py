@@ -206,13 +206,13 @@ def run_row(spec: dict) -> dict:
     # The first step compiles (when compile=True) and autotunes: reported on its own, never timed with the rest.
     t0 = time.perf_counter()
     images, labels = next(data)
-    loss = trainer.step(images, labels, lr)
+    trainer.step(images, labels, lr)
     _sync(device)
     first_step_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(spec["warmup"]):
         images, labels = next(data)
-        loss = trainer.step(images, labels, lr)
+        trainer.step(images, labels, lr)
     _sync(device)
     warmup_s = time.perf_counter() - t0
 

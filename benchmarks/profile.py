@@ -379,7 +379,6 @@ def _sync(device) -> None:
 
 def profile_steps(trainer, data, lr: float, steps: int, device):
     """torch.profiler over `steps` iterations after one skipped and one profiler-warm-up iteration."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -24,7 +24,7 @@ class TrainConfig:
     weight_decay: float = 0.0            # AdamW weight decay
     betas: tuple = (0.9, 0.999)          # AdamW betas
     grad_clip: float = 1.0               # max global grad norm; 0 disables clipping
-    fused_adam: bool = True              # fused CUDA AdamW kernel (one launch for all params); foreach on CPU
+    fused_adam: bool = True              # fused AdamW kernel (one launch for all params, no host sync); else foreach
     ema_decay: float = 0.9999            # EMA of weights for sampling (DDPM paper: 0.9999); 0 disables EMA
     precision: str = "bf16"              # fp32 | tf32 (fp32 weights, TF32 matmuls) | bf16 | fp16 (with GradScaler)
     compile: bool = True                 # torch.compile the model (forward + backward); ignored on CPU

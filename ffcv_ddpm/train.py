@@ -142,7 +142,8 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     diffusion = GaussianDiffusion(cfg.diffusion).to(device)
-    fused = cfg.train.fused_adam and device.type == "cuda"
+    # Fused AdamW (CUDA and CPU kernels) reads no step counter on the host; the foreach one calls .item() per param.
+    fused = cfg.train.fused_adam
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
                                   weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.cifar10 import CLASSES, Cifar10, load_synthetic
 
@@ -105,3 +107,64 @@ def small_dataset(tmp_path_factory) -> Path:
                "--num-synthetic-test", str(SMALL_TEST), "--seed", str(SMALL_SEED), "--workers", "2"])
     assert rc == 0, "tools.make_dataset failed to build the small synthetic dataset"
     return out
+
+
+# ---- shared by the model, diffusion, EMA and trainer tests ----
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """On a small shared CPU, OpenMP threads spinning against other processes make these tiny ops ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# Ops that copy a device value to the host: each one is a GPU sync (.item(), float(t), bool(t), boolean masks).
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def host_syncs(fn, *args, **kwargs) -> list[str]:
+    """The host-syncing ops fn runs (checked on CPU by op name, so it holds on the GPU too)."""
+    with _OpRecorder() as rec:
+        fn(*args, **kwargs)
+    return [op for op in rec.ops if op in SYNC_OPS]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Arrays:
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], int(self.labels[i])
+
+
+def write_beton(path: Path, n: int, seed: int = 0) -> Path:
+    """A raw .beton of n 32x32 images, written straight through FFCV (no tools/, no manifest)."""
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.writer import DatasetWriter
+
+    rng = np.random.default_rng(seed)
+    # Smooth colour ramps plus noise: structured, never all zeros.
+    ramp = np.linspace(0, 200, 32, dtype=np.float32)[None, :, None, None]
+    images = (ramp + rng.integers(0, 56, (n, 32, 32, 3))).astype(np.uint8)
+    labels = rng.integers(0, 10, n)
+    DatasetWriter(str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()},
+                  num_workers=1).from_indexed_dataset(_Arrays(images, labels))
+    return path

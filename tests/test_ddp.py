@@ -4,14 +4,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ffcv_ddpm.train import NO_MULTICAST, TrainingError, check_ranks_agree
-from test_train import REPO, write_beton
+from conftest import REPO, write_beton
 
 
 def test_two_ranks_train_in_lockstep(tmp_path):

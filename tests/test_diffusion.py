@@ -22,7 +22,9 @@ from ffcv_ddpm.diffusion import (
 from ffcv_ddpm.unet import PRESETS, build_model
 
 
-from test_unet import host_syncs, one_thread  # noqa: F401  (one_thread: autouse fixture, shared)
+from conftest import host_syncs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class GaussianOracle(nn.Module):

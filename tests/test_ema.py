@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from ffcv_ddpm.ema import EMA
-from test_unet import host_syncs
+from conftest import host_syncs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def small_model() -> nn.Module:

@@ -1,7 +1,6 @@
 """The trainer on CPU with the tiny preset: run folder, loss going down, bit-exact resume, kill -9, SIGTERM, NaN."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,37 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from ffcv.fields import IntField, RGBImageField
-from ffcv.writer import DatasetWriter
 
+from conftest import REPO, host_syncs, write_beton
 from ffcv_ddpm import train as train_mod
 from ffcv_ddpm.checkpoint import list_checkpoints
 from ffcv_ddpm.config import RunConfig, load_config
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-class _Arrays:
-    def __init__(self, images, labels):
-        self.images, self.labels = images, labels
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, i):
-        return self.images[i], int(self.labels[i])
-
-
-def write_beton(path: Path, n: int, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    # Smooth colour ramps plus noise: structured, never all zeros.
-    ramp = np.linspace(0, 200, 32, dtype=np.float32)[None, :, None, None]
-    images = (ramp + rng.integers(0, 56, (n, 32, 32, 3))).astype(np.uint8)
-    labels = rng.integers(0, 10, n)
-    DatasetWriter(str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()},
-                  num_workers=1).from_indexed_dataset(_Arrays(images, labels))
-    return path
-
 
 @pytest.fixture(scope="module")
 def beton(tmp_path_factory) -> Path:
@@ -207,6 +180,16 @@ def test_missing_or_wrong_beton_fails_before_building(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nope.beton" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_training_step_has_no_host_sync():
+    """prepare_batch, forward, loss, backward, clipping, fused AdamW and EMA: not one device-to-host read."""
+    cfg = load_config("tiny", ["train.device=cpu", "train.precision=fp32", "train.compile=False"])
+    t = train_mod.build(cfg, torch.device("cpu"))
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (4,))
+    t.step(images, labels, 1e-4)  # the first step allocates optimizer state
+    assert host_syncs(t.step, images, labels, 1e-4) == []
 
 
 def test_largest_fitting_batch_reports_what_fits():

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import host_syncs
 
 from ffcv_ddpm.unet import (
     PRESETS,
@@ -22,34 +22,7 @@ from ffcv_ddpm.unet import (
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """On a small shared CPU, OpenMP threads spinning against other processes make these tiny ops ~10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-# Ops that copy a device value to the host: each one is a GPU sync (.item(), float(t), bool(t), boolean masks).
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal"}
-
-
-class _OpRecorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def host_syncs(fn, *args, **kwargs) -> list[str]:
-    """The host-syncing ops fn runs (checked on CPU by op name, so it holds on the GPU too)."""
-    with _OpRecorder() as rec:
-        fn(*args, **kwargs)
-    return [op for op in rec.ops if op in SYNC_OPS]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # A tiny annotated-arch config, so both network families are exercised at CPU-test size.

@@ -10,7 +10,6 @@ import csv
 import hashlib
 import http.client
 import json
-import os
 import pickle
 import tarfile
 import urllib.error
