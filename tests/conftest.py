@@ -144,7 +144,9 @@ def host_syncs(fn, *args, **kwargs) -> list[str]:
 REPO = Path(__file__).resolve().parents[1]
 
 
-class _Arrays:
+class IndexedArrays:
+    """(image, label) pairs by index: what FFCV's DatasetWriter.from_indexed_dataset reads."""
+
     def __init__(self, images, labels):
         self.images, self.labels = images, labels
 
@@ -166,5 +168,5 @@ def write_beton(path: Path, n: int, seed: int = 0) -> Path:
     images = (ramp + rng.integers(0, 56, (n, 32, 32, 3))).astype(np.uint8)
     labels = rng.integers(0, 10, n)
     DatasetWriter(str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()},
-                  num_workers=1).from_indexed_dataset(_Arrays(images, labels))
+                  num_workers=1).from_indexed_dataset(IndexedArrays(images, labels))
     return path

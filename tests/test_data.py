@@ -11,6 +11,7 @@ from ffcv.fields import IntField, RGBImageField
 from ffcv.writer import DatasetWriter
 from PIL import Image
 
+from conftest import IndexedArrays
 from ffcv_ddpm.data import (CIFAR10_CLASSES, DataConfig, check_beton, dataset_info, epoch_order, make_loader,
                             prepare_batch)
 
@@ -23,17 +24,6 @@ N, H, W = 100, 16, 24  # H != W so a transposed axis cannot pass
 CPU = torch.device("cpu")
 
 
-class _Arrays:
-    def __init__(self, images, labels):
-        self.images, self.labels = images, labels
-
-    def __len__(self):
-        return len(self.images)
-
-    def __getitem__(self, i):
-        return self.images[i], int(self.labels[i])
-
-
 def write_dataset(folder: Path, n: int = N, height: int = H, width: int = W, seed: int = 0,
                   formats=("raw",)) -> tuple[np.ndarray, np.ndarray]:
     """Random non-zero images in the layout of `make dataset`: <folder>/cifar10_train_<fmt>.beton for each format,
@@ -44,7 +34,7 @@ def write_dataset(folder: Path, n: int = N, height: int = H, width: int = W, see
     for fmt in formats:
         fields = {"image": RGBImageField(write_mode=fmt), "label": IntField()}
         DatasetWriter(str(folder / f"cifar10_train_{fmt}.beton"), fields, num_workers=1).from_indexed_dataset(
-            _Arrays(images, labels))
+            IndexedArrays(images, labels))
     (folder / "png" / "train").mkdir(parents=True)
     for i, image in enumerate(images):
         Image.fromarray(image).save(folder / "png" / "train" / f"{i + 1}.png")
@@ -198,7 +188,7 @@ def test_check_beton_says_what_is_wrong(data, tmp_path):
         check_beton(junk)
     other = tmp_path / "other.beton"
     DatasetWriter(str(other), {"picture": RGBImageField(write_mode="raw"), "label": IntField()},
-                  num_workers=1).from_indexed_dataset(_Arrays(data[1][:4], data[2][:4]))
+                  num_workers=1).from_indexed_dataset(IndexedArrays(data[1][:4], data[2][:4]))
     with pytest.raises(ValueError, match=r"needs fields 'image'.*'picture'"):
         check_beton(other)
     with pytest.raises(FileNotFoundError, match="make dataset"):
