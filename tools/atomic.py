@@ -12,10 +12,12 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 PARTIAL_TAG = ".partial-"
 _pending: set[Path] = set()  # this process's temp outputs, not yet renamed into place or removed
+_children: set[int] = set()  # worker processes that may still (re)open those outputs
 
 
 def partial_path(final: Path) -> Path:
@@ -108,6 +110,32 @@ def write_json(path: Path, obj: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Stopping
 
+def track_children(pids) -> None:
+    """Workers writing our temp outputs: stopped before the outputs are removed (see abort_cleanly)."""
+    _children.update(pids)
+
+
+def untrack_children(pids) -> None:
+    _children.difference_update(pids)
+
+
+def _stop_children(timeout_s: float) -> None:
+    """SIGKILL the tracked workers and wait (bounded) until they are gone."""
+    pids = list(_children)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:  # already reaped
+                break
+            time.sleep(0.005)
+
+
 def worker_init() -> None:
     """For worker processes: die with the parent (Linux; no orphan waits for work that never comes) and leave Ctrl-C,
     which reaches the whole process group, to the parent."""
@@ -128,8 +156,15 @@ def abort_cleanly(message: str):
 
     def handler(signum, frame):
         if os.getpid() == owner:  # not a freshly forked child that has not yet set up its own handlers
-            for p in list(_pending):
-                remove_path(p)
+            # Workers first: FFCV's writer workers open the output in append mode, which would re-create a temp
+            # file removed under them (seen in CI as a leftover .partial after `kill`).
+            _stop_children(timeout_s=2.0)
+            # A worker forked but not yet tracked can still re-create a file in the moment before it dies with us:
+            # sweep a few times over 0.2 s.
+            for _ in range(5):
+                for p in list(_pending):
+                    remove_path(p)
+                time.sleep(0.04)
             os.write(2, f"\n{message}\n".encode())
         os._exit(128 + signum)
 

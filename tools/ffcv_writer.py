@@ -15,7 +15,7 @@ from ffcv.memory_allocator import MemoryAllocator
 from ffcv.writer import DatasetWriter
 from tqdm import tqdm
 
-from tools.atomic import worker_init
+from tools.atomic import track_children, untrack_children, worker_init
 from tools.cifar10 import Split
 
 
@@ -75,6 +75,7 @@ class _Writer(DatasetWriter):
             procs = [ctx.Process(target=_worker, args=(work_fn, *args), daemon=True) for _ in range(self.num_workers)]
             for p in procs:
                 p.start()
+            track_children(p.pid for p in procs)
             with tqdm(total=num_samples, desc=self.desc, unit="img", leave=False) as bar:
                 while bar.n < num_samples:
                     self._check_workers(procs)
@@ -93,6 +94,7 @@ class _Writer(DatasetWriter):
                 if p.is_alive():
                     p.terminate()
                 p.join()
+            untrack_children(p.pid for p in procs)
             if not finished:
                 # Work the stopped workers never read would keep the queue's feeder thread, and so this process's
                 # exit, blocked forever on a full pipe: read it back here.
