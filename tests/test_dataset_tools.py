@@ -93,10 +93,12 @@ def test_raw_beton_is_bit_exact_in_file_order(tarball_case, split):
     assert images.shape == expected.images.shape and images.dtype == np.uint8
     np.testing.assert_array_equal(images, expected.images)
     np.testing.assert_array_equal(labels, expected.labels)
-    if split == "train":  # 200 images: written by 2 processes, each filling its own page of the file
+    if split == "train":  # 200 images, 2 writer processes: each fills pages of its own
         from ffcv.reader import Reader
         pointers = Reader(str(out / "cifar10_train_raw.beton")).metadata["f0"]["data_ptr"]
-        assert len(np.unique(pointers // tools.make_dataset.PAGE_SIZE)) == 2
+        # Both workers pull from one queue, so on a loaded machine one of them may take every chunk (seen on CI):
+        # one page per worker that took work, never more pages than workers.
+        assert 1 <= len(np.unique(pointers // tools.make_dataset.PAGE_SIZE)) <= 2
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
