@@ -38,6 +38,11 @@ bench: $(SETUP)
 bench-loaders: $(SETUP)
 	$(PY) -m benchmarks.loaders --data $(DATA) $(ARGS)
 
+# DDP scaling of the trainer on 1, 2, 4 GPUs of this host (torchrun; NVLink multicast kept off in every rank).
+bench-ddp: $(SETUP)
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+		$(PY) -m benchmarks.ddp --data $(DATA) --preset $(PRESET) $(ARGS)
+
 profile: $(SETUP)
 	$(PY) -m benchmarks.profile --preset $(PRESET) --data $(DATA) $(ARGS)
 

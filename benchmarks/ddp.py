@@ -1,0 +1,172 @@
+"""`make bench-ddp`: images/s and MFU per GPU of the real trainer under torchrun on 1, 2, 4 GPUs of one host.
+
+    python -m benchmarks.ddp --data data                          # ddpm-cifar10, bf16, compile, batch 512 per GPU
+    python -m benchmarks.ddp --data data --gpus 1,2 --mode global # global batch fixed instead of per-GPU batch
+    python -m benchmarks.ddp --data data --device cpu --preset tiny --batch 16 --steps 12   # gloo, for CI
+
+Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
+FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as FFCV workers. Throughput and data
+wait come from the run's stats.jsonl (CUDA events on rank 0, the wait for data inside each iteration); the first
+log interval (compilation, FFCV's first epoch) is dropped. Scaling efficiency = img/s(N) / (N x img/s(1)).
+NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put in the children's environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.bench import BETON, ensure_dataset
+from benchmarks.flops import train_flops_per_image
+from benchmarks.peaks import card_slug, lookup_peak
+from ffcv_ddpm.config import load_config
+from ffcv_ddpm.env import environment
+from ffcv_ddpm.train import NO_MULTICAST
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_point(args, beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
+    workers = max(1, (os.cpu_count() or 1) // nproc)
+    overrides = [f"data.batch_size={per_rank_batch}", f"data.num_workers={workers}", f"train.steps={args.steps}",
+                 f"train.log_every={args.log_every}", "train.ckpt_every=1000000000", "train.sample_every=0",
+                 "train.progress=False", "train.telemetry=False", f"train.out_dir={out_dir}",
+                 f"train.device={args.device}", *args.overrides]
+    if args.device == "cpu":
+        overrides += ["train.precision=fp32", "train.compile=False"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "ffcv_ddpm.train", "--preset", args.preset, "--data", str(beton), *overrides]
+    env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        return {"nproc": nproc, "error": (proc.stdout + proc.stderr)[-3000:]}
+    (run_dir,) = [p for p in out_dir.iterdir() if p.is_dir()]
+    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    steady = stats[1:] or stats  # the first interval holds compilation and FFCV's first-epoch JIT
+    return {"nproc": nproc, "per_rank_batch": per_rank_batch, "global_batch": per_rank_batch * nproc,
+            "workers_per_rank": workers, "stats": stats,
+            "img_per_s": float(np.median([s["img_per_s"] for s in steady])),
+            "data_wait_share": float(np.median([s["data_wait_share"] for s in steady])),
+            "peak_mem_gib": steady[-1]["peak_mem_gib"], "config": json.loads((run_dir / "config.json").read_text())}
+
+
+def add_metrics(result: dict) -> None:
+    flops = result["flops_per_image"]
+    for mode, points in result["points"].items():
+        ok = [p for p in points if "error" not in p]
+        one = next((p["img_per_s"] for p in ok if p["nproc"] == 1), None)
+        for p in ok:
+            per_gpu = p["img_per_s"] / p["nproc"]
+            p["img_per_s_per_gpu"] = per_gpu
+            p["tflops_per_gpu"] = per_gpu * flops / 1e12
+            peak = result["peak_tflops"]
+            p["mfu_per_gpu"] = p["tflops_per_gpu"] / peak if peak else None
+            p["scaling_efficiency"] = p["img_per_s"] / (p["nproc"] * one) if one else None
+
+
+def render(result: dict, out: Path) -> None:
+    lines = [f"# DDP scaling: {result['preset']} on {result['device_name'] or 'CPU (gloo)'}", "",
+             f"- commit {result['environment'].get('commit')}, torch {result['environment'].get('torch')}, "
+             f"{result['environment'].get('date')}; command: `{result['command']}`",
+             f"- data: {result['dataset']} ; {result['flops_per_image'] / 1e9:.2f} GFLOP/img fwd+bwd; peak "
+             f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
+    for mode, points in result["points"].items():
+        lines += [f"## {mode} batch", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
+                  "| scaling efficiency | data wait | peak mem GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        for p in points:
+            if "error" in p:
+                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | |")
+                continue
+            mfu = f"{p['mfu_per_gpu']:.1%}" if p["mfu_per_gpu"] is not None else "n/a"
+            eff = f"{p['scaling_efficiency']:.1%}" if p["scaling_efficiency"] is not None else "n/a"
+            mem = f"{p['peak_mem_gib']:.1f}" if p["peak_mem_gib"] is not None else "n/a"
+            lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
+                         f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {p['data_wait_share']:.2%} | {mem} |")
+        lines.append("")
+    out.with_suffix(".md").write_text("\n".join(lines))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, points in result["points"].items():
+        ok = [p for p in points if "error" not in p]
+        ax.plot([p["nproc"] for p in ok], [p["img_per_s"] for p in ok], "o-", label=f"{mode} batch")
+    ns = sorted({p["nproc"] for pts in result["points"].values() for p in pts})
+    one = [p["img_per_s"] for p in result["points"].get("per-GPU", []) if p.get("nproc") == 1 and "error" not in p]
+    if one:
+        ax.plot(ns, [n * one[0] for n in ns], "k:", label="linear")
+    ax.set_xlabel("GPUs (processes)")
+    ax.set_ylabel("images/s")
+    ax.set_xticks(ns)
+    ax.set_title(f"DDP scaling, {result['preset']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ddp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
+    p.add_argument("--preset", default="ddpm-cifar10")
+    p.add_argument("--gpus", default="1,2,4", help="process counts (comma-separated)")
+    p.add_argument("--mode", choices=("per-gpu", "global", "both"), default="both",
+                   help="keep the batch per GPU fixed, the global batch fixed (--batch / N per GPU), or both")
+    p.add_argument("--batch", type=int, default=512, help="batch per GPU (per-gpu mode) / global batch (global)")
+    p.add_argument("--steps", type=int, default=150, help="training steps per point")
+    p.add_argument("--log-every", type=int, default=25, help="steps per stats interval")
+    p.add_argument("--device", default="cuda", help="cuda (NCCL) | cpu (gloo)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per point")
+    p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
+    p.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. train.compile_mode=max-autotune")
+    args = p.parse_args(argv)
+    import torch
+
+    counts = [int(n) for n in args.gpus.split(",")]
+    if args.device != "cpu":
+        have = torch.cuda.device_count()
+        if have == 0:
+            print("bench-ddp: no CUDA GPU; use --device cpu (gloo) for a functional check", file=sys.stderr)
+            return 2
+        if max(counts) > have:
+            print(f"bench-ddp: --gpus asks for {max(counts)} GPUs but this machine has {have}", file=sys.stderr)
+            return 2
+    beton = args.data / BETON
+    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+    cfg = load_config(args.preset, list(args.overrides))
+    device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
+    peak = lookup_peak(device_name, cfg.train.precision).tflops if device_name else None
+    modes = {"per-gpu": ["per-GPU"], "global": ["global"], "both": ["per-GPU", "global"]}[args.mode]
+    result = {"preset": args.preset, "device_name": device_name, "precision": cfg.train.precision,
+              "command": "python -m benchmarks.ddp " + " ".join(sys.argv[1:] if argv is None else argv),
+              "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
+              "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
+              "points": {m: [] for m in modes}}
+    out = (args.out or REPO / "benchmarks" / "results" / card_slug(device_name)) / "ddp.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for mode in modes:
+        for n in counts:
+            per_rank = args.batch if mode == "per-GPU" else args.batch // n
+            with tempfile.TemporaryDirectory() as tmp:
+                point = run_point(args, beton, n, per_rank, Path(tmp))
+            result["points"][mode].append(point)
+            msg = point.get("error", "").splitlines()[-1:] or [f"{point['img_per_s']:,.0f} img/s, data wait "
+                                                                 f"{point['data_wait_share']:.2%}"]
+            print(f"bench-ddp: {mode} batch, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
+            add_metrics(result)
+            out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    render(result, out)
+    print(f"bench-ddp: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
+    return 0 if all("error" not in p for pts in result["points"].values() for p in pts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
