@@ -250,8 +250,9 @@ class _FFCVBatches(BatchLoader):
             # FFCV allocates each epoch's device buffers on the current stream, then fills them from its own
             # streams without waiting for the current one. The caching allocator may hand it memory that kernels
             # still queued on the current stream (the previous steps' activations) have just freed, so the copy
-            # can overwrite live activations: seen as a NaN loss on the first step of epoch 2 on an H200.
-            # Draining the stream first costs one sync per epoch, never one per step.
+            # can overwrite live activations. Seen on an H200: a NaN loss at exactly the first step of epoch 2;
+            # with this drain, a 300-step run crossed three epoch boundaries with finite losses.
+            # Draining the stream costs one sync per epoch, never one per step.
             torch.cuda.current_stream(self.device).synchronize()
         if self._pristine_pages is not None:
             self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages
