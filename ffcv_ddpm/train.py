@@ -378,6 +378,7 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
                 log(ddp, f"\ntrain: {stop.signal or 'stop'} received; checkpoint written at step {step}, exiting")
                 break
     finally:
+        data.close()  # ends the loader's epoch iterator (and its prefetch thread) before the process moves on
         stop.restore()
         telemetry.stop()
         if progress is not None:
