@@ -132,19 +132,6 @@ BATCH_LADDER = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144
 # ---------------------------------------------------------------------------------------------------- child side
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _endless(loader):
-    """Batches across epoch boundaries (the epoch restart cost is part of training, so it stays in the timing)."""
-    while True:
-        yield from loader
-
-
 def _sdpa_backend(model, cfg, device) -> str:
     """Which attention kernel the row's forward runs: read off the aten op names of one small profiled forward."""
     import torch
@@ -183,8 +170,8 @@ def run_row(spec: dict) -> dict:
     import torch
 
     from ffcv_ddpm.config import load_config
-    from ffcv_ddpm.data import make_loader
-    from ffcv_ddpm.timing import StepTimer
+    from ffcv_ddpm.data import endless, make_loader
+    from ffcv_ddpm.timing import StepTimer, sync
     from ffcv_ddpm.train import build
 
     cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
@@ -201,19 +188,19 @@ def run_row(spec: dict) -> dict:
     flags = _tf32_flags()  # as build() left them for this precision
     backend = _sdpa_backend(trainer.model, cfg, device)
     lr = cfg.train.lr
-    data = _endless(loader)
+    data = endless(loader)
 
     # The first step compiles (when compile=True) and autotunes: reported on its own, never timed with the rest.
     t0 = time.perf_counter()
     images, labels = next(data)
     trainer.step(images, labels, lr)
-    _sync(device)
+    sync(device)
     first_step_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(spec["warmup"]):
         images, labels = next(data)
         trainer.step(images, labels, lr)
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - t0
 
     cuda = device.type == "cuda"
@@ -317,6 +304,7 @@ def run_sampling(spec: dict) -> list[dict]:
     from benchmarks.flops import train_flops_per_image
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.diffusion import GaussianDiffusion
+    from ffcv_ddpm.timing import sync
     from ffcv_ddpm.unet import build_model
 
     cfg = load_config(spec["preset"], [])
@@ -337,13 +325,13 @@ def run_sampling(spec: dict) -> list[dict]:
 
     t0 = time.perf_counter()
     sample("ddim", 2, spec["n"])  # compiles the model at this batch
-    _sync(device)
+    sync(device)
     compile_s = time.perf_counter() - t0
     out = []
     for sampler, steps in (("ddim", spec["ddim_steps"]), ("ddpm", cfg.diffusion.timesteps)):
         t0 = time.perf_counter()
         images = sample(sampler, steps, spec["n"])
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - t0
         if images.float().std() == 0:
             raise RuntimeError(f"{sampler} sampling returned constant images")

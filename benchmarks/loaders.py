@@ -36,6 +36,7 @@ import torch
 from benchmarks.peaks import card_slug
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
+from ffcv_ddpm.timing import sync
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(variant: Variant, workers: int | None, args, device: torch.device) -> dict:
     """Setup, first-epoch and steady-state figures of one loader variant at one worker count."""
     cfg = DataConfig(path=str(args.data / f"cifar10_train_{variant.beton}.beton"), loader=variant.loader,
@@ -116,7 +112,7 @@ def measure(variant: Variant, workers: int | None, args, device: torch.device) -
                      os_cache=variant.os_cache, flip=variant.flip, png_dir=str(args.png_dir), seed=0)
     t0 = time.perf_counter()
     loader = make_loader(cfg, device)
-    _sync(device)
+    sync(device)
     setup_s = time.perf_counter() - t0
     epochs = []
     for _ in range(1 + args.epochs):
@@ -126,7 +122,7 @@ def measure(variant: Variant, workers: int | None, args, device: torch.device) -
                 images = flip_images(images)
             last = (images, labels)  # noqa: F841  (held so the batch's work cannot be skipped)
             images_seen += images.shape[0]
-        _sync(device)
+        sync(device)
         epochs.append((images_seen, time.perf_counter() - t0))
     del loader, last
     gc.collect()  # free this variant's memory (and torch worker processes) before the next one

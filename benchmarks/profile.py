@@ -370,15 +370,9 @@ class ProfileError(Exception):
     """A user-facing problem (bad arguments or data); printed without a traceback."""
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def profile_steps(trainer, data, lr: float, steps: int, device):
     """torch.profiler over `steps` iterations after one skipped and one profiler-warm-up iteration."""
+    from ffcv_ddpm.timing import sync
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -393,7 +387,7 @@ def profile_steps(trainer, data, lr: float, steps: int, device):
                 trainer.step(images, labels, lr)
                 if i in (wait + warm - 1, wait + warm + steps - 1):
                     # The active window starts with an empty GPU queue and ends with its last kernel recorded.
-                    _sync(device)
+                    sync(device)
                 prof.step()
     return prof
 
@@ -505,12 +499,6 @@ def telemetry_lines(t: dict) -> list[str]:
     ]
 
 
-def _endless(loader):
-    # The trainer's loop restarts epochs the same way; epoch boundaries stay inside what is measured.
-    while True:
-        yield from loader
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0],
                                 epilog="Any other key=value overrides a config field, e.g. data.batch_size=256 "
@@ -568,9 +556,10 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
 
     from benchmarks.peaks import card_slug
     from ffcv_ddpm.config import load_config
-    from ffcv_ddpm.data import make_loader
+    from ffcv_ddpm.data import endless, make_loader
     from ffcv_ddpm.env import environment
     from ffcv_ddpm.telemetry import plot_telemetry
+    from ffcv_ddpm.timing import sync
     from ffcv_ddpm.train import TrainingError, build, resolve_device
 
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
@@ -600,13 +589,13 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
 
     loader = make_loader(cfg.data, device)
     trainer = build(cfg, device)
-    data = _endless(loader)
+    data = endless(loader)
     lr = cfg.train.lr
     t0 = time.perf_counter()
     for _ in range(max(1, warmup)):  # at least one: the compiling step must never be profiled
         images, labels = next(data)
         trainer.step(images, labels, lr)
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - t0
     print(f"profile: {max(1, warmup)} warm-up steps in {warmup_s:.1f} s; profiling {steps} steps", flush=True)
 

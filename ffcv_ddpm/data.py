@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ffcv_ddpm.env import cpu_count
+
 LOADERS = ("ffcv", "torch-files", "torch-memory", "gpu")
 ORDERS = ("random", "quasi_random", "sequential")
 FLIPS = ("gpu", "cpu", "none")
@@ -142,7 +144,7 @@ def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.nda
     n = int(reader.num_samples)
     height, width = _image_size(reader)
     batch = min(n, 1024)
-    loader = Loader(os.fspath(path), batch_size=batch, num_workers=_ffcv_threads(num_workers or min(_cpu_count(), 8)),
+    loader = Loader(os.fspath(path), batch_size=batch, num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
                     order=OrderOption.SEQUENTIAL, drop_last=False,
                     pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
                                "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
@@ -155,11 +157,6 @@ def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.nda
         start += len(x)
     assert start == n, f"read {start} of {n} images from {path}"
     return images, labels
-
-
-def _cpu_count() -> int:
-    # Cores this process may use (a container or taskset may allow fewer than the machine has).
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ---- the interface -----------------------------------------------------------------------------------------------
@@ -193,6 +190,13 @@ class BatchLoader:
 
     def _epoch_batches(self, epoch: int):
         raise NotImplementedError
+
+
+def endless(loader: BatchLoader):
+    """Batches across epoch boundaries (each iter() runs the loader's next epoch); the restart cost stays inside
+    whatever is timed, as in training."""
+    while True:
+        yield from loader
 
 
 def epoch_order(num_images: int, cfg: DataConfig, epoch: int, rank: int, world_size: int) -> np.ndarray:

@@ -44,7 +44,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _cpu_count() -> int | None:
+def cpu_count() -> int | None:
     # Cores this process may use (a container or taskset may allow fewer than the machine has).
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -99,7 +99,7 @@ def environment() -> dict:
         "executable": sys.executable,
         "torch": torch.__version__,
         **_cuda(),
-        "cpu_count": _cpu_count(),
+        "cpu_count": cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "numpy": _version("numpy"),
         "ffcv": _version("ffcv"),

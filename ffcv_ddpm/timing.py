@@ -59,3 +59,9 @@ class StepTimer:
         wait_ms = [self._ms(starts[i], ready[i]) for i in range(n)]
         self._starts, self._ready = [], []
         return iter_ms, wait_ms
+
+
+def sync(device) -> None:
+    """Wait for the device (a no-op on CPU): only at the edges of timed regions, never inside the loop."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
