@@ -13,7 +13,8 @@ with CUDA events (StepTimer): the ratio of the two is the sampler's overhead, th
 Writes to benchmarks/results/<card>/profile-<preset>/ (or --out):
 - trace.json.gz      Chrome/Perfetto trace of the active steps (open in ui.perfetto.dev or chrome://tracing)
 - top_ops.md/.json/.png   the 10 most expensive ops (self CUDA time, CPU time, calls, % of step) and, on CUDA,
-                          the 10 most expensive GPU kernels with the op that launched them
+                          the 10 most expensive GPU kernels with the op that launched them, and which ops
+                          asked for the copies (aten::copy_ under convolution_backward, autocast casts, ...)
 - op_classes.md/.png      GPU time (CPU time without CUDA) by op class: convolution fwd/bwd, attention, matmul,
                           normalization, elementwise, optimizer, data/copies, other
 - telemetry.jsonl/.png    the NVML samples of the telemetry run (CUDA only)
@@ -37,6 +38,7 @@ import sys
 import time
 import warnings
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,6 +136,10 @@ def _classify(name: str, context: tuple[str, ...]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- analysis
+
+
+# Ops that only wrap a copy_: a copy is filed under the first op above these, "via" the outermost of them.
+COPY_WRAPPERS = ("aten::clone", "aten::contiguous", "aten::to", "aten::_to_copy", "aten::copy_")
 
 
 def _chain(event) -> list[str]:
@@ -244,6 +250,25 @@ def analyse(events, top: int = 10) -> dict:
         "pct_of_gpu": 100 * r["gpu_us"] / kernel_us, "launched_by": major(r["_launchers"]),
     } for r in sorted(krows.values(), key=lambda r: -r["gpu_us"])[:top]] if kernels else []
 
+    # ---- copies: which op asked for them (a layout or dtype conversion inside aten::convolution_backward is a
+    # different fix from a copy the model code makes itself) --------------------------------------------------
+    copies: dict[tuple[str, str], list] = {}
+    for e in ops:
+        if e.name != "aten::copy_":
+            continue
+        chain = _chain(e)[:-1]
+        via = "aten::copy_"
+        while chain and chain[-1] in COPY_WRAPPERS:
+            via = chain.pop()
+        caller = chain[-1] if chain else "-"
+        caller = "ProfilerStep*" if caller.startswith(STEP_PREFIX) else caller
+        us = sum(k.duration for k in getattr(e, "kernels", ())) if kernels else e.self_cpu_time_total
+        c = copies.setdefault((caller, via), [0, 0.0])
+        c[0] += 1
+        c[1] += us
+    copy_rows = [{"caller": caller, "via": via, "calls_per_step": c / n, "ms_per_step": per_step(us)}
+                 for (caller, via), (c, us) in sorted(copies.items(), key=lambda kv: -kv[1][1]) if us > 0][:top]
+
     by_class = gpu_by_class if kernels else cpu_by_class
     total = kernel_us if kernels else cpu_total
     classes = [{"class": c, "ms_per_step": per_step(by_class.get(c, 0.0)),
@@ -256,11 +281,84 @@ def analyse(events, top: int = 10) -> dict:
         "gpu": gpu,
         "top_ops": top_ops,
         "top_kernels": top_kernels,
+        "copies": copy_rows,
         "classes": classes,
         "cpu_classes": [{"class": c, "ms_per_step": per_step(cpu_by_class.get(c, 0.0)),
                          "pct_of_total": 100 * cpu_by_class.get(c, 0.0) / cpu_total if cpu_total else 0.0}
                         for c in CLASSES],
     }
+
+
+def events_from_trace(path: Path) -> list:
+    """A saved Chrome trace (trace.json.gz) as the events analyse() reads, so a committed profile can be analysed
+    again (a new table, a new class rule) on a machine without a GPU.
+
+    CPU ops nest by time on their thread (cpu_parent); a kernel belongs to the op whose "External id" it carries,
+    which is how the profiler itself links a launch to its op.
+    """
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval, Kernel
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        raw = json.load(f).get("traceEvents", [])
+
+    def event(e, device, parent=None):
+        start = float(e["ts"])
+        return _TraceEvent(name=e["name"], device_type=device, time_range=Interval(start, start + float(e["dur"])),
+                           cpu_parent=parent, kernels=[], self_cpu_time_total=float(e["dur"]),
+                           cpu_time_total=float(e["dur"]), self_device_time_total=0.0,
+                           is_user_annotation=e.get("cat") == "gpu_user_annotation")
+
+    ops, by_id = [], {}
+    for tid, group in _by_thread([e for e in raw if e.get("ph") == "X" and e.get("cat") in ("cpu_op",
+                                                                                          "user_annotation")]):
+        stack = []
+        for e in group:
+            ev = event(e, DeviceType.CPU)
+            while stack and stack[-1].time_range.end < ev.time_range.end:  # not inside the op on top
+                stack.pop()
+            if stack:
+                ev.cpu_parent = stack[-1]
+                stack[-1].self_cpu_time_total -= ev.cpu_time_total
+            stack.append(ev)
+            ops.append(ev)
+            ext = e.get("args", {}).get("External id")
+            if ext is not None and e.get("cat") == "cpu_op":
+                by_id[ext] = ev
+    kernels = []
+    for e in raw:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            k = event(e, DeviceType.CUDA)
+            kernels.append(k)
+            op = by_id.get(e.get("args", {}).get("External id"))
+            if op is not None:
+                op.kernels.append(Kernel(k.name, 0, k.time_range.elapsed_us()))
+                op.self_device_time_total += k.time_range.elapsed_us()
+    return ops + kernels
+
+
+@dataclass
+class _TraceEvent:
+    name: str
+    device_type: object
+    time_range: object
+    cpu_parent: object
+    kernels: list
+    self_cpu_time_total: float
+    cpu_time_total: float
+    self_device_time_total: float
+    is_user_annotation: bool = False
+    is_async: bool = False
+
+
+def _by_thread(events: list[dict]):
+    """(tid, events sorted outermost first) per thread."""
+    groups = defaultdict(list)
+    for e in events:
+        groups[(e.get("pid"), e.get("tid"))].append(e)
+    for key, group in groups.items():
+        yield key, sorted(group, key=lambda e: (float(e["ts"]), -float(e["dur"])))
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
@@ -296,6 +394,12 @@ def top_ops_lines(a: dict) -> list[str]:
                            [[str(i), f"`{short(r['name'])}`", r["class"], f"{r['calls_per_step']:g}",
                              _ms(r["gpu_ms"]), f"{r['pct_of_step']:.1f}%", f"{r['pct_of_gpu']:.1f}%",
                              f"`{short(r['launched_by'], 40)}`"] for i, r in enumerate(a["top_kernels"], 1)])
+    if a.get("copies"):
+        unit = "GPU ms" if cuda else "self CPU ms"
+        lines += ["", "### Where the copies come from (aten::copy_ by the op that asked for it, per step)", ""]
+        lines += _md_table(["asked for by", "via", "calls", unit],
+                           [[f"`{short(r['caller'], 60)}`", f"`{r['via']}`", f"{r['calls_per_step']:g}",
+                             _ms(r["ms_per_step"])] for r in a["copies"]])
     return lines
 
 
@@ -514,6 +618,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--num-synthetic", type=int, help="images in a synthetic dataset built when none exists "
                                                      "(default: 50000 on CUDA, 1024 on CPU)")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>/profile-<preset>)")
+    p.add_argument("--from-trace", type=Path, metavar="TRACE",
+                   help="run nothing: analyse a saved trace.json.gz again and write reanalysis.md/.json beside it "
+                        "(or under --out)")
     args, rest = p.parse_known_args(argv)
     bad = [r for r in rest if "=" not in r]
     if bad:
@@ -524,7 +631,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None, source_factory=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        run(*parse_args(argv), argv=argv, source_factory=source_factory)
+        args, overrides = parse_args(argv)
+        if args.from_trace:
+            reanalyse(args.from_trace, args.out or args.from_trace.parent, args.top)
+        else:
+            run(args, overrides, argv=argv, source_factory=source_factory)
     except (ProfileError, ValueError, FileNotFoundError) as e:
         print(f"profile: error: {e}", file=sys.stderr)
         return 2
@@ -532,6 +643,25 @@ def main(argv: list[str] | None = None, source_factory=None) -> int:
         print("profile: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def reanalyse(trace: Path, out: Path, top: int) -> dict:
+    """The tables of a saved trace, with this version's analysis; the numbers are the trace's own kernel times."""
+    if not trace.is_file():
+        raise ProfileError(f"--from-trace {trace}: no such file; give a trace.json.gz written by this command")
+    try:
+        a = analyse(events_from_trace(trace), top=top)
+    except (json.JSONDecodeError, OSError, KeyError) as e:
+        raise ProfileError(f"--from-trace {trace}: not a readable Chrome trace ({e})") from None
+    out.mkdir(parents=True, exist_ok=True)
+    head = [f"- Re-analysis of [{trace.name}]({trace.name}) (`python -m benchmarks.profile --from-trace {trace}`); "
+            "device, config and commit are those of the run that wrote it (profile.md, summary.json)"]
+    text = "\n".join([f"# Re-analysis: {trace}", "", *head, "", *top_ops_lines(a), "", *class_lines(a), ""])
+    (out / "reanalysis.md").write_text(text)
+    (out / "reanalysis.json").write_text(json.dumps({"trace": str(trace), **a}, indent=1, default=str) + "\n")
+    print(text)
+    print(f"profile: wrote {out}/reanalysis.md, reanalysis.json")
+    return a
 
 
 def _dataset(args, cuda: bool) -> tuple[Path, dict, bool]:

@@ -192,6 +192,36 @@ def test_analysis_of_cuda_events():
     assert "cudaLaunchKernel" in ops and ops["cudaLaunchKernel"]["class"] == "convolution fwd"  # its launcher's
 
 
+def test_copies_are_filed_under_the_op_that_asked_for_them():
+    """As in the H200 trace: layout copies inside convolution_backward (contiguous -> clone -> copy_) and an
+    autocast cast (to -> _to_copy -> copy_) in the forward; each copy kernel under the op that wanted it."""
+    cuda = DeviceType.CUDA
+    events = []
+    for s in range(2):
+        t = 1000.0 * s
+        step = _ev("ProfilerStep*", t, t + 1000)
+        graph = _ev("## Call CompiledFxGraph f1 ##", t + 10, t + 500, parent=step)
+        bwd = _ev("aten::convolution_backward", t + 20, t + 200, parent=graph)
+        events += [step, graph, bwd]
+        for i in range(2):  # two layout copies in this backward
+            contiguous = _ev("aten::contiguous", t + 30 + 50 * i, t + 70 + 50 * i, parent=bwd)
+            clone = _ev("aten::clone", t + 31 + 50 * i, t + 69 + 50 * i, parent=contiguous)
+            copy = _ev("aten::copy_", t + 32 + 50 * i, t + 68 + 50 * i, parent=clone)
+            events += [contiguous, clone, copy,
+                       _launch(copy, _ev("elementwise_kernel<128, 4>", t + 100 + 200 * i, t + 300 + 200 * i, cuda))]
+        to = _ev("aten::to", t + 600, t + 650, parent=step)
+        to_copy = _ev("aten::_to_copy", t + 601, t + 649, parent=to)
+        copy = _ev("aten::copy_", t + 602, t + 648, parent=to_copy)
+        events += [to, to_copy, copy, _launch(copy, _ev("elementwise_kernel<128, 4>", t + 700, t + 750, cuda))]
+    rows = analyse(events)["copies"]
+    assert [(r["caller"], r["via"]) for r in rows] == [("aten::convolution_backward", "aten::contiguous"),
+                                                       ("ProfilerStep*", "aten::to")]
+    assert [r["calls_per_step"] for r in rows] == [2, 1]
+    assert [r["ms_per_step"] for r in rows] == [pytest.approx(0.4), pytest.approx(0.05)]
+    lines = "\n".join(profile.top_ops_lines(analyse(events)))
+    assert "Where the copies come from" in lines and "`aten::convolution_backward` | `aten::contiguous` | 2" in lines
+
+
 def test_analysis_needs_profiler_steps():
     with pytest.raises(RuntimeError, match="ProfilerStep"):
         analyse([e for e in _cuda_events() if not e.name.startswith("ProfilerStep")])
@@ -287,6 +317,14 @@ def test_profile_command_on_the_tiny_preset(small_dataset, tmp_path, capsys):
     assert "| convolution bwd |" in (out / "op_classes.md").read_text()
     for png in ("top_ops.png", "op_classes.png"):
         assert (out / png).stat().st_size > 10_000
+    # The saved trace analysed again (no run): the same steps and the same split by class as the live analysis.
+    assert profile.main(["--from-trace", str(out / "trace.json.gz")]) == 0
+    again = json.loads((out / "reanalysis.json").read_text())
+    assert again["steps"] == a["steps"] and again["gpu"] is None
+    live = {c["class"]: c["ms_per_step"] for c in a["classes"]}
+    for c in again["classes"]:
+        assert c["ms_per_step"] == pytest.approx(live[c["class"]], rel=0.05, abs=0.05), c["class"]
+    assert "Where the copies come from" in (out / "reanalysis.md").read_text()
 
 
 def test_profile_cli_errors(tmp_path, capsys):
@@ -298,6 +336,11 @@ def test_profile_cli_errors(tmp_path, capsys):
     assert "no field 'batch_sise'" in capsys.readouterr().err
     assert profile.main(["--preset", "tiny", "--steps", "0", "--data", str(tmp_path / "x.beton")]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert profile.main(["--from-trace", str(tmp_path / "none.json.gz")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "bad.json.gz").write_bytes(gzip.compress(b"{not json"))
+    assert profile.main(["--from-trace", str(tmp_path / "bad.json.gz")]) == 2
+    assert "not a readable Chrome trace" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------- sweeps
