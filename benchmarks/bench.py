@@ -68,6 +68,8 @@ STACK = (
     ("+ channels_last", ("train.channels_last=True",), "prev"),
     ("+ fused AdamW", ("train.fused_adam=True",), "prev"),
     ("+ GPU-resident data, flips on GPU", ("data.loader=gpu", "data.flip=gpu"), "prev"),
+    # Inductor's GroupNorm returns NCHW, so cuDNN's backward converted layouts (benchmarks/NOTES.md, attempt 4).
+    ("+ GroupNorm that keeps channels_last", ("model.norm_impl=scale-shift",), "prev"),
 )
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
 # overrides on top of that row). They run at that row's batch.

@@ -48,6 +48,7 @@ class ModelConfig:
     norm_groups: int = 32  # GroupNorm groups in residual blocks (and attention for "ddpm")
     conv_groups: int = 1  # groups for the res-block 3x3 convs: 1 dense, >1 grouped, = channels depthwise; must divide their channel counts
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
+    norm_impl: str = "torch"  # GroupNorm: "torch" = nn.GroupNorm, "scale-shift" = x * scale + shift, keeps channels_last (see ScaleShiftGroupNorm)
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
@@ -70,6 +71,8 @@ class ModelConfig:
             raise ValueError(f"arch={self.arch!r}: use 'ddpm' or 'annotated'")
         if self.attn_impl not in ("sdpa", "math"):
             raise ValueError(f"attn_impl={self.attn_impl!r}: use 'sdpa' or 'math'")
+        if self.norm_impl not in NORM_IMPLS:
+            raise ValueError(f"norm_impl={self.norm_impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
         if self.image_size % 2 ** (len(self.channel_mult) - 1):
             raise ValueError(
                 f"image_size={self.image_size} must be divisible by 2**(len(channel_mult)-1)="
@@ -144,6 +147,48 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> t
     return scores.softmax(dim=-1) @ v  # (B, heads, N, d)
 
 
+class ScaleShiftGroupNorm(nn.GroupNorm):
+    """GroupNorm computed as x * scale + shift with a scale and shift per (sample, channel): the output and the
+    gradient it returns keep the input's memory layout.
+
+    Why: inductor lowers nn.GroupNorm through torch._refs.native_group_norm, which on GPUs normalises a
+    reshape(N, G, C/G, H*W) of the input and views it back, so a channels_last input comes out NCHW-contiguous.
+    cuDNN's convolution backward, an extern call in the compiled graph, then converts every such tensor back:
+    83 copies, 14.1 ms of a 93.5 ms step of ddpm-cifar10 at batch 512 on an H200 (benchmarks/NOTES.md).
+    Statistics: a Welford mean and variance per channel over H, W (a reduction with no layout to impose), combined
+    per group by the law of total variance (channels of a group count equally). Same parameters and state_dict
+    keys as nn.GroupNorm, so checkpoints load into either.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c = x.shape[:2]
+        g, k = self.num_groups, c // self.num_groups
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 at least, as group_norm's
+        var_c, mean_c = torch.var_mean(xf, dim=tuple(range(2, x.dim())), unbiased=False)  # (N, C) each
+        mean_c, var_c = mean_c.view(n, g, k), var_c.view(n, g, k)
+        mean = mean_c.mean(2, keepdim=True)  # (N, G, 1)
+        var = var_c.mean(2, keepdim=True) + (mean_c - mean).square().mean(2, keepdim=True)  # within + between
+        scale = torch.rsqrt(var + self.eps).expand(n, g, k)
+        if self.affine:
+            scale = scale * self.weight.to(xf.dtype).view(1, g, k)
+        shift = -mean * scale
+        if self.affine:
+            shift = shift + self.bias.to(xf.dtype).view(1, g, k)
+        per_channel = (n, c) + (1,) * (x.dim() - 2)
+        out = xf * scale.reshape(per_channel) + shift.reshape(per_channel)
+        # What nn.GroupNorm returns: fp32 under CUDA autocast (group_norm is on its fp32 list), else the input's
+        # dtype (CPU autocast runs group_norm in the lower precision).
+        keep_fp32 = x.device.type == "cuda" and torch.is_autocast_enabled("cuda")
+        return out if keep_fp32 else out.to(x.dtype)
+
+
+NORM_IMPLS = {"torch": nn.GroupNorm, "scale-shift": ScaleShiftGroupNorm}
+
+
+def group_norm(groups: int, channels: int, impl: str) -> nn.GroupNorm:
+    return NORM_IMPLS[impl](groups, channels)
+
+
 class SelfAttention(nn.Module):
     """Pre-norm multi-head self-attention over all H*W positions, with a residual connection.
 
@@ -153,13 +198,14 @@ class SelfAttention(nn.Module):
     6.21 ms compiled for one fwd+bwd of a 32x32x32 block at batch 512 in bf16 on an H200 (torch 2.11).
     """
 
-    def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str):
+    def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
+                 norm_impl: str = "torch"):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
         self.impl = impl  # "sdpa" or "math"
         inner = self.heads * self.head_dim
-        self.norm = nn.GroupNorm(norm_groups, channels)
+        self.norm = group_norm(norm_groups, channels, norm_impl)
         self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
         self.proj = nn.Conv2d(inner, channels, 1)
 
@@ -207,10 +253,10 @@ class DDPMResBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
         super().__init__()
-        self.norm1 = nn.GroupNorm(cfg.norm_groups, cin)
+        self.norm1 = group_norm(cfg.norm_groups, cin, cfg.norm_impl)
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
-        self.norm2 = nn.GroupNorm(cfg.norm_groups, cout)
+        self.norm2 = group_norm(cfg.norm_groups, cout, cfg.norm_impl)
         self.dropout = nn.Dropout(cfg.dropout)
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
@@ -229,10 +275,10 @@ class AnnotatedResBlock(nn.Module):
         super().__init__()
         self.temb = nn.Sequential(nn.SiLU(), nn.Linear(temb_dim, 2 * cout))
         self.conv1 = res_conv3x3(cfg, cin, cout)
-        self.norm1 = nn.GroupNorm(cfg.norm_groups, cout)
+        self.norm1 = group_norm(cfg.norm_groups, cout, cfg.norm_impl)
         self.dropout = nn.Dropout(cfg.dropout)  # not in the original; identity at the preset's dropout=0
         self.conv2 = res_conv3x3(cfg, cout, cout)
-        self.norm2 = nn.GroupNorm(cfg.norm_groups, cout)
+        self.norm2 = group_norm(cfg.norm_groups, cout, cfg.norm_impl)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -280,7 +326,8 @@ class DDPMUNet(nn.Module):
         self.time = TimeEmbedding(ch, temb_dim, nn.SiLU, cfg.num_classes)
         self.stem = nn.Conv2d(cfg.in_channels, ch, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
         block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
-        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True, cfg.attn_impl)  # noqa: E731
+        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
+                                       cfg.attn_impl, cfg.norm_impl)
 
         # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
         self.down = nn.ModuleList()
@@ -307,7 +354,7 @@ class DDPMUNet(nn.Module):
             if level != 0:
                 self.up.append(Upsample(cur, cur))
                 res *= 2
-        self.out = nn.Sequential(nn.GroupNorm(cfg.norm_groups, cur), nn.SiLU(), nn.Conv2d(cur, cfg.in_channels, 3, padding=1))
+        self.out = nn.Sequential(group_norm(cfg.norm_groups, cur, cfg.norm_impl), nn.SiLU(), nn.Conv2d(cur, cfg.in_channels, 3, padding=1))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         temb = self.time(t, y)
@@ -335,7 +382,7 @@ class AnnotatedUNet(nn.Module):
         self.time = TimeEmbedding(dim, temb_dim, nn.GELU, cfg.num_classes)
         self.stem = nn.Conv2d(cfg.in_channels, dim, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
         block = lambda cin, cout: AnnotatedResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
-        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False, cfg.attn_impl)  # noqa: E731
+        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False, cfg.attn_impl, cfg.norm_impl)  # noqa: E731
         dims = [dim] + [dim * m for m in cfg.channel_mult]
         in_out = list(zip(dims[:-1], dims[1:]))
         n = cfg.num_res_blocks

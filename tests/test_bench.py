@@ -29,6 +29,7 @@ def test_rows_are_complete_configs_that_load():
     assert (base.train.precision, base.train.compile, base.model.attn_impl) == ("fp32", False, "math")
     assert (last.train.precision, last.train.compile, last.model.attn_impl, last.data.loader) == (
         "bf16", True, "sdpa", "gpu")
+    assert (last.model.norm_impl, last.train.channels_last) == ("scale-shift", True)
     assert cfg["fp16 + GradScaler (instead of bf16)"].data.loader == "torch-memory"  # a variant, not stacked
     assert names.index("fp16 + GradScaler (instead of bf16)") == names.index("+ bf16 autocast") + 1
 
