@@ -13,7 +13,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp clean
+.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics clean
 
 setup: $(SETUP)
 
@@ -45,6 +45,9 @@ bench-ddp: $(SETUP)
 
 profile: $(SETUP)
 	$(PY) -m benchmarks.profile --preset $(PRESET) --data $(DATA) $(ARGS)
+
+numerics: $(SETUP)
+	$(PY) -m benchmarks.numerics --preset $(PRESET) --data $(DATA) $(ARGS)
 
 sweeps: $(SETUP)
 	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)

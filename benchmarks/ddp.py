@@ -74,7 +74,7 @@ def add_metrics(result: dict) -> None:
 def render(result: dict, out: Path) -> None:
     lines = [f"# DDP scaling: {result['preset']} on {result['device_name'] or 'CPU (gloo)'}", "",
              f"- commit {result['environment'].get('commit')}, torch {result['environment'].get('torch')}, "
-             f"{result['environment'].get('date')}; command: `{result['command']}`",
+             f"{result['environment'].get('date_utc')}; command: `{result['command']}`",
              f"- data: {result['dataset']} ; {result['flops_per_image'] / 1e9:.2f} GFLOP/img fwd+bwd; peak "
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
     for mode, points in result["points"].items():
