@@ -3,6 +3,7 @@
     python -m benchmarks.bench --data data               # CUDA: both models; no CUDA: the CPU-sized 'quick' table
     python -m benchmarks.bench --data data --table small --measure-peak --sampling
     python -m benchmarks.bench --list --table both               # print the rows and their overrides, run nothing
+    python -m benchmarks.bench --data data --table loaders-e2e   # end to end per loader, both models (issue 6)
 
 A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule. For each row a child process builds the
 trainer and loader, runs the first step (compilation: reported as seconds to first step, not timed), `--warmup`
@@ -82,6 +83,26 @@ VARIANTS = (
 )
 
 
+# End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
+# the GPU, 8 workers) and only the loader changes. "{data}" stands for the --data folder.
+LOADER_ROWS = (
+    ("FFCV raw .beton", ("data.loader=ffcv",)),
+    ("FFCV JPEG .beton", ("data.loader=ffcv", "data.path={data}/cifar10_train_jpg.beton")),
+    ("PyTorch DataLoader over in-memory uint8 arrays", ("data.loader=torch-memory",)),
+    ("PyTorch DataLoader over PNG files (PIL decode)", ("data.loader=torch-files", "data.png_dir={data}/png/train")),
+    ("GPU-resident uint8 tensor", ("data.loader=gpu",)),
+)
+
+
+def loader_rows(preset: str, batch: int) -> list[Row]:
+    return [Row(name, preset, added, batch, baseline=i == 0) for i, (name, added) in enumerate(LOADER_ROWS)]
+
+
+def row_overrides(row: Row, data_overrides: tuple[str, ...], data_dir: Path) -> list[str]:
+    """A row's overrides after the dataset's (a row that names its own .beton wins), with {data} filled in."""
+    return [o.replace("{data}", str(data_dir)) for o in merge(data_overrides, row.overrides)]
+
+
 def merge(*groups: tuple[str, ...]) -> tuple[str, ...]:
     """Overrides with one entry per key, the last value winning (a later step changes an earlier setting)."""
     out: dict[str, str] = {}
@@ -125,6 +146,7 @@ TABLES = {
     "ddpm": lambda loader: table_rows("ddpm-cifar10", loader),
     "both": lambda loader: table_rows("annotated-small", loader) + table_rows("ddpm-cifar10", loader),
     "quick": quick_rows,
+    "loaders-e2e": lambda loader: loader_rows("ddpm-cifar10", 512) + loader_rows("annotated-small", 1024),
 }
 
 # Batch sizes tried for "max" rows (the published table's 320 / 2048 / 3072 sit between these steps).
@@ -584,7 +606,7 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
     cap = min(args.max_batch, dataset["num_images"])
     for i, row in enumerate(rows, 1):
-        overrides = [*row.overrides, *data_overrides]
+        overrides = row_overrides(row, data_overrides, data_dir)
         entry = {"name": row.name, "group": row.preset, "preset": row.preset, "baseline": row.baseline,
                  "overrides": overrides, "batch_rule": row.batch, "status": None, "raw": None}
         batch_note, probe, why = None, None, None

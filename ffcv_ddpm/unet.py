@@ -152,9 +152,10 @@ class ScaleShiftGroupNorm(nn.GroupNorm):
     gradient it returns keep the input's memory layout.
 
     Why: inductor lowers nn.GroupNorm through torch._refs.native_group_norm, which on GPUs normalises a
-    reshape(N, G, C/G, H*W) of the input and views it back, so a channels_last input comes out NCHW-contiguous.
-    cuDNN's convolution backward, an extern call in the compiled graph, then converts every such tensor back:
-    83 copies, 14.1 ms of a 93.5 ms step of ddpm-cifar10 at batch 512 on an H200 (benchmarks/NOTES.md).
+    reshape(N, G, C/G, H*W) of the input and views it back, so a channels_last input comes out NCHW-contiguous,
+    and cuDNN's convolution backward (an extern call in the compiled graph) must convert it back. The H200 profile
+    of ddpm-cifar10 at batch 512 has 83 copies inside convolution_backward, 14.1 ms of a 93.5 ms step: this
+    is the likely cause (benchmarks/NOTES.md, attempt 4); the speed of this class is not measured yet.
     Statistics: a Welford mean and variance per channel over H, W (a reduction with no layout to impose), combined
     per group by the law of total variance (channels of a group count equally). Same parameters and state_dict
     keys as nn.GroupNorm, so checkpoints load into either.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench import STACK, merge, quick_rows, table_rows
+from benchmarks.bench import BETON, STACK, TABLES, merge, quick_rows, row_overrides, table_rows
 from benchmarks.report import add_metrics, render_markdown, write_reports
 from ffcv_ddpm.config import load_config
 
@@ -32,6 +32,25 @@ def test_rows_are_complete_configs_that_load():
     assert (last.model.norm_impl, last.train.channels_last) == ("scale-shift", True)
     assert cfg["fp16 + GradScaler (instead of bf16)"].data.loader == "torch-memory"  # a variant, not stacked
     assert names.index("fp16 + GradScaler (instead of bf16)") == names.index("+ bf16 autocast") + 1
+
+
+def test_loader_rows_change_only_the_loader(tmp_path):
+    rows = TABLES["loaders-e2e"](("data.loader=torch-memory",))
+    assert [r.preset for r in rows].count("ddpm-cifar10") == len(rows) // 2 and sum(r.baseline for r in rows) == 2
+    data_overrides = (f"data.path={tmp_path / BETON}",)
+    default = load_config("ddpm-cifar10", list(data_overrides))
+    for row in rows[: len(rows) // 2]:
+        cfg = load_config(row.preset, row_overrides(row, data_overrides, tmp_path))
+        assert cfg.train == default.train and cfg.model == default.model  # the trainer's defaults: bf16, compile...
+        assert cfg.data.batch_size == 128 and row.batch == 512  # the row's batch is applied by the runner
+        if "JPEG" in row.name:
+            assert cfg.data.path == str(tmp_path / "cifar10_train_jpg.beton")  # the row's .beton wins
+        else:
+            assert cfg.data.path == str(tmp_path / BETON)
+        if cfg.data.loader == "torch-files":
+            assert cfg.data.png_dir == str(tmp_path / "png" / "train")
+    assert {load_config(r.preset, list(r.overrides)).data.loader for r in rows} == {"ffcv", "torch-memory",
+                                                                                    "torch-files", "gpu"}
 
 
 def test_merge_keeps_one_entry_per_key_last_wins():
