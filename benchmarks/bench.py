@@ -80,6 +80,7 @@ VARIANTS = (
      ("train.compile_mode=max-autotune-no-cudagraphs",)),
     ("compile mode reduce-overhead (CUDA graphs)", "+ GPU-resident data, flips on GPU",
      ("train.compile_mode=reduce-overhead",)),
+    ("inductor layout optimization forced", "+ GPU-resident data, flips on GPU", ("train.force_layout_opt=True",)),
 )
 
 

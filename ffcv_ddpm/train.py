@@ -157,6 +157,12 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
         # Compiling the DDP wrapper lets dynamo split the graph at bucket boundaries (all-reduce overlaps backward).
         # dynamic=False: batches have one size (drop_last), and a dynamic-shape recompile for a second size hit
         # "misaligned address" in an inductor GroupNorm-backward kernel (H200, torch 2.11).
+        # Inductor's layout optimization (channels_last buffers around convolutions) is off for a training graph
+        # that has a conv with out_channels * 2 <= in_channels and a kernel > 1 (graph.py, decide_layout_opt): both
+        # UNets' up paths have one (the conv on the concatenated skip). Forcing it is a switch to measure.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.force_layout_optimization = cfg.train.force_layout_opt
         net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
                             dynamic=False)
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).
