@@ -303,10 +303,10 @@ def events_from_trace(path: Path) -> list:
     with opener(path, "rt") as f:
         raw = json.load(f).get("traceEvents", [])
 
-    def event(e, device, parent=None):
+    def event(e, device):
         start = float(e["ts"])
         return _TraceEvent(name=e["name"], device_type=device, time_range=Interval(start, start + float(e["dur"])),
-                           cpu_parent=parent, kernels=[], self_cpu_time_total=float(e["dur"]),
+                           cpu_parent=None, kernels=[], self_cpu_time_total=float(e["dur"]),
                            cpu_time_total=float(e["dur"]), self_device_time_total=0.0,
                            is_user_annotation=e.get("cat") == "gpu_user_annotation")
 
@@ -651,10 +651,11 @@ def reanalyse(trace: Path, out: Path, top: int) -> dict:
         raise ProfileError(f"--from-trace {trace}: no such file; give a trace.json.gz written by this command")
     try:
         a = analyse(events_from_trace(trace), top=top)
-    except (json.JSONDecodeError, OSError, KeyError) as e:
-        raise ProfileError(f"--from-trace {trace}: not a readable Chrome trace ({e})") from None
+    except (json.JSONDecodeError, OSError, KeyError, RuntimeError) as e:  # RuntimeError: no ProfilerStep events
+        raise ProfileError(f"--from-trace {trace}: not a readable Chrome trace of profiled steps ({e})") from None
     out.mkdir(parents=True, exist_ok=True)
-    head = [f"- Re-analysis of [{trace.name}]({trace.name}) (`python -m benchmarks.profile --from-trace {trace}`); "
+    link = f"[{trace.name}]({trace.name})" if out.resolve() == trace.parent.resolve() else f"`{trace}`"
+    head = [f"- Re-analysis of {link} (`python -m benchmarks.profile --from-trace {trace}`); "
             "device, config and commit are those of the run that wrote it (profile.md, summary.json)"]
     text = "\n".join([f"# Re-analysis: {trace}", "", *head, "", *top_ops_lines(a), "", *class_lines(a), ""])
     (out / "reanalysis.md").write_text(text)
