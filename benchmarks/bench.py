@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BETON = "cifar10_train_raw.beton"  # what tools.make_dataset writes; the raw (uint8) train split
+JPEG_BETON = "cifar10_train_jpg.beton"  # the same split, JPEG-encoded
 PNG_TRAIN = Path("png") / "train"  # where `make dataset ... --export-png DATA/png` puts the Kaggle-layout folder
 
 # ---------------------------------------------------------------------------------------------------- the rows
@@ -69,7 +70,7 @@ STACK = (
     ("+ channels_last", ("train.channels_last=True",), "prev"),
     ("+ fused AdamW", ("train.fused_adam=True",), "prev"),
     ("+ GPU-resident data, flips on GPU", ("data.loader=gpu", "data.flip=gpu"), "prev"),
-    # Inductor's GroupNorm returns NCHW, so cuDNN's backward converted layouts (benchmarks/NOTES.md, attempt 4).
+    # A candidate fix for the layout copies inside cuDNN's convolution backward (benchmarks/NOTES.md, attempt 4).
     ("+ GroupNorm that keeps channels_last", ("model.norm_impl=scale-shift",), "prev"),
 )
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
@@ -88,9 +89,10 @@ VARIANTS = (
 # the GPU, 8 workers) and only the loader changes. "{data}" stands for the --data folder.
 LOADER_ROWS = (
     ("FFCV raw .beton", ("data.loader=ffcv",)),
-    ("FFCV JPEG .beton", ("data.loader=ffcv", "data.path={data}/cifar10_train_jpg.beton")),
+    ("FFCV JPEG .beton", ("data.loader=ffcv", f"data.path={{data}}/{JPEG_BETON}")),
     ("PyTorch DataLoader over in-memory uint8 arrays", ("data.loader=torch-memory",)),
-    ("PyTorch DataLoader over PNG files (PIL decode)", ("data.loader=torch-files", "data.png_dir={data}/png/train")),
+    ("PyTorch DataLoader over PNG files (PIL decode)",
+     ("data.loader=torch-files", f"data.png_dir={{data}}/{PNG_TRAIN}")),
     ("GPU-resident uint8 tensor", ("data.loader=gpu",)),
 )
 

@@ -28,6 +28,7 @@ import numpy as np
 from benchmarks.bench import BETON, BenchError, ensure_dataset
 from benchmarks.peaks import card_slug
 from ffcv_ddpm.config import RunConfig, load_config
+from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.train import TrainingError, resolve_device, train
 
@@ -53,14 +54,15 @@ def check(reference: list[dict], candidate: list[dict], tol: float, skip: float,
     w = max(1, min(smooth, len(ratio)))
     smoothed = np.convolve(ratio, np.ones(w) / w, mode="valid")  # smoothed[i] averages intervals i .. i+w-1
     first = next((i for i, s in enumerate(steps) if s > skip * steps[-1]), len(steps) - 1)
-    checked = smoothed[min(first, len(smoothed) - 1):]
+    start = min(first, len(smoothed) - 1)  # the first moving average that starts at or after `first`
+    checked = smoothed[start:]
     worst = int(np.argmax(np.abs(checked)))
     tail = max(1, len(ratio) // 10)
     return {
         "tol": tol, "skip": skip, "smooth_intervals": w, "checked_from_step": steps[first],
         "ratio_minus_1": ratio.tolist(), "smoothed": smoothed.tolist(),
         "max_abs_smoothed": float(np.abs(checked).max()),
-        "at_step": steps[min(first, len(smoothed) - 1) + worst + w - 1],
+        "at_step": steps[start + worst + w - 1],
         "mean_ratio_minus_1": float(ratio[first:].mean()) if first < len(ratio) else float(ratio[-1]),
         "last_10pct_loss": {"reference": float(np.mean([r["loss"] for r in reference[-tail:]])),
                             "candidate": float(np.mean([c["loss"] for c in candidate[-tail:]]))},
@@ -142,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         with tempfile.TemporaryDirectory() as tmp:  # the runs' checkpoints are not kept, their curves are
             curves = {prec: run_curve(cfg, prec, Path(tmp)) for prec in ("fp32", args.precision)}
-        manifest = args.data / "manifest.json"
-        synthetic = built or (manifest.is_file() and json.loads(manifest.read_text()).get("synthetic", False))
+        synthetic = built or bool(dataset_info(beton)["synthetic"])
         result = {
             "preset": args.preset, "device": name or "CPU", "batch_size": args.batch, "steps": args.steps,
             "log_every": args.log_every, "seed": cfg.train.seed, "command": "python -m benchmarks.numerics "

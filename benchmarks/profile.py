@@ -311,8 +311,8 @@ def events_from_trace(path: Path) -> list:
                            is_user_annotation=e.get("cat") == "gpu_user_annotation")
 
     ops, by_id = [], {}
-    for tid, group in _by_thread([e for e in raw if e.get("ph") == "X" and e.get("cat") in ("cpu_op",
-                                                                                          "user_annotation")]):
+    cpu = [e for e in raw if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    for group in _by_thread(cpu):
         stack = []
         for e in group:
             ev = event(e, DeviceType.CPU)
@@ -353,12 +353,12 @@ class _TraceEvent:
 
 
 def _by_thread(events: list[dict]):
-    """(tid, events sorted outermost first) per thread."""
+    """Each thread's events, sorted outermost first."""
     groups = defaultdict(list)
     for e in events:
         groups[(e.get("pid"), e.get("tid"))].append(e)
-    for key, group in groups.items():
-        yield key, sorted(group, key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    for group in groups.values():
+        yield sorted(group, key=lambda e: (float(e["ts"]), -float(e["dur"])))
 
 
 # ---------------------------------------------------------------------------------------------------- rendering

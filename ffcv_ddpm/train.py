@@ -67,8 +67,12 @@ def init_distributed() -> Dist:
     ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
     if torch.cuda.is_available():
         torch.cuda.set_device(ddp.local_rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend())
     return ddp
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 @dataclass
@@ -480,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     rc = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and backend() == "gloo":
         # On gloo, DDP keeps the process group alive past destroy_process_group (torch 2.13), so its worker threads
         # are never joined. A worker that drops a finished collective's tensors while the interpreter shuts down
         # takes the GIL from a dying interpreter and aborts the whole rank ("terminate called without an active

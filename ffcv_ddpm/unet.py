@@ -383,7 +383,8 @@ class AnnotatedUNet(nn.Module):
         self.time = TimeEmbedding(dim, temb_dim, nn.GELU, cfg.num_classes)
         self.stem = nn.Conv2d(cfg.in_channels, dim, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
         block = lambda cin, cout: AnnotatedResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
-        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False, cfg.attn_impl, cfg.norm_impl)  # noqa: E731
+        attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False,  # noqa: E731
+                                       cfg.attn_impl, cfg.norm_impl)
         dims = [dim] + [dim * m for m in cfg.channel_mult]
         in_out = list(zip(dims[:-1], dims[1:]))
         n = cfg.num_res_blocks
