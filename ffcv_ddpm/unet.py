@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct
+
 
 @dataclass
 class ModelConfig:
@@ -48,7 +50,7 @@ class ModelConfig:
     norm_groups: int = 32  # GroupNorm groups in residual blocks (and attention for "ddpm")
     conv_groups: int = 1  # groups for the res-block 3x3 convs: 1 dense, >1 grouped, = channels depthwise; must divide their channel counts
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
-    norm_impl: str = "torch"  # GroupNorm: "torch" = nn.GroupNorm, "scale-shift" = x * scale + shift, keeps channels_last (see ScaleShiftGroupNorm)
+    norm_impl: str = "torch"  # GroupNorm (+ SiLU, dropout): "torch", "scale-shift" (keeps channels_last) or "fused" (Triton); see ffcv_ddpm.norm
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
@@ -147,49 +149,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> t
     return scores.softmax(dim=-1) @ v  # (B, heads, N, d)
 
 
-class ScaleShiftGroupNorm(nn.GroupNorm):
-    """GroupNorm computed as x * scale + shift with a scale and shift per (sample, channel): the output and the
-    gradient it returns keep the input's memory layout.
-
-    Why: inductor lowers nn.GroupNorm through torch._refs.native_group_norm, which on GPUs normalises a
-    reshape(N, G, C/G, H*W) of the input and views it back, so a channels_last input comes out NCHW-contiguous,
-    and cuDNN's convolution backward (an extern call in the compiled graph) must convert it back. The H200 profile
-    of ddpm-cifar10 at batch 512 has 83 copies inside convolution_backward, 14.1 ms of a 93.5 ms step: this
-    is the likely cause (benchmarks/NOTES.md, attempt 4); the speed of this class is not measured yet.
-    Statistics: a Welford mean and variance per channel over H, W (a reduction with no layout to impose), combined
-    per group by the law of total variance (channels of a group count equally). Same parameters and state_dict
-    keys as nn.GroupNorm, so checkpoints load into either.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c = x.shape[:2]
-        g, k = self.num_groups, c // self.num_groups
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 at least, as group_norm's
-        var_c, mean_c = torch.var_mean(xf, dim=tuple(range(2, x.dim())), unbiased=False)  # (N, C) each
-        mean_c, var_c = mean_c.view(n, g, k), var_c.view(n, g, k)
-        mean = mean_c.mean(2, keepdim=True)  # (N, G, 1)
-        var = var_c.mean(2, keepdim=True) + (mean_c - mean).square().mean(2, keepdim=True)  # within + between
-        scale = torch.rsqrt(var + self.eps).expand(n, g, k)
-        if self.affine:
-            scale = scale * self.weight.to(xf.dtype).view(1, g, k)
-        shift = -mean * scale
-        if self.affine:
-            shift = shift + self.bias.to(xf.dtype).view(1, g, k)
-        per_channel = (n, c) + (1,) * (x.dim() - 2)
-        out = xf * scale.reshape(per_channel) + shift.reshape(per_channel)
-        # What nn.GroupNorm returns: fp32 under CUDA autocast (group_norm is on its fp32 list), else the input's
-        # dtype (CPU autocast runs group_norm in the lower precision).
-        keep_fp32 = x.device.type == "cuda" and torch.is_autocast_enabled("cuda")
-        return out if keep_fp32 else out.to(x.dtype)
-
-
-NORM_IMPLS = {"torch": nn.GroupNorm, "scale-shift": ScaleShiftGroupNorm}
-
-
-def group_norm(groups: int, channels: int, impl: str) -> nn.GroupNorm:
-    return NORM_IMPLS[impl](groups, channels)
-
-
 class SelfAttention(nn.Module):
     """Pre-norm multi-head self-attention over all H*W positions, with a residual connection.
 
@@ -206,7 +165,7 @@ class SelfAttention(nn.Module):
         self.head_dim = head_dim or channels // heads  # channels per head
         self.impl = impl  # "sdpa" or "math"
         inner = self.heads * self.head_dim
-        self.norm = group_norm(norm_groups, channels, norm_impl)
+        self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False)
         self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
         self.proj = nn.Conv2d(inner, channels, 1)
 
@@ -254,18 +213,16 @@ class DDPMResBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
         super().__init__()
-        self.norm1 = group_norm(cfg.norm_groups, cin, cfg.norm_impl)
+        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl)  # GroupNorm + SiLU
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
-        self.norm2 = group_norm(cfg.norm_groups, cout, cfg.norm_impl)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout)  # + SiLU + dropout
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = h + self.temb(F.silu(temb))[:, :, None, None]  # (B, cout) -> (B, cout, 1, 1)
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        h = self.conv1(self.norm1(x))
+        h = self.conv2(self.norm2(h, add=self.temb(F.silu(temb))))  # the (B, cout) time embedding added to h first
         return self.skip(x) + h
 
 
@@ -276,16 +233,16 @@ class AnnotatedResBlock(nn.Module):
         super().__init__()
         self.temb = nn.Sequential(nn.SiLU(), nn.Linear(temb_dim, 2 * cout))
         self.conv1 = res_conv3x3(cfg, cin, cout)
-        self.norm1 = group_norm(cfg.norm_groups, cout, cfg.norm_impl)
-        self.dropout = nn.Dropout(cfg.dropout)  # not in the original; identity at the preset's dropout=0
+        # GroupNorm, FiLM, SiLU, then a dropout before conv2 (not in the original; off at the preset's dropout=0)
+        self.norm1 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout)
         self.conv2 = res_conv3x3(cfg, cout, cout)
-        self.norm2 = group_norm(cfg.norm_groups, cout, cfg.norm_impl)
+        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl)  # GroupNorm + SiLU
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.temb(temb)[:, :, None, None].chunk(2, dim=1)  # 2 x (B, cout, 1, 1)
-        h = F.silu(self.norm1(self.conv1(x)) * (scale + 1) + shift)
-        h = F.silu(self.norm2(self.conv2(self.dropout(h))))
+        scale, shift = self.temb(temb).chunk(2, dim=1)  # 2 x (B, cout)
+        h = self.norm1(self.conv1(x), film=(scale, shift))
+        h = self.norm2(self.conv2(h))
         return self.skip(x) + h
 
 
@@ -355,7 +312,9 @@ class DDPMUNet(nn.Module):
             if level != 0:
                 self.up.append(Upsample(cur, cur))
                 res *= 2
-        self.out = nn.Sequential(group_norm(cfg.norm_groups, cur, cfg.norm_impl), nn.SiLU(), nn.Conv2d(cur, cfg.in_channels, 3, padding=1))
+        # GroupNorm + SiLU, conv; the Identity keeps the conv's state_dict key (out.2) from when SiLU was a module.
+        self.out = nn.Sequential(GroupNormAct(cfg.norm_groups, cur, cfg.norm_impl), nn.Identity(),
+                                 nn.Conv2d(cur, cfg.in_channels, 3, padding=1))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         temb = self.time(t, y)

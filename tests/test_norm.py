@@ -1,0 +1,146 @@
+"""The GroupNorm(+SiLU, dropout, add, FiLM) implementations against nn.GroupNorm, and the fused op's Triton kernels
+(run by Triton's interpreter: conftest sets TRITON_INTERPRET=1 on machines without a GPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ffcv_ddpm import norm as N
+from ffcv_ddpm.norm import GroupNormAct
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def spread_input(shape, g: torch.Generator, dtype=torch.float64) -> torch.Tensor:
+    """Channels with different means and spreads, so within-group and between-channel variance both count."""
+    c = shape[1]
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * (torch.rand(1, c, 1, 1, generator=g, dtype=torch.float64) * 3 + 0.1)
+            + torch.randn(1, c, 1, 1, generator=g, dtype=torch.float64) * 2).to(dtype)
+
+
+def torch_reference(x, weight, bias, groups, add=None, film=None, silu=True, keep=None, p=0.0):
+    """What the UNets computed before GroupNormAct: nn.GroupNorm and separate ops, with a given dropout mask."""
+    if add is not None:
+        x = x + add[:, :, None, None]
+    y = F.group_norm(x, groups, weight, bias, 1e-5)
+    if film is not None:
+        y = y * (film[0][:, :, None, None] + 1) + film[1][:, :, None, None]
+    if silu:
+        y = F.silu(y)
+    return y if keep is None else torch.where(keep, y / (1 - p), 0.0)
+
+
+def grads(fn, leaves, dout):
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("impl", ["torch", "scale-shift", "fused"])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("variant", ["plain", "no-silu", "add", "film"])
+def test_group_norm_act_matches_torch_fp64(impl, channels_last, variant):
+    """Forward and backward (input, weight, bias, add, FiLM) in fp64 on CPU against F.group_norm and friends; the
+    input's layout is kept by the output and by the input's gradient."""
+    g = torch.Generator().manual_seed(0)
+    n, c, groups = 3, 12, 4
+    x = spread_input((n, c, 5, 7), g)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    m = GroupNormAct(groups, c, impl, silu=variant != "no-silu").double()
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(c, generator=g) + 1)
+        m.bias.copy_(torch.randn(c, generator=g))
+    extra = [torch.randn(n, c, generator=g, dtype=torch.float64) for _ in range({"add": 1, "film": 2}.get(variant, 0))]
+
+    dout = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    ref = grads(lambda x, w, b, *e: torch_reference(x, w, b, groups, e[0] if variant == "add" else None,
+                                                    tuple(e) if variant == "film" else None, variant != "no-silu"),
+                [x, m.weight.detach(), m.bias.detach(), *extra], dout)
+    m.zero_grad()
+    xi, ei = x.detach().clone().requires_grad_(), [e.detach().clone().requires_grad_() for e in extra]
+    y = m(xi, add=ei[0] if variant == "add" else None, film=tuple(ei) if variant == "film" else None)
+    y.backward(dout)
+    got = (y, xi.grad, m.weight.grad, m.bias.grad, *(e.grad for e in ei))
+    for name, a, b in zip(["out", "dx", "dweight", "dbias", "dextra0", "dextra1"], got, ref):
+        assert rel(a, b) < 1e-10, name
+    if channels_last:
+        assert y.is_contiguous(memory_format=torch.channels_last) and xi.grad.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_fused_dropout_mask_is_shared_by_forward_and_backward():
+    """The backward regenerates the forward's mask: gradients match the reference with the mask read off the output;
+    a new call draws a new mask; eval mode has none."""
+    g = torch.Generator().manual_seed(1)
+    x = spread_input((4, 8, 6, 6), g)
+    m = GroupNormAct(2, 8, "fused", dropout=0.3).double()
+    xi = x.clone().requires_grad_()
+    y = m(xi)
+    keep = y != 0
+    assert 0.6 < keep.double().mean() < 0.8
+    dout = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    y.backward(dout)
+    ref_y, ref_dx = grads(lambda x: torch_reference(x, m.weight.detach(), m.bias.detach(), 2, keep=keep, p=0.3), [x], dout)
+    assert rel(y, ref_y) < 1e-12 and rel(xi.grad, ref_dx) < 1e-10
+    assert not torch.equal(m(x) != 0, keep)
+    assert (m.eval()(x) != 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- Triton kernels
+
+CASES = [  # (n, c, h, w, groups, silu, p, add, channels_last, dtype); n >= 8 takes the one-launch path
+    (2, 16, 4, 4, 4, True, 0.0, False, True, torch.float32),
+    (2, 16, 4, 4, 4, True, 0.0, True, False, torch.float32),
+    (3, 24, 5, 3, 2, True, 0.3, True, True, torch.float32),   # groups of 12 channels: padded tiles
+    (3, 12, 8, 8, 4, False, 0.0, False, True, torch.float32),
+    (16, 24, 4, 4, 8, True, 0.1, True, True, torch.float32),
+    (2, 32, 16, 16, 8, True, 0.1, True, True, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])) + f"-{c[9]}".replace("torch.", ""))
+def test_triton_kernels_against_reference(case):
+    """The kernels (interpreted) against fp64 math with the same per-(n, c) a, b, e and the kernel's own dropout
+    mask: forward, mean/rstd, and every gradient. Inputs have |mean| >> std in places (shifted-sum stability)."""
+    import triton
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    n, c, h, w, groups, silu, p, add, cl, dtype = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x = (spread_input((n, c, h, w), g) + 20).to(dtype).to(dev)
+    if cl:
+        x = x.contiguous(memory_format=torch.channels_last)
+    a, b = (torch.randn(n, c, generator=g).to(dev) for _ in range(2))
+    e = torch.randn(n, c, generator=g).to(dev) if add else None
+    seed = torch.tensor([1234], device=dev)
+    out, mean, rstd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p)
+    keep = out != 0 if p > 0 else None
+    xd = x.double()
+    ref_out, ref_mean, ref_rstd, _, _ = N._reference_math(xd, a.double(), b.double(), None if e is None else e.double(),
+                                                    seed, groups, 1e-5, silu, 0.0)
+    if keep is not None:
+        assert abs(keep.double().mean().item() - (1 - p)) < 0.05
+        ref_out = torch.where(keep, ref_out / (1 - p), 0.0)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.isfinite(out).all() and rel(out, ref_out) < tol
+    assert rel(mean, ref_mean) < 1e-6 and rel(rstd, ref_rstd) < 1e-5
+    assert out.stride() == x.stride()
+
+    dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
+    dx, da, db, de = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p)
+    leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
+
+    def fn(x, a, b, *e):
+        y = N._reference_math(x, a, b, e[0] if e else None, seed, groups, 1e-5, silu, 0.0)[0]
+        return y if keep is None else torch.where(keep, y / (1 - p), 0.0)
+
+    _, *ref_grads = grads(fn, leaves, dout.double())
+    for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
+        assert rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), name
+    assert dx.stride() == x.stride()
