@@ -72,6 +72,8 @@ STACK = (
     ("+ GPU-resident data, flips on GPU", ("data.loader=gpu", "data.flip=gpu"), "prev"),
     # A candidate fix for the layout copies inside cuDNN's convolution backward (benchmarks/NOTES.md, attempt 4).
     ("+ GroupNorm that keeps channels_last", ("model.norm_impl=scale-shift",), "prev"),
+    # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels).
+    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused",), "prev"),
 )
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
 # overrides on top of that row). They run at that row's batch.
@@ -82,6 +84,8 @@ VARIANTS = (
     ("compile mode reduce-overhead (CUDA graphs)", "+ GPU-resident data, flips on GPU",
      ("train.compile_mode=reduce-overhead",)),
     ("inductor layout optimization forced", "+ GPU-resident data, flips on GPU", ("train.force_layout_opt=True",)),
+    ("cuDNN algorithm search (cudnn.benchmark)", "+ fused GroupNorm/SiLU/dropout kernels",
+     ("train.cudnn_benchmark=True",)),
 )
 
 

@@ -155,6 +155,12 @@ group_norm_act.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------------- Triton
 
 
+# Elements per [BLOCK_HW, C] tile and warps per program (None: by tile size); module-level so that
+# benchmarks.norm_bench can sweep them.
+TILE_ELEMENTS = 4096
+NUM_WARPS = None
+
+
 def _plan(x: Tensor, groups: int) -> dict:
     """Tile sizes and the split of each sample's positions into K chunks (see ffcv_ddpm.gn_kernels)."""
     import triton
@@ -169,7 +175,7 @@ def _plan(x: Tensor, groups: int) -> dict:
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
     if block_g * block_cpg > 8192:
         raise ValueError(f"the fused GroupNorm handles up to 8192 channels per tile, got {c}; use model.norm_impl=torch")
-    block_hw = max(1, min(triton.next_power_of_2(hw), 4096 // (block_g * block_cpg)))
+    block_hw = max(1, min(triton.next_power_of_2(hw), TILE_ELEMENTS // (block_g * block_cpg)))
     sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
     if n >= 2 * sms:  # one program per sample already fills the GPU: both passes in one launch
         k, chunk = 1, hw
@@ -179,7 +185,7 @@ def _plan(x: Tensor, groups: int) -> dict:
         k = triton.cdiv(hw, chunk)
     return dict(C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=chunk, BLOCK_HW=block_hw, BLOCK_G=block_g,
                 BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k),
-                num_warps=4 if block_hw * block_g * block_cpg <= 2048 else 8)
+                num_warps=NUM_WARPS or (4 if block_hw * block_g * block_cpg <= 2048 else 8))
 
 
 def _nchw_strides(t: Tensor) -> tuple[int, int, int]:

@@ -141,6 +141,7 @@ def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig
 def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model).to(device)
     if cfg.train.channels_last:
