@@ -26,13 +26,18 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict:
-    """Commit hash and whether tracked files differ from it (None for both outside a git checkout)."""
+    """Commit hash and whether tracked files differ from it (None for both outside a git checkout).
+
+    A copy of the tree shipped to another machine may carry no .git, or a stale one: there the sender names the
+    commit it copied in FFCV_DDPM_COMMIT, which wins and is recorded as declared, not verified."""
+    declared = os.environ.get("FFCV_DDPM_COMMIT")
+    if declared:
+        return {"commit": declared, "dirty": None, "commit_source": "declared (FFCV_DDPM_COMMIT), not verified"}
     commit = _git("rev-parse", "HEAD")
     if commit is None:
-        # A copy of the tree without .git (e.g. shipped to a GPU machine): the sender names the commit it copied.
-        return {"commit": os.environ.get("FFCV_DDPM_COMMIT"), "dirty": None}
+        return {"commit": None, "dirty": None, "commit_source": "no git checkout"}
     status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if status is None else bool(status)}
+    return {"commit": commit, "dirty": None if status is None else bool(status), "commit_source": "git"}
 
 
 def _version(dist: str) -> str | None:

@@ -135,7 +135,7 @@ def _gn_fwd_kernel(
 
 @triton.jit
 def _gn_bwd_kernel(
-    dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr, dab_ptr, de_ptr,
+    dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr, da_ptr, db_ptr, de_ptr,
     C, HW, G, CPG, K,
     s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec,
     p_drop,
@@ -192,9 +192,9 @@ def _gn_bwd_kernel(
             s1 = tl.sum(tl.load(part_n + ks * 2 * C + ch[None, :, :], mask=km, other=0.0), axis=0)
             s2 = tl.sum(tl.load(part_n + ks * 2 * C + C + ch[None, :, :], mask=km, other=0.0), axis=0)
         if k == 0:
-            # dL/da = sum(dy * xhat), dL/db = sum(dy) per (n, c): fp32 [N, 2, C]
-            tl.store(dab_ptr + n * 2 * C + ch, s2, mask=cmask)
-            tl.store(dab_ptr + n * 2 * C + C + ch, s1, mask=cmask)
+            # dL/da = sum(dy * xhat), dL/db = sum(dy) per (n, c): fp32 [N, C] each
+            tl.store(da_ptr + n * C + ch, s2, mask=cmask)
+            tl.store(db_ptr + n * C + ch, s1, mask=cmask)
         # dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat)
         inv_m = 1.0 / (CPG * HW)
         c1 = tl.sum(tl.where(cmask, a * s1, 0.0), axis=1)[:, None] * inv_m

@@ -230,16 +230,16 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p):
     n, c, k = x.shape[0], x.shape[1], plan["K"]
     dx = torch.empty_like(x)
     part = x.new_empty((n, k, 2, c) if k > 1 else 1, dtype=torch.float32)
-    dab = x.new_empty((n, 2, c), dtype=torch.float32)
+    da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
     de = x.new_empty((n, k, c) if e is not None else 1, dtype=torch.float32)
     e_ = a if e is None else e
-    args = (dout, x, dx, a, b, e_, seed, mean, rstd, part, dab, de, c, plan["HW"], groups, plan["CPG"], k,
+    args = (dout, x, dx, a, b, e_, seed, mean, rstd, part, da, db, de, c, plan["HW"], groups, plan["CPG"], k,
             *_nchw_strides(x), *_nchw_strides(dout), a.stride(0), a.stride(1),
             e_.stride(0), e_.stride(1), p)
     _run_passes(gn_kernels._gn_bwd_kernel, x, plan, args,
                 HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0)
     de = de.sum(1) if e is not None else x.new_empty(0, dtype=torch.float32)
-    return dx, dab[:, 0], dab[:, 1], de
+    return dx, da, db, de
 
 
 # ---------------------------------------------------------------------------------------------------- reference
