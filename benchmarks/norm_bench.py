@@ -21,8 +21,8 @@ import torch
 # 8x8 at 512), with the residual block's second norm (time-embedding add + dropout) and its first (plain).
 SHAPES = ((1024, 128, 32, 32, 0.1, True), (1024, 384, 32, 32, 0.0, False), (1024, 256, 16, 16, 0.1, True))
 IMPLS = ("torch", "scale-shift", "fused")
-# The fused kernels' tile sizes and warps swept: (elements per tile, num_warps)
-FUSED_PLANS = ((4096, 8), (2048, 4))
+# The fused kernels' plans swept: (elements per tile, elements per reduction program, num_warps)
+FUSED_PLANS = ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), (2048, 32768, 4))
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
@@ -42,7 +42,7 @@ def bench_one(impl: str, shape: tuple, iters: int, warmup: int, plan: tuple | No
     from ffcv_ddpm.norm import GroupNormAct
 
     if plan:
-        norm.TILE_ELEMENTS, norm.NUM_WARPS = plan
+        norm.TILE_ELEMENTS, norm.CHUNK_ELEMENTS, norm.NUM_WARPS = plan
 
     n, c, h, w, p, add = shape
     torch.manual_seed(0)

@@ -2,24 +2,21 @@
 
     y   = ((x + e) - mean_g) * rstd_g * a + b      a, b, e: (N, C) fp32; e optional; mean_g, rstd_g per (n, group)
     out = dropout(silu(y))                          silu and dropout optional; the dropout mask is a hash of
-                                                    (seed, element index), regenerated in the backward, never stored
+                                                    (seed, element index), recomputed in the backward, never stored
 
-`ffcv_ddpm.norm` wraps these as one autograd-aware custom op. The layout is read from the strides: an (N, C, H, W)
-tensor is addressed as (n, hw, c) with H and W merged, so channels_last (c unit-stride) and NCHW both work without
-a copy.
-
-Each kernel runs in one of three modes, chosen by the constexprs PASS0 and PASS1:
-- (0, 2) one program per sample: statistics, then the pass that uses them. The second read of the sample comes
-  from L2 while it is still there. Used when the batch alone fills the GPU.
-- (0, 1) then (1, 2): the sample's positions split into K chunks, one program each; the first launch writes
-  per-chunk, per-channel partial sums, the second reads them all and does the dependent pass over its chunk.
-  Used for small batches (sampling, tests), where one program per sample would leave SMs idle.
+`ffcv_ddpm.norm` wraps these as one autograd-aware custom op. An (N, C, H, W) tensor is addressed as rows of
+channels, (n * HW + hw, c), through its strides: channels_last (c unit-stride, rows contiguous) is the fast path,
+NCHW works. Each direction is three launches, so that the two passes over the data run on grids that fill the GPU
+(one program per sample left 1 CTA per SM and ran at ~500 GB/s, benchmarks/NOTES.md):
+- forward: `_stats` (per chunk of rows, per channel: mean and M2), `_finalize` (per sample: group statistics ->
+  per-channel scale and bias), `_apply` (out = dropout(silu(x * scale + bias)), one tile of rows per program).
+- backward: `_bwd_reduce` (per chunk, per channel: sums of dy, dy * xhat, xhat), `_bwd_finalize` (per sample: dL/da,
+  dL/db, dL/de and the per-channel coefficients of dx), `_bwd_dx` (dx = alpha * dy + beta * xhat + gamma).
+Statistics in fp32: shifted sums within a chunk (stable when |mean| >> std), Chan's formula across chunks, the law
+of total variance across the channels of a group.
 
 On CPU tensors the kernels run only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported; the
 tests set it), which is how they are tested on machines without a GPU.
-
-Statistics: per channel, sums of d = x - x[first row] and d^2 (a shifted sum, stable when |mean| >> std), combined
-across chunks with Chan's formula, across the channels of a group by the law of total variance, all in fp32.
 """
 
 import triton
@@ -27,13 +24,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _act_grad(x, u, v, a, b, dout, offs, seed, p_drop, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+def _keep(offs, seed, thr24):
+    """Dropout's keep mask: a 32-bit integer hash (murmur3's finaliser) of the element's logical index and the seed,
+    kept where its top 24 bits are >= p * 2^24. Cheaper than Philox (tl.rand), and recomputed twice in the backward;
+    ffcv_ddpm.norm.keep_mask is the same function in torch."""
+    h = offs.to(tl.uint32) * 0x9E3779B1 + seed
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return (h >> 8).to(tl.int32) >= thr24
+
+
+@triton.jit
+def _mix_seed(seed_ptr):
+    s = tl.load(seed_ptr).to(tl.uint32)
+    s ^= s >> 16
+    s *= 0x7FEB352D
+    s ^= s >> 15
+    return s
+
+
+@triton.jit
+def _act_grad(x, u, v, a, b, dout, offs, seed, thr24, inv_keep, SILU: tl.constexpr, DROPOUT: tl.constexpr):
     """(xhat, dL/dy) for a tile: xhat recomputed from x, y = xhat * a + b, the output's gradient taken back through
-    dropout (the forward's mask, regenerated) and SiLU."""
+    dropout (the forward's mask, recomputed) and SiLU."""
     xhat = x * u + v
     dy = dout
     if DROPOUT:
-        dy = tl.where(tl.rand(seed, offs) >= p_drop, dy / (1.0 - p_drop), 0.0)
+        dy = tl.where(_keep(offs, seed, thr24), dy * inv_keep, 0.0)
     if SILU:
         y = xhat * a + b
         sig = tl.sigmoid(y)
@@ -41,177 +61,197 @@ def _act_grad(x, u, v, a, b, dout, offs, seed, p_drop, SILU: tl.constexpr, DROPO
     return xhat, dy
 
 
-# Channels are indexed as [group, channel within group] (c = g * CPG + j), so that per-group sums are reductions
-# over one axis of a tile. Tiles are [BLOCK_HW, BLOCK_G, BLOCK_CPG]: in channels_last each tile row is one
-# contiguous run of C channels.
+@triton.jit
+def _stats_kernel(x_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw,
+                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]."""
+    n = tl.program_id(0)
+    k = tl.program_id(1)
+    r0 = k * CHUNK
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    base = x_ptr + n * s_xn
+    shift = tl.load(base + r0 * s_xhw + cols * s_xc, mask=cmask, other=0.0).to(tl.float32)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK_R):
+        r = r0 + i + tl.arange(0, BLOCK_R)
+        m = (r < HW)[:, None] & cmask[None, :]
+        x = tl.load(base + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        d = tl.where(m, x - shift[None, :], 0.0)
+        acc1 += d
+        acc2 += d * d
+    cnt = tl.minimum(CHUNK, HW - r0).to(tl.float32)
+    s1 = tl.sum(acc1, axis=0)
+    out = part_ptr + (n * K + k) * 2 * C + cols
+    tl.store(out, shift + s1 / cnt, mask=cmask)
+    tl.store(out + C, tl.sum(acc2, axis=0) - s1 * s1 / cnt, mask=cmask)
 
 
 @triton.jit
-def _gn_fwd_kernel(
-    x_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, part_ptr, mean_ptr, rstd_ptr,
-    C, HW, G, CPG, K,
-    s_xn, s_xc, s_xhw, s_an, s_ac, s_en, s_ec,
-    eps, p_drop,
-    CHUNK: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PASS0: tl.constexpr, PASS1: tl.constexpr,
-    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr,
-):
+def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr,
+                     C, HW, G, CPG, K, s_an, s_ac, s_en, s_ec, eps,
+                     CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
+                     HAS_ADD: tl.constexpr):
+    """Per sample: the K chunks' (mean, M2) -> group mean and rstd -> coef[n, 0:2, c] = (scale, bias) with
+    y = x * scale + bias."""
     n = tl.program_id(0)
-    k = tl.program_id(1)
-    hw0 = k * CHUNK
-    hw1 = tl.minimum(hw0 + CHUNK, HW)
     gs = tl.arange(0, BLOCK_G)
-    ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]  # [G, CPG] channel index
+    ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]  # [G, CPG]: channel index, groups along axis 0
     cmask = (gs < G)[:, None] & (tl.arange(0, BLOCK_CPG) < CPG)[None, :]
-    rows = tl.arange(0, BLOCK_HW)
-    x_base = x_ptr + n * s_xn
-    # part_ptr: fp32 [N, K, 2, C], per chunk and channel the (mean, M2) over the chunk's positions
-    part_n = part_ptr + n * K * 2 * C
-
-    if PASS0 == 0:
-        shift = tl.load(x_base + hw0 * s_xhw + ch * s_xc, mask=cmask, other=0.0).to(tl.float32)
-        acc1 = tl.zeros([BLOCK_HW, BLOCK_G, BLOCK_CPG], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_HW, BLOCK_G, BLOCK_CPG], dtype=tl.float32)
-        for i in range(0, CHUNK, BLOCK_HW):
-            r = (hw0 + i + rows)[:, None, None]
-            m = (r < hw1) & cmask[None, :, :]
-            x = tl.load(x_base + r * s_xhw + ch[None, :, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-            d = tl.where(m, x - shift[None, :, :], 0.0)
-            acc1 += d
-            acc2 += d * d
-        cnt = (hw1 - hw0).to(tl.float32)
-        s1 = tl.sum(acc1, axis=0)
-        mean_c = shift + s1 / cnt
-        m2_c = tl.sum(acc2, axis=0) - s1 * s1 / cnt
-        if PASS1 == 1:
-            tl.store(part_n + k * 2 * C + ch, mean_c, mask=cmask)
-            tl.store(part_n + k * 2 * C + C + ch, m2_c, mask=cmask)
-
-    if PASS1 == 2:
-        if PASS0 == 1:
-            # Chan's parallel combination of the K chunks' (count, mean, M2), per channel.
-            ks = tl.arange(0, BLOCK_K)[:, None, None]
-            km = (ks < K) & cmask[None, :, :]
-            cnt_k = tl.where(ks < K, tl.minimum(CHUNK, HW - ks * CHUNK), 0).to(tl.float32)  # last may be short
-            mean_k = tl.load(part_n + ks * 2 * C + ch[None, :, :], mask=km, other=0.0)
-            m2_k = tl.load(part_n + ks * 2 * C + C + ch[None, :, :], mask=km, other=0.0)
-            mean_c = tl.sum(mean_k * cnt_k, axis=0) / HW
-            dev = tl.where(km, mean_k - mean_c[None, :, :], 0.0)
-            m2_c = tl.sum(m2_k + dev * dev * cnt_k, axis=0)
-        if HAS_ADD:
-            e = tl.load(e_ptr + n * s_en + ch * s_ec, mask=cmask, other=0.0).to(tl.float32)
-            mean_c = mean_c + e
-        # Per group: the mean of its channels' means (equal counts); M2 = within-channel + between-channel parts.
-        mean_g = tl.sum(tl.where(cmask, mean_c, 0.0), axis=1) / CPG
-        dev_c = tl.where(cmask, mean_c - mean_g[:, None], 0.0)
-        m2_g = tl.sum(tl.where(cmask, m2_c, 0.0) + HW * dev_c * dev_c, axis=1)
-        rstd_g = 1.0 / tl.sqrt(m2_g / (CPG * HW) + eps)
-        if k == 0:
-            tl.store(mean_ptr + n * G + gs, mean_g, mask=gs < G)
-            tl.store(rstd_ptr + n * G + gs, rstd_g, mask=gs < G)
-        # y = x * scale + bias per channel: the normalisation, the add and the affine in one FMA.
-        a = tl.load(a_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
-        b = tl.load(b_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
-        scale = a * rstd_g[:, None]
-        bias = b - mean_g[:, None] * scale
-        if HAS_ADD:
-            bias += e * scale
-        seed = tl.load(seed_ptr)
-        for i in range(0, CHUNK, BLOCK_HW):
-            r = (hw0 + i + rows)[:, None, None]
-            m = (r < hw1) & cmask[None, :, :]
-            offs_x = r * s_xhw + ch[None, :, :] * s_xc
-            x = tl.load(x_base + offs_x, mask=m, other=0.0).to(tl.float32)
-            y = x * scale[None, :, :] + bias[None, :, :]
-            if SILU:
-                y = y * tl.sigmoid(y)
-            if DROPOUT:
-                # The element's logical index (n, hw, c), whatever the layout: the backward draws the same mask.
-                offs = (n * HW + r) * C + ch[None, :, :]
-                y = tl.where(tl.rand(seed, offs) >= p_drop, y / (1.0 - p_drop), 0.0)
-            tl.store(out_ptr + n * s_xn + offs_x, y.to(out_ptr.dtype.element_ty), mask=m)
+    ks = tl.arange(0, BLOCK_K)[:, None, None]
+    km = (ks < K) & cmask[None, :, :]
+    cnt = tl.where(ks < K, tl.minimum(CHUNK, HW - ks * CHUNK), 0).to(tl.float32)  # the last chunk may be short
+    part = part_ptr + n * K * 2 * C + ks * 2 * C + ch[None, :, :]
+    mean_k = tl.load(part, mask=km, other=0.0)
+    m2_k = tl.load(part + C, mask=km, other=0.0)
+    mean_c = tl.sum(mean_k * cnt, axis=0) / HW  # Chan: per channel over the whole sample
+    dev = tl.where(km, mean_k - mean_c[None, :, :], 0.0)
+    m2_c = tl.sum(m2_k + dev * dev * cnt, axis=0)
+    if HAS_ADD:
+        e = tl.load(e_ptr + n * s_en + ch * s_ec, mask=cmask, other=0.0)
+        mean_c += e
+    # Per group: the mean of its channels' means (equal counts); M2 = within-channel + between-channel parts.
+    mean_g = tl.sum(tl.where(cmask, mean_c, 0.0), axis=1) / CPG
+    dev_c = tl.where(cmask, mean_c - mean_g[:, None], 0.0)
+    m2_g = tl.sum(tl.where(cmask, m2_c, 0.0) + HW * dev_c * dev_c, axis=1)
+    rstd_g = 1.0 / tl.sqrt(m2_g / (CPG * HW) + eps)
+    tl.store(mean_ptr + n * G + gs, mean_g, mask=gs < G)
+    tl.store(rstd_ptr + n * G + gs, rstd_g, mask=gs < G)
+    a = tl.load(a_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
+    b = tl.load(b_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
+    scale = a * rstd_g[:, None]
+    bias = b - mean_g[:, None] * scale
+    if HAS_ADD:
+        bias += e * scale
+    tl.store(coef_ptr + n * 2 * C + ch, scale, mask=cmask)
+    tl.store(coef_ptr + n * 2 * C + C + ch, bias, mask=cmask)
 
 
 @triton.jit
-def _gn_bwd_kernel(
-    dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr, da_ptr, db_ptr, de_ptr,
-    C, HW, G, CPG, K,
-    s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec,
-    p_drop,
-    CHUNK: tl.constexpr, BLOCK_HW: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PASS0: tl.constexpr, PASS1: tl.constexpr,
-    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr,
-):
+def _apply_kernel(x_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc, s_xhw, thr24, inv_keep,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+    """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n."""
+    n = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    m = (r < HW)[:, None] & (cols < C)[None, :]
+    scale = tl.load(coef_ptr + n * 2 * C + cols, mask=cols < C, other=0.0)
+    bias = tl.load(coef_ptr + n * 2 * C + C + cols, mask=cols < C, other=0.0)
+    offs = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
+    y = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
+    if SILU:
+        y = y * tl.sigmoid(y)
+    if DROPOUT:
+        # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
+        keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
+        y = tl.where(keep, y * inv_keep, 0.0)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_an, s_ac, s_en, s_ec,
+                 HAS_ADD: tl.constexpr):
+    """(u, v, a, b) of sample n per channel, xhat = x * u + v: u = the group's rstd, v = (e - the group's mean) * u."""
+    cmask = cols < C
+    g = cols // CPG
+    u = tl.load(rstd_ptr + n * G + g, mask=cmask, other=0.0)
+    v = -tl.load(mean_ptr + n * G + g, mask=cmask, other=0.0) * u
+    if HAS_ADD:
+        v += tl.load(e_ptr + n * s_en + cols * s_ec, mask=cmask, other=0.0) * u
+    a = tl.load(a_ptr + n * s_an + cols * s_ac, mask=cmask, other=0.0)
+    b = tl.load(b_ptr + n * s_an + cols * s_ac, mask=cmask, other=0.0)
+    return u, v, a, b
+
+
+@triton.jit
+def _bwd_reduce_kernel(dout_ptr, x_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr,
+                       C, HW, G, CPG, K, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec,
+                       thr24, inv_keep,
+                       CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+    """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy)."""
     n = tl.program_id(0)
     k = tl.program_id(1)
-    hw0 = k * CHUNK
-    hw1 = tl.minimum(hw0 + CHUNK, HW)
+    cols = tl.arange(0, BLOCK_C)
+    u, v, a, b = _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_an, s_ac, s_en, s_ec,
+                              HAS_ADD)
+    seed = _mix_seed(seed_ptr)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for i in range(0, CHUNK, BLOCK_R):
+        r = k * CHUNK + i + tl.arange(0, BLOCK_R)
+        m = (r < HW)[:, None] & (cols < C)[None, :]
+        x = tl.load(x_ptr + n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
+                       other=0.0).to(tl.float32)
+        xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
+                             (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+        acc1 += dy
+        acc2 += dy * xhat
+        acc3 += tl.where(m, xhat, 0.0)
+    out = part_ptr + (n * K + k) * 3 * C + cols
+    tl.store(out, tl.sum(acc1, axis=0), mask=cols < C)
+    tl.store(out + C, tl.sum(acc2, axis=0), mask=cols < C)
+    tl.store(out + 2 * C, tl.sum(acc3, axis=0), mask=cols < C)
+
+
+@triton.jit
+def _bwd_finalize_kernel(part_ptr, a_ptr, rstd_ptr, da_ptr, db_ptr, de_ptr, coef_ptr, C, HW, G, CPG, K, s_an, s_ac,
+                         BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
+                         HAS_ADD: tl.constexpr):
+    """Per sample: dL/da = sum(dy * xhat), dL/db = sum(dy), dL/de = sum(dx), and coef[n, 0:3, c] = (alpha, beta,
+    gamma) with dx = alpha * dy + beta * xhat + gamma, where
+    dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat)."""
+    n = tl.program_id(0)
     gs = tl.arange(0, BLOCK_G)
     ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]
     cmask = (gs < G)[:, None] & (tl.arange(0, BLOCK_CPG) < CPG)[None, :]
-    rows = tl.arange(0, BLOCK_HW)
-    x_base = x_ptr + n * s_xn
-    d_base = dout_ptr + n * s_dn
-    # part_ptr: fp32 [N, K, 2, C], per chunk and channel sum(dL/dy) and sum(dL/dy * xhat)
-    part_n = part_ptr + n * K * 2 * C
-
-    # xhat = x * u + v per channel: u = the group's rstd, v = (e - the group's mean) * u.
-    mean_g = tl.load(mean_ptr + n * G + gs, mask=gs < G, other=0.0)
-    u = tl.broadcast_to(tl.load(rstd_ptr + n * G + gs, mask=gs < G, other=0.0)[:, None], (BLOCK_G, BLOCK_CPG))
-    v = -mean_g[:, None] * u
-    if HAS_ADD:
-        v += tl.load(e_ptr + n * s_en + ch * s_ec, mask=cmask, other=0.0).to(tl.float32) * u
+    ks = tl.arange(0, BLOCK_K)[:, None, None]
+    km = (ks < K) & cmask[None, :, :]
+    part = part_ptr + n * K * 3 * C + ks * 3 * C + ch[None, :, :]
+    s1 = tl.sum(tl.load(part, mask=km, other=0.0), axis=0)  # sum dy
+    s2 = tl.sum(tl.load(part + C, mask=km, other=0.0), axis=0)  # sum dy * xhat
+    s3 = tl.sum(tl.load(part + 2 * C, mask=km, other=0.0), axis=0)  # sum xhat
+    tl.store(da_ptr + n * C + ch, s2, mask=cmask)
+    tl.store(db_ptr + n * C + ch, s1, mask=cmask)
     a = tl.load(a_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
-    b = tl.load(b_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
-    seed = tl.load(seed_ptr)
+    u = tl.load(rstd_ptr + n * G + gs, mask=gs < G, other=0.0)[:, None]
+    inv_m = 1.0 / (CPG * HW)
+    c1 = tl.sum(tl.where(cmask, a * s1, 0.0), axis=1)[:, None] * inv_m
+    c2 = tl.sum(tl.where(cmask, a * s2, 0.0), axis=1)[:, None] * inv_m
+    alpha = u * a
+    beta = -u * c2
+    gamma = -u * c1
+    tl.store(coef_ptr + n * 3 * C + ch, alpha, mask=cmask)
+    tl.store(coef_ptr + n * 3 * C + C + ch, beta, mask=cmask)
+    tl.store(coef_ptr + n * 3 * C + 2 * C + ch, gamma, mask=cmask)
+    if HAS_ADD:
+        tl.store(de_ptr + n * C + ch, alpha * s1 + beta * s3 + gamma * HW, mask=cmask)
 
-    if PASS0 == 0:
-        acc1 = tl.zeros([BLOCK_HW, BLOCK_G, BLOCK_CPG], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_HW, BLOCK_G, BLOCK_CPG], dtype=tl.float32)
-        for i in range(0, CHUNK, BLOCK_HW):
-            r = (hw0 + i + rows)[:, None, None]
-            m = (r < hw1) & cmask[None, :, :]
-            x = tl.load(x_base + r * s_xhw + ch[None, :, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-            dout = tl.load(d_base + r * s_dhw + ch[None, :, :] * s_dc, mask=m, other=0.0).to(tl.float32)
-            xhat, dy = _act_grad(x, u[None, :, :], v[None, :, :], a[None, :, :], b[None, :, :], dout,
-                                 (n * HW + r) * C + ch[None, :, :], seed, p_drop, SILU, DROPOUT)
-            acc1 += dy
-            acc2 += dy * xhat
-        s1 = tl.sum(acc1, axis=0)
-        s2 = tl.sum(acc2, axis=0)
-        if PASS1 == 1:
-            tl.store(part_n + k * 2 * C + ch, s1, mask=cmask)
-            tl.store(part_n + k * 2 * C + C + ch, s2, mask=cmask)
 
-    if PASS1 == 2:
-        if PASS0 == 1:
-            ks = tl.arange(0, BLOCK_K)[:, None, None]
-            km = (ks < K) & cmask[None, :, :]
-            s1 = tl.sum(tl.load(part_n + ks * 2 * C + ch[None, :, :], mask=km, other=0.0), axis=0)
-            s2 = tl.sum(tl.load(part_n + ks * 2 * C + C + ch[None, :, :], mask=km, other=0.0), axis=0)
-        if k == 0:
-            # dL/da = sum(dy * xhat), dL/db = sum(dy) per (n, c): fp32 [N, C] each
-            tl.store(da_ptr + n * C + ch, s2, mask=cmask)
-            tl.store(db_ptr + n * C + ch, s1, mask=cmask)
-        # dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat)
-        inv_m = 1.0 / (CPG * HW)
-        c1 = tl.sum(tl.where(cmask, a * s1, 0.0), axis=1)[:, None] * inv_m
-        c2 = tl.sum(tl.where(cmask, a * s2, 0.0), axis=1)[:, None] * inv_m
-        acc3 = tl.zeros([BLOCK_HW, BLOCK_G, BLOCK_CPG], dtype=tl.float32)
-        for i in range(0, CHUNK, BLOCK_HW):
-            r = (hw0 + i + rows)[:, None, None]
-            m = (r < hw1) & cmask[None, :, :]
-            offs_x = r * s_xhw + ch[None, :, :] * s_xc
-            x = tl.load(x_base + offs_x, mask=m, other=0.0).to(tl.float32)
-            dout = tl.load(d_base + r * s_dhw + ch[None, :, :] * s_dc, mask=m, other=0.0).to(tl.float32)
-            xhat, dy = _act_grad(x, u[None, :, :], v[None, :, :], a[None, :, :], b[None, :, :], dout,
-                                 (n * HW + r) * C + ch[None, :, :], seed, p_drop, SILU, DROPOUT)
-            dx = u[None, :, :] * (dy * a[None, :, :] - c1[None, :, :] - xhat * c2[None, :, :])
-            tl.store(dx_ptr + n * s_xn + offs_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
-            if HAS_ADD:
-                acc3 += tl.where(m, dx, 0.0)
-        if HAS_ADD:
-            # dL/de of this chunk per (n, c); the caller sums the K chunks: fp32 [N, K, C]
-            tl.store(de_ptr + (n * K + k) * C + ch, tl.sum(acc3, axis=0), mask=cmask)
+@triton.jit
+def _bwd_dx_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, coef_ptr,
+                   C, HW, G, CPG, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec, thr24, inv_keep,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                   HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n."""
+    n = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    m = (r < HW)[:, None] & cmask[None, :]
+    u, v, a, b = _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_an, s_ac, s_en, s_ec,
+                              HAS_ADD)
+    alpha = tl.load(coef_ptr + n * 3 * C + cols, mask=cmask, other=0.0)
+    beta = tl.load(coef_ptr + n * 3 * C + C + cols, mask=cmask, other=0.0)
+    gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
+    offs_x = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
+    x = tl.load(x_ptr + offs_x, mask=m, other=0.0).to(tl.float32)
+    dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
+    xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
+                         (n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24, inv_keep,
+                         SILU, DROPOUT)
+    dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
+    tl.store(dx_ptr + offs_x, dx.to(dx_ptr.dtype.element_ty), mask=m)

@@ -15,6 +15,7 @@ All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint lo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -155,37 +156,40 @@ group_norm_act.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------------- Triton
 
 
-# Elements per [BLOCK_HW, C] tile and warps per program (None: by tile size); module-level so that
+# Elements per tile of the elementwise kernels, and per program of the reductions; module-level so that
 # benchmarks.norm_bench can sweep them.
-TILE_ELEMENTS = 4096
-NUM_WARPS = None
+TILE_ELEMENTS = 1024
+CHUNK_ELEMENTS = 16384
+NUM_WARPS = 4
 
 
 def _plan(x: Tensor, groups: int) -> dict:
-    """Tile sizes and the split of each sample's positions into K chunks (see ffcv_ddpm.gn_kernels)."""
+    """Tile sizes, and the split of each sample's rows into K chunks for the reductions (ffcv_ddpm.gn_kernels)."""
     import triton
 
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise RuntimeError("the fused GroupNorm's Triton kernels run on CUDA tensors, or on CPU tensors under "
                            "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
-
+    if x.numel() >= 2**31:
+        raise ValueError(f"the fused GroupNorm indexes with 32-bit integers: {tuple(x.shape)} has too many "
+                         "elements; use a smaller batch or model.norm_impl=scale-shift")
     n, c = x.shape[:2]
     hw = x[0, 0].numel()
     cpg = c // groups
+    block_c = triton.next_power_of_2(c)
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
     if block_g * block_cpg > 8192:
-        raise ValueError(f"the fused GroupNorm handles up to 8192 channels per tile, got {c}; use model.norm_impl=torch")
-    block_hw = max(1, min(triton.next_power_of_2(hw), TILE_ELEMENTS // (block_g * block_cpg)))
+        raise ValueError(f"the fused GroupNorm handles up to 8192 channels, got {c}; use model.norm_impl=scale-shift")
+    block_r = max(1, min(triton.next_power_of_2(hw), TILE_ELEMENTS // block_c))
     sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
-    if n >= 2 * sms:  # one program per sample already fills the GPU: both passes in one launch
-        k, chunk = 1, hw
-    else:
-        k = min(triton.cdiv(hw, block_hw), triton.cdiv(2 * sms, n))
-        chunk = triton.cdiv(triton.cdiv(hw, k), block_hw) * block_hw
-        k = triton.cdiv(hw, chunk)
-    return dict(C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=chunk, BLOCK_HW=block_hw, BLOCK_G=block_g,
-                BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k),
-                num_warps=NUM_WARPS or (4 if block_hw * block_g * block_cpg <= 2048 else 8))
+    k = triton.cdiv(hw, max(block_r, CHUNK_ELEMENTS // block_c))
+    if n * k < 4 * sms:  # small batches: more, shorter chunks to fill the GPU
+        k = min(triton.cdiv(hw, block_r), triton.cdiv(4 * sms, n))
+    k = min(k, max(1, 16384 // (block_g * block_cpg)))  # the finalize kernels hold [K, C] partials
+    chunk = triton.cdiv(triton.cdiv(hw, k), block_r) * block_r
+    k = triton.cdiv(hw, chunk)
+    return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c,
+                BLOCK_G=block_g, BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k))
 
 
 def _nchw_strides(t: Tensor) -> tuple[int, int, int]:
@@ -195,65 +199,88 @@ def _nchw_strides(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(-1)
 
 
-def _run_passes(kernel, x: Tensor, plan: dict, args: tuple, **flags) -> None:
-    """Both passes in one launch (K == 1), or the partial-sums launch then the dependent one."""
-    n, k = x.shape[0], plan["K"]
-    meta = {name: plan[name] for name in ("CHUNK", "BLOCK_HW", "BLOCK_G", "BLOCK_CPG", "BLOCK_K", "num_warps")}
-    for passes in ((0, 2),) if k == 1 else ((0, 1), (1, 2)):
-        kernel[(n, k)](*args, **meta, PASS0=passes[0], PASS1=passes[1], **flags)
+def _dropout_args(p: float) -> tuple[int, float]:
+    """(threshold on the hash's top 24 bits, 1 / keep probability)."""
+    return int(round(p * (1 << 24))), 1.0 / (1.0 - p)
 
 
 def triton_forward(x, a, b, e, seed, groups, eps, silu, p):
-    """The op's forward through the Triton kernel."""
-    from ffcv_ddpm import gn_kernels
+    """The op's forward through the Triton kernels."""
+    from ffcv_ddpm import gn_kernels as K
 
-    plan = _plan(x, groups)
-    n, c = x.shape[:2]
+    pl = _plan(x, groups)
+    n, c, hw, k = pl["N"], pl["C"], pl["HW"], pl["K"]
     out = torch.empty_like(x)
     if out.stride() != x.stride():
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
+    part = x.new_empty((n, k, 2, c), dtype=torch.float32)
+    coef = x.new_empty((n, 2, c), dtype=torch.float32)
     mean = x.new_empty((n, groups), dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    part = x.new_empty((n, plan["K"], 2, c) if plan["K"] > 1 else 1, dtype=torch.float32)
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
-    args = (x, out, a, b, e_, seed, part, mean, rstd, c, plan["HW"], groups, plan["CPG"], plan["K"],
-            *_nchw_strides(x), a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), eps, p)
-    _run_passes(gn_kernels._gn_fwd_kernel, x, plan, args,
-                HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0)
+    xs = _nchw_strides(x)
+    K._stats_kernel[(n, k)](x, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
+                            BLOCK_C=pl["BLOCK_C"], num_warps=NUM_WARPS)
+    K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
+                             e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
+                             BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
+                             num_warps=NUM_WARPS)
+    K._apply_kernel[(n, triton_cdiv(hw, pl["BLOCK_R"]))](
+        x, out, coef, seed, c, hw, *xs, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu,
+        DROPOUT=p > 0, num_warps=NUM_WARPS)
     return out, mean, rstd
 
 
 def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p):
-    from ffcv_ddpm import gn_kernels
+    from ffcv_ddpm import gn_kernels as K
 
-    plan = _plan(x, groups)
-    n, c, k = x.shape[0], x.shape[1], plan["K"]
+    pl = _plan(x, groups)
+    n, c, hw, k = pl["N"], pl["C"], pl["HW"], pl["K"]
     dx = torch.empty_like(x)
-    part = x.new_empty((n, k, 2, c) if k > 1 else 1, dtype=torch.float32)
+    part = x.new_empty((n, k, 3, c), dtype=torch.float32)
+    coef = x.new_empty((n, 3, c), dtype=torch.float32)
     da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
-    de = x.new_empty((n, k, c) if e is not None else 1, dtype=torch.float32)
+    de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
     e_ = a if e is None else e
-    args = (dout, x, dx, a, b, e_, seed, mean, rstd, part, da, db, de, c, plan["HW"], groups, plan["CPG"], k,
-            *_nchw_strides(x), *_nchw_strides(dout), a.stride(0), a.stride(1),
-            e_.stride(0), e_.stride(1), p)
-    _run_passes(gn_kernels._gn_bwd_kernel, x, plan, args,
-                HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0)
-    de = de.sum(1) if e is not None else x.new_empty(0, dtype=torch.float32)
+    xs, ds = _nchw_strides(x), _nchw_strides(dout)
+    common = (c, hw, groups, pl["CPG"])
+    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=NUM_WARPS)
+    K._bwd_reduce_kernel[(n, k)](dout, x, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
+                                 a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
+                                 CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
+    K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
+                                 a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
+                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=NUM_WARPS)
+    K._bwd_dx_kernel[(n, triton_cdiv(hw, pl["BLOCK_R"]))](
+        dout, x, dx, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1), e_.stride(0),
+        e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
     return dx, da, db, de
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------------- reference
 
 
 def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float) -> Tensor:
-    """The CPU op's dropout mask (True = kept) for an (N, C, H, W) output: a hash of the seed and each element's
-    logical index, so the backward draws the same mask. (The Triton kernels use Philox: the two differ.)"""
+    """Dropout's keep mask for an (N, C, H, W) output, as the Triton kernels draw it (gn_kernels._keep): a 32-bit hash
+    of the seed and each element's logical index in (n, hw, c) order, kept where its top 24 bits are >= p * 2^24."""
     n, c, h, w = shape
-    idx = torch.arange(n * h * w * c, dtype=torch.int64).view(n, h, w, c).permute(0, 3, 1, 2)  # (n, hw, c) order
-    z = (idx + seed.cpu().to(torch.int64) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFF
-    for mult, shift in ((0xBF58476D1CE4E5B9, 31), (0x94D049BB133111EB, 29)):  # splitmix64-style mixing, 48 bits
-        z = ((z ^ (z >> shift)) * mult) & 0xFFFFFFFFFFFF
-    return (z >> 24).to(torch.float64) / float(1 << 24) >= p
+    m32 = np.uint64(0xFFFFFFFF)  # uint64 products of two 32-bit values do not overflow; keep the low 32 bits
+    s = np.uint64(int(seed.reshape(-1)[0]) & 0xFFFFFFFF)
+    s ^= s >> np.uint64(16)
+    s = (s * np.uint64(0x7FEB352D)) & m32
+    s ^= s >> np.uint64(15)
+    z = (np.arange(n * h * w * c, dtype=np.uint64) * np.uint64(0x9E3779B1) + s) & m32
+    z ^= z >> np.uint64(16)
+    z = (z * np.uint64(0x85EBCA6B)) & m32
+    z ^= z >> np.uint64(13)
+    z = (z * np.uint64(0xC2B2AE35)) & m32
+    z ^= z >> np.uint64(16)
+    keep = (z >> np.uint64(8)).astype(np.int64) >= _dropout_args(p)[0]
+    return torch.from_numpy(keep).view(n, h, w, c).permute(0, 3, 1, 2)
 
 
 def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
@@ -268,7 +295,7 @@ def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
     y = xhat * a.to(xf.dtype)[:, :, None, None] + b.to(xf.dtype)[:, :, None, None]
     out = F.silu(y) if silu else y
     if p > 0:
-        out = torch.where(keep_mask(seed, tuple(x.shape), p).to(out.device), out / (1 - p), 0.0)
+        out = torch.where(keep_mask(seed, tuple(x.shape), p).to(out.device), out * _dropout_args(p)[1], 0.0)
     return out, mean, rstd, xhat, y
 
 
@@ -285,7 +312,7 @@ def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p):
     _, _, rstd, xhat, y = _reference_math(x, a, b, e, seed, groups, eps, silu, 0.0)
     dy = dout.to(xhat.dtype)
     if p > 0:
-        dy = torch.where(keep_mask(seed, tuple(x.shape), p).to(dy.device), dy / (1 - p), 0.0)
+        dy = torch.where(keep_mask(seed, tuple(x.shape), p).to(dy.device), dy * _dropout_args(p)[1], 0.0)
     if silu:
         sig = torch.sigmoid(y)
         dy = dy * sig * (1 + y * (1 - sig))

@@ -73,7 +73,7 @@ def test_group_norm_act_matches_torch_fp64(impl, channels_last, variant):
 
 
 def test_fused_dropout_mask_is_shared_by_forward_and_backward():
-    """The backward regenerates the forward's mask: gradients match the reference with the mask read off the output;
+    """The backward recomputes the forward's mask: gradients match the reference with the mask read off the output;
     a new call draws a new mask; eval mode has none."""
     g = torch.Generator().manual_seed(1)
     x = spread_input((4, 8, 6, 6), g)
@@ -104,8 +104,9 @@ CASES = [  # (n, c, h, w, groups, silu, p, add, channels_last, dtype); n >= 8 ta
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])) + f"-{c[9]}".replace("torch.", ""))
 def test_triton_kernels_against_reference(case):
-    """The kernels (interpreted) against fp64 math with the same per-(n, c) a, b, e and the kernel's own dropout
-    mask: forward, mean/rstd, and every gradient. Inputs have |mean| >> std in places (shifted-sum stability)."""
+    """The kernels (interpreted without a GPU) against fp64 math with the same per-(n, c) a, b, e and the same
+    dropout mask (the kernels' hash, which keep_mask reproduces): forward, mean/rstd, every gradient. The inputs have
+    |mean| >> std in places (shifted-sum stability)."""
     import triton
 
     if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
@@ -120,27 +121,35 @@ def test_triton_kernels_against_reference(case):
     e = torch.randn(n, c, generator=g).to(dev) if add else None
     seed = torch.tensor([1234], device=dev)
     out, mean, rstd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p)
-    keep = out != 0 if p > 0 else None
     xd = x.double()
-    ref_out, ref_mean, ref_rstd, _, _ = N._reference_math(xd, a.double(), b.double(), None if e is None else e.double(),
-                                                    seed, groups, 1e-5, silu, 0.0)
-    if keep is not None:
-        assert abs(keep.double().mean().item() - (1 - p)) < 0.05
-        ref_out = torch.where(keep, ref_out / (1 - p), 0.0)
+    leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
+
+    def fn(x, a, b, *e):
+        return N._reference_math(x, a, b, e[0] if e else None, seed.cpu(), groups, 1e-5, silu, p)[0]
+
+    ref_out, ref_mean, ref_rstd, _, _ = N._reference_math(*leaves[:3], leaves[3] if add else None, seed.cpu(),
+                                                          groups, 1e-5, silu, p)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.isfinite(out).all() and rel(out, ref_out) < tol
+    if p > 0:  # the same elements dropped, and about p of them
+        assert torch.equal(out == 0, ref_out == 0)
+        assert abs((out == 0).double().mean().item() - p) < 0.05
     assert rel(mean, ref_mean) < 1e-6 and rel(rstd, ref_rstd) < 1e-5
     assert out.stride() == x.stride()
 
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
     dx, da, db, de = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p)
-    leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
-
-    def fn(x, a, b, *e):
-        y = N._reference_math(x, a, b, e[0] if e else None, seed, groups, 1e-5, silu, 0.0)[0]
-        return y if keep is None else torch.where(keep, y / (1 - p), 0.0)
-
     _, *ref_grads = grads(fn, leaves, dout.double())
     for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
-        assert rel(got, want) < (1e-5 if dtype == torch.float32 else 1e-2), name
+        assert rel(got, want) < tol, name
     assert dx.stride() == x.stride()
+
+
+def test_keep_mask_is_a_fair_coin_per_element():
+    """The hash mask: about 1 - p kept, independent of position (rows, channels) and different per seed."""
+    shape = (8, 16, 16, 16)
+    k1, k2 = (N.keep_mask(torch.tensor([s]), shape, 0.25) for s in (1, 2))
+    assert abs(k1.double().mean().item() - 0.75) < 0.01
+    assert k1.double().mean((0, 2, 3)).sub(0.75).abs().max() < 0.03  # per channel
+    assert k1.double().mean((0, 1, 3)).sub(0.75).abs().max() < 0.03  # per row
+    assert 0.5 < (k1 == k2).double().mean() < 0.7  # two seeds agree only by chance (0.75^2 + 0.25^2 = 0.625)
