@@ -43,6 +43,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 STEP_PREFIX = "ProfilerStep"  # torch.profiler's per-step events ("ProfilerStep#3", shown as "ProfilerStep*")
+# Events the profiler records about itself, on the device timeline, with no kernel behind them.
+PROFILER_OVERHEAD = frozenset({"Command Buffer Full", "Activity Buffer Request"})
 DATA_MARK = "data: next batch"  # our record_function around the loader, so data time has a name in the trace
 TRACE_LIMIT_MB = 15  # above this a trace is awkward to commit and slow to open: fewer --steps
 
@@ -177,7 +179,10 @@ def analyse(events, top: int = 10) -> dict:
     n = len(steps)
     cpu_step_us = sum(e.time_range.elapsed_us() for e in steps) / n
     ops = [e for e in events if e.device_type == cpu and not e.name.startswith(STEP_PREFIX) and not e.is_async]
-    kernels = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)]
+    # CUPTI files its own stalls ("Command Buffer Full": the launch queue was full) as device events: not GPU work.
+    kernels = [e for e in events if e.device_type != cpu and not getattr(e, "is_user_annotation", False)
+               and e.name not in PROFILER_OVERHEAD]
+    ops = [e for e in ops if e.name not in PROFILER_OVERHEAD]
     # Which op launched which kernel: the profiler files each kernel under the innermost op active at its launch.
     launched: dict[str, list] = defaultdict(list)  # kernel name -> [(op event, us)]
     for e in ops:

@@ -50,7 +50,7 @@ class ModelConfig:
     norm_groups: int = 32  # GroupNorm groups in residual blocks (and attention for "ddpm")
     conv_groups: int = 1  # groups for the res-block 3x3 convs: 1 dense, >1 grouped, = channels depthwise; must divide their channel counts
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
-    norm_impl: str = "torch"  # GroupNorm (+ SiLU, dropout): "torch", "scale-shift" (keeps channels_last) or "fused" (Triton); see ffcv_ddpm.norm
+    norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
@@ -159,7 +159,7 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
-                 norm_impl: str = "torch"):
+                 norm_impl: str = "scale-shift"):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head

@@ -26,10 +26,11 @@ def test_rows_are_complete_configs_that_load():
         load_config(row.preset, list(row.overrides))  # every row is a valid RunConfig
     cfg = {r.name: load_config(r.preset, list(r.overrides)) for r in rows}
     base, last = cfg[STACK[0][0]], cfg[STACK[-1][0]]
-    assert (base.train.precision, base.train.compile, base.model.attn_impl) == ("fp32", False, "math")
+    assert (base.train.precision, base.train.compile, base.model.attn_impl, base.model.norm_impl) == (
+        "fp32", False, "math", "torch")  # stock PyTorch, whatever the project's defaults are
     assert (last.train.precision, last.train.compile, last.model.attn_impl, last.data.loader) == (
         "bf16", True, "sdpa", "gpu")
-    assert (last.model.norm_impl, last.train.channels_last) == ("scale-shift", True)
+    assert (last.model.norm_impl, last.train.channels_last) == ("fused", True)
     assert cfg["fp16 + GradScaler (instead of bf16)"].data.loader == "torch-memory"  # a variant, not stacked
     assert names.index("fp16 + GradScaler (instead of bf16)") == names.index("+ bf16 autocast") + 1
 

@@ -192,6 +192,17 @@ def test_analysis_of_cuda_events():
     assert "cudaLaunchKernel" in ops and ops["cudaLaunchKernel"]["class"] == "convolution fwd"  # its launcher's
 
 
+def test_profiler_overhead_events_are_not_gpu_time():
+    """CUPTI's "Command Buffer Full" shows up as a device event (and as an op): it must not count as kernel time."""
+    events = _cuda_events()
+    for s in range(2):
+        events.append(_ev("Command Buffer Full", 1000.0 * s + 860, 1000.0 * s + 900, DeviceType.CUDA))
+        events.append(_ev("Command Buffer Full", 1000.0 * s + 860, 1000.0 * s + 900))
+    a, ref = analyse(events), analyse(_cuda_events())
+    assert a["classes"] == ref["classes"] and a["gpu"] == ref["gpu"]
+    assert all(r["name"] != "Command Buffer Full" for r in a["top_ops"] + a["top_kernels"])
+
+
 def test_copies_are_filed_under_the_op_that_asked_for_them():
     """As in the H200 trace: layout copies inside convolution_backward (contiguous -> clone -> copy_) and an
     autocast cast (to -> _to_copy -> copy_) in the forward; each copy kernel under the op that wanted it."""

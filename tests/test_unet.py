@@ -40,7 +40,7 @@ TINY_ANNOTATED = ModelConfig(
     stem_kernel=1,
 )
 TINY_CONFIGS = {"tiny": PRESETS["tiny"], "tiny-annotated": TINY_ANNOTATED,
-                "tiny-scale-shift-norm": dataclasses.replace(PRESETS["tiny"], norm_impl="scale-shift"),
+                "tiny-torch-norm": dataclasses.replace(PRESETS["tiny"], norm_impl="torch"),
                 "tiny-fused-norm": dataclasses.replace(PRESETS["tiny"], norm_impl="fused", dropout=0.1),
                 "tiny-annotated-fused-norm": dataclasses.replace(TINY_ANNOTATED, norm_impl="fused", dropout=0.1)}
 
@@ -198,7 +198,7 @@ def test_norm_impls_load_torch_norm_weights(impl, base):
     """The switch changes how GroupNorm is computed, not the network: the same state_dict, the same outputs."""
     torch.manual_seed(0)
     cfg = TINY_CONFIGS[base]
-    ref = build_model(cfg).eval()
+    ref = build_model(dataclasses.replace(cfg, norm_impl="torch")).eval()
     model = build_model(dataclasses.replace(cfg, norm_impl=impl)).eval()
     model.load_state_dict(ref.state_dict())
     x, t = inputs()
