@@ -119,7 +119,10 @@ def _probability_flow(sde, score: Score, x, options: SamplerOptions):
         return sde.drift(tf) * x - 0.5 * sde.diffusion2(tf) * score(x, tf)
 
     span = torch.tensor([1.0, 0.0], device=x.device)
-    return odeint(velocity, x, span, rtol=options.rtol, atol=options.atol, method=options.method)[-1]
+    # step_t: the last step ends at t = 0 exactly; by default the solver steps past the end time and interpolates,
+    # which would evaluate the score (and the VP schedule) at t < 0.
+    return odeint(velocity, x, span, rtol=options.rtol, atol=options.atol, method=options.method,
+                  options={"step_t": [0.0]})[-1]
 
 
 def network_score(sde, model: nn.Module, n: int, device, y=None, guidance_scale: float = 1.0,

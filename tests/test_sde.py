@@ -122,7 +122,9 @@ def test_ode_maps_each_noise_to_its_data_point(name):
     w_t = a² v + s², then the Tweedie step at t = 0."""
     sde = SDES[name]()
     x1 = sde.prior_std * torch.randn((512, *SHAPE), generator=torch.Generator().manual_seed(5))
-    out, _ = solve(sde, gaussian_score(sde), x1, sampler="ode")
+    seen = []
+    out, _ = solve(sde, lambda x, t: seen.append(t) or gaussian_score(sde)(x, t), x1, sampler="ode")
+    assert min(seen) == 0.0 and max(seen) == 1.0  # the solver's last step ends at t = 0, never past it
     again, _ = solve(sde, gaussian_score(sde), x1.clone(), sampler="ode")
     assert torch.equal(out, again)
     w = lambda t: sde.scale(t) ** 2 * VAR + sde.std(t) ** 2  # noqa: E731
