@@ -6,8 +6,8 @@ Budget: the whole command, both trainings included, is planned for about 7 minut
 judge (ffcv_ddpm.quality, ~20 s unless --judge names a saved one), two class-conditional models of the small
 configuration MODEL below (1.6M parameters, 0.84 GFLOP forward per image) trained 4,000 steps at batch 128 in bf16
 (eager: compiling two models would cost more than it saves at this size), then the sampler rows
-in order of expected cost until --budget-s (default 400 s from the start) would be passed; a row that would not
-finish in time is listed as not run. After every row the JSON, Markdown and the quality-vs-NFE plot are rewritten,
+(each sampler's cheapest setting first, see plan_rows) until --budget-s (default 400 s from the start) would be
+passed; a row that would not finish in time is listed as not run. After every row the JSON, Markdown and the quality-vs-NFE plot are rewritten,
 so a run cut short keeps what it measured.
 
 Rows (each: --n samples with labels 0..9 in turn, one seed, sampling in true fp32 so the adaptive ODE solver's
@@ -66,18 +66,21 @@ def as_tensor(images, device) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().to(device)  # (N, H, W, 3) -> (N, 3, H, W)
 
 
-def plan_rows(args) -> list[dict]:
-    """Every (process, sampler, setting) row, cheapest expected NFE first."""
-    rows = []
+def plan_rows(args, timesteps: int) -> list[dict]:
+    """Every (process, sampler, setting) row, in rounds: each sampler's cheapest setting first, then the second
+    cheapest of each, ...; by expected NFE within a round. A budget cut then drops the most expensive settings
+    while every sampler of both processes keeps at least one row."""
+    groups = []
     for proc in ("ddpm", "ve"):
-        rows += [dict(process=proc, sampler="em", steps=s, tol=None, guess=s) for s in args.em_steps]
-        rows += [dict(process=proc, sampler="pc", steps=s, tol=None, guess=2 * s) for s in args.pc_steps]
-        rows += [dict(process=proc, sampler="ode", steps=0, tol=t, guess=ODE_NFE_GUESS.get(t, 100))
-                 for t in args.ode_tols]
-    rows += [dict(process="ddpm", sampler="ddim", steps=s, tol=None, guess=s) for s in args.ddim_steps]
+        groups.append([dict(process=proc, sampler="em", steps=s, tol=None, guess=s) for s in args.em_steps])
+        groups.append([dict(process=proc, sampler="pc", steps=s, tol=None, guess=2 * s) for s in args.pc_steps])
+        groups.append([dict(process=proc, sampler="ode", steps=0, tol=t, guess=ODE_NFE_GUESS.get(t, 100))
+                       for t in args.ode_tols])
+    groups.append([dict(process="ddpm", sampler="ddim", steps=s, tol=None, guess=s) for s in args.ddim_steps])
     if args.ancestral:
-        rows.append(dict(process="ddpm", sampler="ddpm", steps=0, tol=None, guess=10**9))  # all T steps: last
-    return sorted(rows, key=lambda r: r["guess"])
+        groups.append([dict(process="ddpm", sampler="ddpm", steps=timesteps, tol=None, guess=timesteps)])
+    ranked = [(rank, row) for group in groups for rank, row in enumerate(sorted(group, key=lambda r: r["guess"]))]
+    return [row for _, row in sorted(ranked, key=lambda rr: (rr[0], rr[1]["guess"]))]
 
 
 def base_config(args, train_beton: Path) -> RunConfig:
@@ -167,10 +170,9 @@ def run(args, argv: list[str]) -> Path:
 
     for proc in models:  # cuDNN and allocator warm-up at the rows' batch size, untimed
         draw(proc, dict(sampler="em", steps=2, tol=None))
-    for row in plan_rows(args):
+    for row in plan_rows(args, base.diffusion.timesteps):
         label = f"{row['process']}/{row['sampler']}/" + (f"tol {row['tol']:g}" if row["tol"] else f"{row['steps']}")
-        guess = row["guess"] if row["sampler"] != "ddpm" else models["ddpm"][0].num_timesteps
-        estimate = guess * sec_per_nfe.get(row["process"], 0.0)
+        estimate = row["guess"] * sec_per_nfe.get(row["process"], 0.0)
         if time.perf_counter() - start + estimate > args.budget_s:
             result["skipped"].append(label)
             continue

@@ -26,7 +26,7 @@ from torch import nn
 
 from conftest import host_syncs, write_beton
 from ffcv_ddpm.diffusion import DiffusionConfig, GaussianDiffusion, make_betas, to_uint8
-from ffcv_ddpm.sde import NET_TIME, VEDiffusion, VESDE, VPSDE, load_for_sampling, make_diffusion
+from ffcv_ddpm.sde import NET_TIME, VEDiffusion, VESDE, VPSDE, load_for_sampling, make_diffusion, sde_of
 from ffcv_ddpm.sde_sampling import SamplerOptions, langevin, network_score, sample, solve
 from ffcv_ddpm.unet import PRESETS, build_model
 
@@ -200,8 +200,6 @@ PROCESSES = {
 @pytest.mark.parametrize("process", list(PROCESSES))
 def test_network_score_feeds_the_inputs_the_process_trains_on(process):
     proc, net = PROCESSES[process]()
-    from ffcv_ddpm.sde import sde_of
-
     sde = sde_of(proc)
     score = network_score(sde, net, 64, "cpu")
     x = torch.randn(64, *SHAPE)
@@ -213,8 +211,6 @@ def test_network_score_feeds_the_inputs_the_process_trains_on(process):
 @pytest.mark.parametrize("process", list(PROCESSES))
 def test_sample_runs_every_sampler_end_to_end(process):
     proc, net = PROCESSES[process]()
-    from ffcv_ddpm.sde import sde_of
-
     sde = sde_of(proc)
     images, nfe = sample(proc, net, 256, sampler="ode", seed=3, shape=SHAPE)
     again, _ = sample(proc, net, 256, sampler="ode", seed=3, shape=SHAPE)

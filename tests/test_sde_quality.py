@@ -95,3 +95,14 @@ def test_a_folder_without_the_betons_is_one_clear_error(tmp_path, capsys, monkey
     assert sde_quality.main(["--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "*_train_raw.beton" in err and "SOURCE=digits" in err
+
+
+def test_the_plan_gives_every_sampler_a_row_before_any_gets_a_second():
+    args = sde_quality.parse_args(["--data", "d", "--out", "o"])
+    rows = sde_quality.plan_rows(args, 1000)
+    groups = {("ddpm", "em"), ("ddpm", "pc"), ("ddpm", "ode"), ("ddpm", "ddim"), ("ddpm", "ddpm"),
+              ("ve", "em"), ("ve", "pc"), ("ve", "ode")}
+    assert {(r["process"], r["sampler"]) for r in rows[:8]} == groups
+    assert len(rows) == 2 * (4 + 4 + 4) + 4 + 1
+    assert [r["guess"] for r in rows[:8]] == sorted(r["guess"] for r in rows[:8])  # cheapest first in a round
+    assert rows[8]["sampler"] == "ddim" and rows[8]["steps"] == 20  # the second round starts cheap again
