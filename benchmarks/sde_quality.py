@@ -7,8 +7,8 @@ judge (ffcv_ddpm.quality, ~20 s unless --judge names a saved one), two class-con
 configuration MODEL below (1.6M parameters, 0.84 GFLOP forward per image) trained 4,000 steps at batch 128 in bf16
 (eager: compiling two models would cost more than it saves at this size), then the sampler rows
 (each sampler's cheapest setting first, see plan_rows) until --budget-s (default 400 s from the start) would be
-passed; a row that would not finish in time is listed as not run. After every row the JSON, Markdown and the quality-vs-NFE plot are rewritten,
-so a run cut short keeps what it measured.
+passed; a row that would not finish in time is listed as not run. After every row the JSON, Markdown and the
+quality-vs-NFE plot are rewritten, so a run cut short keeps what it measured.
 
 Rows (each: --n samples with labels 0..9 in turn, one seed, sampling in true fp32 so the adaptive ODE solver's
 error control sees the solution and not bf16 rounding):

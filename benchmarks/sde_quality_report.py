@@ -45,7 +45,7 @@ def markdown(result: dict) -> str:
         lines.append(f"- Not run (time budget {s['budget_s']:.0f} s): " + ", ".join(result["skipped"]))
     if not result.get("complete"):
         lines.append("- INCOMPLETE: the run stopped before its last row; the rows below are those it finished")
-    lines += ["", "| process | sampler | setting | NFE | img/s | FD-digits | cond. acc |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| process | sampler | setting | NFE | img/s | FD-digits | cond. acc |", "|" + "---|" * 7]
     for r in sorted(result["rows"], key=lambda r: (r["process"], r["sampler"], r["nfe"])):
         lines.append(f"| {r['process']} | {r['sampler']} | {setting(r)} | {r['nfe']} | {_num(r['img_per_s'])} | "
                      f"{r['fd_digits']:.2f} | {_pct(r['cond_acc'])} |")

@@ -4,8 +4,8 @@ Both are written as x_t = a(t) x0 + s(t) ε on t ∈ [0, 1] (t = 1 is the prior 
 SDE dx = f(t) x dt + g(t) dW (Song et al. 2021). The network is an ε-predictor in both, so its score is
 ∇ log p_t(x) = -ε̂ / s(t); only ``net_inputs`` differs, which says what the UNet is fed.
 
-- VE: a = 1, s = σ(t) = σ_min (σ_max/σ_min)^t (geometric), f = 0, g² = dσ²/dt = 2 σ² ln(σ_max/σ_min). The network
-  sees x / sqrt(1 + σ²) (unit scale at every σ, EDM's input scaling for data of second moment <= 1) and the noise
+- VE: a = 1, s = σ(t) = σ_min (σ_max/σ_min)^t (geometric), f = 0, g² = dσ²/dt = 2 σ² ln(σ_max/σ_min). The
+  network sees x / sqrt(1 + σ²) (unit scale at every σ, EDM's input scaling for data of second moment <= 1) and the noise
   level as NET_TIME · t = NET_TIME · ln(σ/σ_min) / ln(σ_max/σ_min), a linear function of log σ fed through the
   UNet's own sinusoidal time embedding over the same [0, 999] range DDPM's timesteps use. Training draws
   t ~ U[0, 1] (log σ uniform) and minimises the σ²-weighted denoising score-matching loss

@@ -7,13 +7,14 @@ score of Gaussian data) and returns the float samples and the number of score ev
 that score from an ε-network, draws the prior noise from its own seeded generator and returns uint8 images; it
 also runs the DDPM and DDIM samplers of a DDPM process, so one call covers every sampler of both processes.
 
-All three integrate from t = 1 down to t = 0 over `steps` evaluation times and finish with the Tweedie denoising
-step x0 = (x + s(0)² score) / a(0) (Song et al.'s noise removal), so `steps` is the number of network evaluations
-per sample for "em" (steps - 1 SDE steps, then the denoise) and steps · (1 + corrector_steps) for "pc".
+All three run from t = 1 down to t = 0 and finish with the Tweedie denoising step x0 = (x + s(0)² score) / a(0)
+(Song et al.'s noise removal). em and pc visit `steps` evenly spaced times, so `steps` network evaluations per sample
+for "em" (steps - 1 SDE steps, then the denoise) and steps · (1 + corrector_steps) for "pc".
 - em: Euler–Maruyama on the reverse SDE dx = [f x - g² score] dt + g dW̄.
 - pc: per time, `corrector_steps` Langevin steps x += ε score + sqrt(2ε) z with ε = 2α (snr ||z|| / ||score||)²,
-  the norms averaged over the batch (Song et al.'s code; so ε, one number per step, depends on the batch), then the reverse-diffusion predictor x <- (2 - r) x + G² score + G z between neighbouring times, where the forward
-  step is x_t = r x_t' + G z (VE: r = 1, G² = σ² - σ'²: SMLD's; VP: r = 1/sqrt(1 - β): DDPM's).
+  the norms averaged over the batch (Song et al.'s code; so ε, one number per step, depends on the batch), then the
+  reverse-diffusion predictor x <- (2 - r) x + G² score + G z between neighbouring times, where the forward step is
+  x_t = r x_t' + G z (VE: r = 1, G² = σ² - σ'²: SMLD's; VP: r = 1/sqrt(1 - β): DDPM's).
 - ode: the probability-flow ODE dx/dt = f x - ½ g² score, solved by torchdiffeq's adaptive solver at the given
   rtol/atol; deterministic given the starting noise. The NFE includes the solver's rejected steps and its initial
   step-size probe. The solver's step control reads its error estimate on the host (one sync per step).

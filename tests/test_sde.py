@@ -150,7 +150,8 @@ def test_sde_coefficients_agree_with_their_marginals(name):
 
 def test_vp_sde_has_ddpm_marginals_at_every_timestep():
     for schedule in ("linear", "cosine"):
-        d, sde = GaussianDiffusion(DiffusionConfig(schedule=schedule)), VPSDE.from_config(DiffusionConfig(schedule=schedule))
+        cfg = DiffusionConfig(schedule=schedule)
+        d, sde = GaussianDiffusion(cfg), VPSDE.from_config(cfg)
         for k in (0, 1, 500, 998, 999):
             t = k / 999
             assert sde.net_inputs(t) == (1.0, pytest.approx(k))
