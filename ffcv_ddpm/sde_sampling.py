@@ -123,7 +123,7 @@ def _probability_flow(sde, score: Score, x, options: SamplerOptions):
     # step_t: the last step ends at t = 0 exactly; by default the solver steps past the end time and interpolates,
     # which would evaluate the score (and the VP schedule) at t < 0.
     return odeint(velocity, x, span, rtol=options.rtol, atol=options.atol, method=options.method,
-                  options={"step_t": [0.0]})[-1]
+                  options={"step_t": span[1:]})[-1]
 
 
 def network_score(sde, model: nn.Module, n: int, device, y=None, guidance_scale: float = 1.0,
