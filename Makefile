@@ -13,7 +13,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics clean
+.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality clean
 
 setup: $(SETUP)
 
@@ -48,6 +48,10 @@ profile: $(SETUP)
 
 numerics: $(SETUP)
 	$(PY) -m benchmarks.numerics --preset $(PRESET) --data $(DATA) $(ARGS)
+
+# Quality vs NFE of every sampler on a VE and a DDPM model trained on the digits (make dataset SOURCE=digits first).
+sde-quality: $(SETUP)
+	$(PY) -m benchmarks.sde_quality --data $(DATA)/digits --out $(or $(OUT),benchmarks/results/sde-quality) $(ARGS)
 
 sweeps: $(SETUP)
 	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)

@@ -39,7 +39,7 @@ class TrainConfig:
     keep_ckpts: int = 3                  # newest complete checkpoints kept on disk
     sample_every: int = 10_000           # steps between sample grids from the EMA model; 0 disables
     sample_n: int = 64                   # images per sample grid
-    sample_steps: int = 100              # DDIM steps for the grids (ancestral DDPM would take 1000)
+    sample_steps: int = 100              # steps for the grids: DDIM (ddpm process) or predictor-corrector (ve)
     out_dir: str = "runs"                # parent folder of run folders
     desc: str = ""                       # extra words in the run folder name
     resume: str = ""                     # a run folder to continue from its newest complete checkpoint

@@ -12,6 +12,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,11 +22,14 @@ from torch import nn
 
 @dataclass
 class DiffusionConfig:
+    process: str = "ddpm"  # "ddpm" (this module: discrete VP, ε-loss) or "ve" (ffcv_ddpm.sde: variance-exploding SDE)
     schedule: str = "linear"  # β schedule: "linear" (Ho et al., beta_start -> beta_end) or "cosine" (Nichol & Dhariwal)
     timesteps: int = 1000  # T, the number of diffusion steps
     beta_start: float = 1e-4  # β_1 of the linear schedule
     beta_end: float = 0.02  # β_T of the linear schedule
     p_uncond: float = 0.1  # probability a training label is replaced by the null label (classifier-free guidance)
+    sigma_min: float = 0.01  # ve: smallest noise level σ(0) (Song et al. 2021's 0.01)
+    sigma_max: float = 80.0  # ve: largest noise level σ(1), about the largest distance between images in [-1, 1]
 
 
 def make_betas(cfg: DiffusionConfig) -> torch.Tensor:
@@ -55,6 +59,38 @@ def timesteps_for_sampling(timesteps: int, steps: int) -> list[int]:
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """[-1, 1] floats -> uint8 [0, 255], rounding to nearest."""
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+def drop_labels(y: torch.Tensor, p_uncond: float, null_label: int | None) -> torch.Tensor:
+    """Replaces a p_uncond fraction of the labels by ``null_label`` (on the device, no host sync), so the same
+    network also learns the unconditional ε for classifier-free guidance."""
+    if null_label is None:
+        raise ValueError("labels were given with p_uncond > 0: pass null_label=model's num_classes")
+    drop = torch.rand(y.shape[0], device=y.device) < p_uncond
+    return torch.where(drop, torch.full_like(y, null_label), y)
+
+
+def eps_predictor(
+    model: nn.Module, n: int, device: torch.device, y: torch.Tensor | None, guidance_scale: float,
+    null_label: int | None,
+) -> Callable[[torch.Tensor, float], torch.Tensor]:
+    """eps(x, t) -> float ε estimate for a batch of n at one network time t (an int timestep or a real number),
+    with classifier-free guidance when labels are given and guidance_scale != 1. Checks the labels once."""
+    guided = y is not None and guidance_scale != 1.0
+    if y is not None:
+        if y.shape != (n,):
+            raise ValueError(f"y has shape {tuple(y.shape)}; need one label per image, shape ({n},)")
+        y = y.to(device=device, dtype=torch.long)
+    if guided:
+        null_label = null_label if null_label is not None else getattr(model, "num_classes", 0)
+        if not null_label:
+            raise ValueError("guidance needs a conditional model: pass null_label (the model's num_classes)")
+
+    def eps(x: torch.Tensor, t: float) -> torch.Tensor:
+        tt = torch.full((n,), t, device=device)  # int64 for an int timestep, float32 for a real time
+        return guided_eps(model, x, tt, y, guidance_scale, null_label) if guided else model(x, tt, y).float()
+
+    return eps
 
 
 def guided_eps(
@@ -105,10 +141,7 @@ class GaussianDiffusion(nn.Module):
         t = torch.randint(0, self.num_timesteps, (B,), device=x0.device)
         noise = torch.randn_like(x0)  # keeps x0's memory format (channels_last stays channels_last)
         if y is not None and self.cfg.p_uncond > 0:
-            if null_label is None:
-                raise ValueError("labels were given with p_uncond > 0: pass null_label=model's num_classes")
-            drop = torch.rand(B, device=x0.device) < self.cfg.p_uncond
-            y = torch.where(drop, torch.full_like(y, null_label), y)
+            y = drop_labels(y, self.cfg.p_uncond, null_label)
         eps = model(self.q_sample(x0, t, noise), t, y)
         return F.mse_loss(eps.float(), noise.float())
 
@@ -144,20 +177,7 @@ class GaussianDiffusion(nn.Module):
             raise ValueError(f"sampler={sampler!r}: use 'ddpm' or 'ddim'")
         if n < 1:
             raise ValueError(f"n={n} must be >= 1")
-        guided = y is not None and guidance_scale != 1.0
-        if y is not None:
-            if y.shape != (n,):
-                raise ValueError(f"y has shape {tuple(y.shape)}; need one label per image, shape ({n},)")
-            y = y.to(device=device, dtype=torch.long)
-        if guided:
-            null_label = null_label if null_label is not None else getattr(model, "num_classes", 0)
-            if not null_label:
-                raise ValueError("guidance needs a conditional model: pass null_label (the model's num_classes)")
-
-        def eps_fn(x: torch.Tensor, t: int) -> torch.Tensor:
-            tt = torch.full((n,), t, device=device, dtype=torch.long)
-            return guided_eps(model, x, tt, y, guidance_scale, null_label) if guided else model(x, tt, y).float()
-
+        eps_fn = eps_predictor(model, n, device, y, guidance_scale, null_label)
         gen = torch.Generator(device=device).manual_seed(seed)
         randn = lambda: torch.randn((n, *shape), generator=gen, device=device).contiguous(  # noqa: E731
             memory_format=memory_format

@@ -1,4 +1,4 @@
-"""Train a DDPM on an FFCV .beton, one readable function.
+"""Train a diffusion model (DDPM, or a VE-SDE with diffusion.process=ve) on an FFCV .beton, one readable function.
 
     python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data/cifar10_train_raw.beton data.batch_size=256
     python -m ffcv_ddpm.train --resume runs/00003-ddpm-cifar10        # continue from the newest complete checkpoint
@@ -32,6 +32,7 @@ from ffcv_ddpm.data import check_beton, dataset_info, make_loader, prepare_batch
 from ffcv_ddpm.diffusion import GaussianDiffusion, save_grid
 from ffcv_ddpm.ema import EMA
 from ffcv_ddpm.env import environment
+from ffcv_ddpm.sde import VEDiffusion, make_diffusion
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import StepTimer
 from ffcv_ddpm.unet import build_model
@@ -80,7 +81,7 @@ class Trainer:
     cfg: RunConfig
     device: torch.device
     model: torch.nn.Module          # the uncompiled module: its state_dict has no _orig_mod. prefixes
-    diffusion: GaussianDiffusion
+    diffusion: GaussianDiffusion | VEDiffusion
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     ema: EMA | None
@@ -146,7 +147,7 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     model = build_model(cfg.model).to(device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    diffusion = GaussianDiffusion(cfg.diffusion).to(device)
+    diffusion = make_diffusion(cfg.diffusion).to(device)
     # Fused AdamW (CUDA and CPU kernels) reads no step counter on the host; the foreach one calls .item() per param.
     fused = cfg.train.fused_adam
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
@@ -274,6 +275,10 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
     if cfg.train.resume:
         state, path = load_latest(run_dir, map_location=device)
         if state is not None:
+            saved = state["config"]["diffusion"].get("process", "ddpm")
+            if saved != cfg.diffusion.process:
+                raise TrainingError(f"{path} was trained with diffusion.process={saved!r}; a run cannot continue "
+                                    f"as {cfg.diffusion.process!r}: drop the override or start a new run")
             t.model.load_state_dict(state["model"])
             t.optimizer.load_state_dict(state["optimizer"])
             t.scaler.load_state_dict(state["scaler"])
@@ -435,7 +440,9 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
     labels = (torch.arange(cfg.train.sample_n, device=t.device) % cfg.model.num_classes
               if cfg.model.num_classes > 0 else None)
     with torch.autocast(t.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-        images = t.diffusion.sample(model, cfg.train.sample_n, sampler="ddim", steps=cfg.train.sample_steps,
+        # DDIM for DDPM; predictor-corrector for VE (Song et al.'s choice for VE-SDE models).
+        sampler = "ddim" if cfg.diffusion.process == "ddpm" else "pc"
+        images = t.diffusion.sample(model, cfg.train.sample_n, sampler=sampler, steps=cfg.train.sample_steps,
                                     seed=cfg.train.seed, y=labels, device=t.device,
                                     shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size))
     save_grid(images, path)

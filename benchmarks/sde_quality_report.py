@@ -1,0 +1,117 @@
+"""Markdown table and quality-vs-NFE plot of a benchmarks.sde_quality JSON (pure: no GPU, re-renders a saved run).
+
+    python -m benchmarks.sde_quality_report benchmarks/results/h100/sde_quality.json   # writes .md and .png beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tools.atomic import Staged
+
+
+def setting(row: dict) -> str:
+    """What the row's step count means for its sampler."""
+    if row["sampler"] == "ode":
+        return f"rtol=atol={row['tol']:g}"
+    return f"{row['steps']} steps"
+
+
+def markdown(result: dict) -> str:
+    env, ref, s = result["environment"], result["reference"], result["settings"]
+    ds = result["dataset"]
+    lines = [
+        f"# Sample quality vs steps: VE-SDE and DDPM on {ds.get('source') or 'unknown'} data, {result['device']}", "",
+        f"- Commit {(env.get('commit') or 'unknown')[:10]}{' (dirty)' if env.get('dirty') else ''}, "
+        f"{env.get('date_utc')}; torch {env.get('torch')}, CUDA {env.get('cuda')}; command: `{result['command']}`",
+        f"- Data: {ds['path']} ({ds['num_images']} train images"
+        + (", SYNTHETIC: the numbers mean nothing" if ds.get("synthetic") else "") + f"); reference set for FD: "
+        f"{ref['test_images']} test images",
+        f"- Judge: {ref['judge']}; its accuracy on the test set {_pct(ref['judge_test_acc'])}; FD-digits floor "
+        f"(FD of {ref['floor_n']} train images to the test set) {ref['fd_floor']:.2f}",
+        f"- Each row: {s['n']} samples, labels 0..9 in turn, guidance {s['guidance']:g}, sampling in "
+        f"{s['sample_precision']}, one seed; img/s from CUDA events around the whole sampler call (CPU: wall clock). "
+        "NFE = network evaluations per image (a guided one is one forward of a doubled batch). ddpm and ddim "
+        "clip their x0 prediction to [-1, 1] at each step (the project's samplers); em, pc and ode do not.",
+        "- Samplers on the SDEs: em = Euler–Maruyama, pc = reverse-diffusion predictor + Langevin corrector "
+        f"(snr {s['snr']}, NFE = 2 x steps), ode = probability flow ({s['ode_method']}, adaptive; NFE counted).",
+    ]
+    for proc, m in result["models"].items():
+        lines.append(f"- {proc} model: {m['summary']}")
+    if result.get("skipped"):
+        lines.append(f"- Not run (time budget {s['budget_s']:.0f} s): " + ", ".join(result["skipped"]))
+    if not result.get("complete"):
+        lines.append("- INCOMPLETE: the run stopped before its last row; the rows below are those it finished")
+    lines += ["", "| process | sampler | setting | NFE | img/s | FD-digits | cond. acc |", "|" + "---|" * 7]
+    for r in sorted(result["rows"], key=lambda r: (r["process"], r["sampler"], r["nfe"])):
+        lines.append(f"| {r['process']} | {r['sampler']} | {setting(r)} | {r['nfe']} | {_num(r['img_per_s'])} | "
+                     f"{r['fd_digits']:.2f} | {_pct(r['cond_acc'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in result["rows"]:
+        groups.setdefault((r["process"], r["sampler"]), []).append(r)
+    for (proc, sampler), rows in sorted(groups.items()):
+        rows = sorted(rows, key=lambda r: r["nfe"])
+        style = dict(marker="o", ls="-" if proc == "ve" else "--", label=f"{proc} / {sampler}")
+        axes[0].plot([r["nfe"] for r in rows], [r["fd_digits"] for r in rows], **style)
+        if rows[0]["cond_acc"] is not None:
+            axes[1].plot([r["nfe"] for r in rows], [100 * r["cond_acc"] for r in rows], **style)
+    floor = result["reference"]["fd_floor"]
+    axes[0].axhline(floor, color="k", ls=":", lw=1, label="floor (train vs test)")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("FD-digits to the test set (lower is better)")
+    axes[1].set_ylabel("conditional accuracy (%)")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("network evaluations per image (NFE)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Quality vs NFE, {result['device']}", fontsize=10)
+    fig.tight_layout()
+    with Staged() as staged:
+        fig.savefig(staged.path(path), format="png", dpi=120)
+        staged.commit()
+    plt.close(fig)
+
+
+def render(result: dict, json_path: Path) -> None:
+    """JSON, Markdown and plot beside each other, each written atomically."""
+    with Staged() as staged:
+        staged.path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
+        staged.path(json_path.with_suffix(".md")).write_text(markdown(result))
+        staged.commit()
+    if result["rows"]:
+        plot(result, json_path.with_suffix(".png"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sde_quality_report", description=__doc__.split("\n")[0])
+    p.add_argument("json", type=Path)
+    args = p.parse_args(argv)
+    render(json.loads(args.json.read_text()), args.json)
+    print(f"wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

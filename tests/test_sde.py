@@ -1,0 +1,319 @@
+"""The score-SDE processes and samplers against Gaussian data, whose score is known in closed form.
+
+Data: 16 independent coordinates (one 1x4x4 "image"), means μ_i in [-0.5, 0.5], variances v_i in [0.1, 0.3].
+At time t the marginal is N(a μ, a² v + s²), so score(x, t) = -(x - a μ) / (a² v + s²), exactly.
+
+Tolerance of the moment checks, n = 20,000 samples: the standard error of a sample mean is sqrt(v/n) <= 0.0039 and
+of a variance ratio sqrt(2/n) = 0.010, so |mean - μ| <= 0.02 and |var / v - 1| <= 0.05 allow 5 standard errors per
+coordinate (the samples come from fixed seeds: the outcome is deterministic, the margin covers the choice of seed).
+The samplers' own bias at the step counts used is well inside that: measured with n = 100,000, |var/v - 1| averaged
+over coordinates is <= 0.4% for EM at 300 steps and for the ODE at rtol = atol = 1e-5 on VE, VP-linear and VP-cosine.
+The Langevin corrector is unadjusted: its stationary variance for N(m, w) with step ε is w / (1 - ε/(2w)), and with
+ε = 2 snr² (||z|| / ||score||)² ≈ 2 snr² H (H = harmonic mean of the coordinates' variances) that is about
+w_i (1 + snr² H / w_i). At snr = 0.16 and 200 steps the predictor-corrector output sits at that corrector's
+stationary variance (+2.6% on average; measured per coordinate within 0.012 of it with n = 50,000, the corrector
+absorbing the reverse-diffusion predictor's own +4% excess at 200 steps). The check for "pc" compares against
+v_i (1 + snr² H / v_i) with the same 0.05 tolerance.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import host_syncs, write_beton
+from ffcv_ddpm.diffusion import DiffusionConfig, GaussianDiffusion, make_betas, to_uint8
+from ffcv_ddpm.sde import NET_TIME, VEDiffusion, VESDE, VPSDE, load_for_sampling, make_diffusion, sde_of
+from ffcv_ddpm.sde_sampling import SamplerOptions, langevin, network_score, sample, solve
+from ffcv_ddpm.unet import PRESETS, build_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SHAPE = (1, 4, 4)
+MU = torch.linspace(-0.5, 0.5, 16).view(1, *SHAPE)
+VAR = torch.linspace(0.1, 0.3, 16).view(1, *SHAPE)
+N = 20_000
+MEAN_TOL, VAR_TOL = 0.02, 0.05
+STEPS = {"em": 300, "pc": 200, "ode": 0}
+SNR = SamplerOptions().snr
+
+SDES = {
+    "ve": lambda: VESDE(0.01, 100.0),
+    "vp-linear": lambda: VPSDE.from_config(DiffusionConfig()),
+    "vp-cosine": lambda: VPSDE.from_config(DiffusionConfig(schedule="cosine")),
+}
+
+
+def gaussian_score(sde, mu=MU, var=VAR):
+    def score(x, t):
+        a, s = sde.scale(t), sde.std(t)
+        return -(x - a * mu) / (a * a * var + s * s)
+
+    return score
+
+
+def run(sde, score, sampler, n=N, seed=0, **options):
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda: torch.randn((n, *SHAPE), generator=gen)  # noqa: E731
+    return solve(sde, score, sde.prior_std * randn(), sampler=sampler, steps=STEPS[sampler],
+                 options=SamplerOptions(**options), randn=randn)
+
+
+def expected_var(sampler: str, snr: float = SNR) -> torch.Tensor:
+    if sampler != "pc":
+        return VAR
+    harmonic = 1 / (1 / VAR).mean()
+    return VAR * (1 + snr**2 * harmonic / VAR)
+
+
+def moment_errors(x: torch.Tensor, sampler: str) -> tuple[float, float]:
+    """(max |mean - μ|, max |var / expected var - 1|) over the 16 coordinates."""
+    return ((x.mean(0) - MU[0]).abs().max().item(),
+            (x.var(0) / expected_var(sampler)[0] - 1).abs().max().item())
+
+
+@pytest.mark.parametrize("sampler", ["em", "pc", "ode"])
+@pytest.mark.parametrize("name", list(SDES))
+def test_exact_score_samplers_reproduce_gaussian_data(name, sampler):
+    sde = SDES[name]()
+    x, nfe = run(sde, gaussian_score(sde), sampler)
+    mean_err, var_err = moment_errors(x, sampler)
+    assert mean_err <= MEAN_TOL and var_err <= VAR_TOL, (mean_err, var_err)
+    if sampler != "ode":
+        assert nfe == STEPS[sampler] * (2 if sampler == "pc" else 1)
+    else:
+        assert 20 < nfe < 1000  # adaptive: Song et al. report ~100-200 for images at 1e-5
+
+
+@pytest.mark.parametrize("sampler", ["em", "pc", "ode"])
+def test_a_wrong_score_fails_the_same_checks(sampler):
+    """The checks above can fail: a score whose mean is 0.1 off, or whose variance is 1.3x, is caught."""
+    sde = SDES["vp-linear"]()
+    x, _ = run(sde, gaussian_score(sde, mu=MU + 0.1), sampler, n=5000)
+    assert moment_errors(x, sampler)[0] > MEAN_TOL
+    x, _ = run(sde, gaussian_score(sde, var=VAR * 1.3), sampler, n=5000)
+    assert moment_errors(x, sampler)[1] > VAR_TOL
+
+
+@pytest.mark.parametrize("snr", [0.16, 0.05])
+def test_the_corrector_alone_keeps_the_marginal_up_to_its_known_bias(snr):
+    """Langevin steps from the exact marginal at t = 0.5 keep its mean, and its variance w_i grows to the unadjusted
+    chain's stationary w_i / (1 - ε/(2 w_i)), ε = 2 snr² H (the formula the pc tolerance uses): the snr setting is
+    the step size it says. The other snr's excess is more than 5x away at these settings."""
+    sde, t = SDES["ve"](), 0.5
+    w = sde.scale(t) ** 2 * VAR + sde.std(t) ** 2
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda: torch.randn((N, *SHAPE), generator=gen)  # noqa: E731
+    x = sde.scale(t) * MU + w.sqrt() * randn()
+    x = langevin(sde, gaussian_score(sde), x, t, SamplerOptions(snr=snr, corrector_steps=30), randn)
+    eps = 2 * snr**2 / (1 / w).mean()
+    assert (x.mean(0) - sde.scale(t) * MU[0]).abs().max() <= MEAN_TOL * w.max().sqrt()
+    excess = (x.var(0) / w[0]).mean().item() - 1
+    expected = (1 / (1 - eps / (2 * w)) - 1).mean().item()
+    assert abs(excess - expected) < 0.006, (excess, expected)  # 0.006: ~2 standard errors of a mean of 16 ratios
+
+
+@pytest.mark.parametrize("name", list(SDES))
+def test_ode_maps_each_noise_to_its_data_point(name):
+    """Deterministic, and per sample the map of the exact flow: x_t - a μ scales by sqrt(w_t / w_1),
+    w_t = a² v + s², then the Tweedie step at t = 0."""
+    sde = SDES[name]()
+    x1 = sde.prior_std * torch.randn((512, *SHAPE), generator=torch.Generator().manual_seed(5))
+    seen = []
+    out, _ = solve(sde, lambda x, t: seen.append(t) or gaussian_score(sde)(x, t), x1, sampler="ode")
+    assert min(seen) == 0.0 and max(seen) == 1.0  # the solver's last step ends at t = 0, never past it
+    again, _ = solve(sde, gaussian_score(sde), x1.clone(), sampler="ode")
+    assert torch.equal(out, again)
+    w = lambda t: sde.scale(t) ** 2 * VAR + sde.std(t) ** 2  # noqa: E731
+    a0, s0 = sde.scale(0.0), sde.std(0.0)
+    x0 = a0 * MU + (w(0.0) / w(1.0)).sqrt() * (x1 - sde.scale(1.0) * MU)
+    expected = (x0 - s0**2 * (x0 - a0 * MU) / w(0.0)) / a0
+    assert (out - expected).abs().max().item() < 1 / 255  # half a uint8 level (measured <= 0.0021, VP-cosine)
+    other, _ = solve(sde, gaussian_score(sde), x1 + 0.5, sampler="ode")
+    assert (other - out).abs().min().item() > 1e-3  # different noise, different data
+
+
+@pytest.mark.parametrize("name", list(SDES))
+def test_sde_coefficients_agree_with_their_marginals(name):
+    """d s²/dt = 2 f s² + g² and d ln a/dt = f (finite differences inside a piece of the VP schedule)."""
+    sde = SDES[name]()
+    for t in (0.05, 0.3, 0.71, 0.95):
+        h = 1e-7
+        ds2 = (sde.std(t + h) ** 2 - sde.std(t - h) ** 2) / (2 * h)
+        assert ds2 == pytest.approx(2 * sde.drift(t) * sde.std(t) ** 2 + sde.diffusion2(t), rel=1e-4)
+        dlna = (math.log(sde.scale(t + h)) - math.log(sde.scale(t - h))) / (2 * h)
+        assert dlna == pytest.approx(sde.drift(t), rel=1e-4, abs=1e-9)
+
+
+def test_vp_sde_has_ddpm_marginals_at_every_timestep():
+    for schedule in ("linear", "cosine"):
+        cfg = DiffusionConfig(schedule=schedule)
+        d, sde = GaussianDiffusion(cfg), VPSDE.from_config(cfg)
+        for k in (0, 1, 500, 998, 999):
+            t = k / 999
+            assert sde.net_inputs(t) == (1.0, pytest.approx(k))
+            assert sde.scale(t) == pytest.approx(math.sqrt(d._abar64[k]), rel=1e-9)
+            assert sde.std(t) == pytest.approx(math.sqrt(1 - d._abar64[k]), rel=1e-9)
+
+
+# ---- the network interface: what an ε-network is fed, and its score ----------------------------------------
+
+class ExactEpsVE(nn.Module):
+    """E[ε | x] for x = x0 + σ ε, reading σ back from the network inputs as documented (not through VESDE)."""
+
+    def __init__(self, sigma_min, sigma_max, undo_input_scaling=True):
+        super().__init__()
+        self.lo, self.hi = math.log(sigma_min), math.log(sigma_max)
+        self.undo_input_scaling = undo_input_scaling  # False: a network that takes its input for x itself
+        self.dummy = nn.Parameter(torch.zeros(()))  # gives the sampler a device to read
+
+    def forward(self, x_in, c_noise, y=None):
+        sigma = torch.exp(self.lo + c_noise.float() / NET_TIME * (self.hi - self.lo)).view(-1, 1, 1, 1)
+        x = x_in * (1 + sigma**2).sqrt() if self.undo_input_scaling else x_in  # the input is x / sqrt(1 + σ²)
+        return sigma * (x - MU) / (VAR + sigma**2)
+
+
+class ExactEpsVP(nn.Module):
+    """E[ε | x_τ] of DDPM at a real timestep τ, ln ᾱ interpolated between the schedule's integers."""
+
+    def __init__(self, cfg: DiffusionConfig):
+        super().__init__()
+        self.log_abar = torch.cumsum(torch.log1p(-make_betas(cfg)), 0)
+        self.dummy = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x, tau, y=None):
+        tau = tau.double()
+        k = tau.floor().long().clamp(max=len(self.log_abar) - 2)
+        frac = tau - k
+        abar = torch.exp((1 - frac) * self.log_abar[k] + frac * self.log_abar[k + 1]).float().view(-1, 1, 1, 1)
+        return (1 - abar).sqrt() * (x - abar.sqrt() * MU) / (abar * VAR + 1 - abar)
+
+
+PROCESSES = {
+    "ve": lambda: (VEDiffusion(DiffusionConfig(process="ve", sigma_max=100.0)), ExactEpsVE(0.01, 100.0)),
+    "ddpm": lambda: (GaussianDiffusion(DiffusionConfig()), ExactEpsVP(DiffusionConfig())),
+}
+
+
+@pytest.mark.parametrize("process", list(PROCESSES))
+def test_network_score_feeds_the_inputs_the_process_trains_on(process):
+    proc, net = PROCESSES[process]()
+    sde = sde_of(proc)
+    score = network_score(sde, net, 64, "cpu")
+    x = torch.randn(64, *SHAPE)
+    for t in (0.0, 0.013, 0.5, 0.9, 1.0):
+        xt = sde.scale(t) * MU + math.sqrt(sde.scale(t) ** 2 * 0.2 + sde.std(t) ** 2) * x
+        torch.testing.assert_close(score(xt, t), gaussian_score(sde)(xt, t), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("process", list(PROCESSES))
+def test_sample_runs_every_sampler_end_to_end(process):
+    proc, net = PROCESSES[process]()
+    sde = sde_of(proc)
+    images, nfe = sample(proc, net, 256, sampler="ode", seed=3, shape=SHAPE)
+    again, _ = sample(proc, net, 256, sampler="ode", seed=3, shape=SHAPE)
+    assert images.dtype == torch.uint8 and images.shape == (256, *SHAPE) and torch.equal(images, again)
+    # The same noise through solve() with the exact score: the uint8 images agree to one level.
+    x1 = sde.prior_std * torch.randn((256, *SHAPE), generator=torch.Generator().manual_seed(3))
+    ref, ref_nfe = solve(sde, gaussian_score(sde), x1, sampler="ode")
+    assert (images.int() - to_uint8(ref).int()).abs().max() <= 1
+    assert abs(nfe - ref_nfe) <= 0.2 * ref_nfe  # step control reacts to float-rounding differences (129 vs 147)
+    assert not torch.equal(images, sample(proc, net, 256, sampler="ode", seed=4, shape=SHAPE)[0])
+    for sampler, steps, want in (("em", 5, 5), ("pc", 5, 10)) + ((("ddim", 7, 7), ("ddpm", 0, 1000))
+                                                                   if process == "ddpm" else ()):
+        out, nfe = sample(proc, net, 8, sampler=sampler, steps=steps, seed=0, shape=SHAPE)
+        assert out.shape == (8, *SHAPE) and nfe == want and out.float().std() > 0
+
+
+def test_ve_models_refuse_the_ddpm_samplers():
+    proc, net = PROCESSES["ve"]()
+    for sampler in ("ddpm", "ddim"):
+        with pytest.raises(ValueError, match="needs a DDPM model"):
+            sample(proc, net, 2, sampler=sampler, shape=SHAPE)
+    with pytest.raises(ValueError, match="use one of"):
+        sample(proc, net, 2, sampler="heun", shape=SHAPE)
+
+
+def test_bad_settings_are_one_clear_error():
+    sde = SDES["ve"]()
+    with pytest.raises(ValueError, match="at least 2"):
+        solve(sde, gaussian_score(sde), torch.zeros(1, *SHAPE), sampler="em", steps=1)
+    with pytest.raises(ValueError, match="adaptive"):
+        solve(sde, gaussian_score(sde), torch.zeros(1, *SHAPE), sampler="ode", options=SamplerOptions(method="rk4"))
+    with pytest.raises(ValueError, match="sigma_min"):
+        VESDE(1.0, 0.5)
+    with pytest.raises(ValueError, match="diffusion.process='vp'"):
+        make_diffusion(DiffusionConfig(process="vp"))
+
+
+# ---- the VE training loss -----------------------------------------------------------------------------------
+
+def test_ve_loss_of_the_exact_network_is_the_bayes_error():
+    """With the exact ε-network, E||ε - E[ε|x]||² = E_t mean_i v_i / (v_i + σ(t)²): the loss draws σ, noise and
+    input scaling exactly as the network interface says. A network that skips the input scaling scores worse."""
+    torch.manual_seed(0)
+    proc, net = PROCESSES["ve"]()
+    x0 = MU + VAR.sqrt() * torch.randn(40_000, *SHAPE)
+    ts = np.linspace(0, 1, 100_001)
+    sig2 = (0.01 * (100.0 / 0.01) ** ts) ** 2
+    bayes = float(np.mean([np.trapezoid(v / (v + sig2), ts) for v in VAR.flatten().numpy()]))
+    loss = proc.loss(net, x0).item()
+    assert loss == pytest.approx(bayes, rel=0.03), (loss, bayes)
+    assert proc.loss(ExactEpsVE(0.01, 100.0, undo_input_scaling=False), x0).item() > 1.5 * bayes
+
+
+def test_ve_loss_is_sync_free_one_graph_and_learns():
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(PRESETS["tiny"], num_classes=10))
+    proc = make_diffusion(DiffusionConfig(process="ve"))
+    x0 = nn.functional.interpolate(torch.rand(4, 3, 4, 4) * 2 - 1, size=32, mode="bilinear")
+    assert host_syncs(lambda: proc.loss(model, x0, torch.tensor([0, 1, 2, 3]), null_label=10).backward()) == []
+    torch._dynamo.reset()
+    assert torch.isfinite(torch.compile(lambda x: proc.loss(model, x), fullgraph=True, backend="eager")(x0))
+
+    def eval_loss() -> float:  # the same 8 (σ, noise) draws each time
+        state = torch.get_rng_state()
+        torch.manual_seed(123)
+        with torch.no_grad():
+            value = sum(proc.loss(model, x0).item() for _ in range(8)) / 8
+        torch.set_rng_state(state)
+        return value
+
+    before = eval_loss()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(40):
+        loss = proc.loss(model, x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    assert eval_loss() < before / 2
+
+
+# ---- the trainer and checkpoints ---------------------------------------------------------------------------
+
+def test_trainer_runs_ve_and_checkpoints_record_the_process(tmp_path):
+    from ffcv_ddpm import train as train_mod
+    from ffcv_ddpm.checkpoint import list_checkpoints
+    from ffcv_ddpm.config import load_config
+
+    beton = write_beton(tmp_path / "train.beton", 32)
+    cfg = load_config("tiny", [
+        f"data.path={beton}", "data.batch_size=8", "data.num_workers=1", "train.device=cpu",
+        "train.precision=fp32", "train.compile=False", "train.progress=False", "train.steps=4",
+        "train.log_every=2", "train.ckpt_every=4", "train.sample_every=4", "train.sample_n=4",
+        "train.sample_steps=3", "train.warmup_steps=1", f"train.out_dir={tmp_path / 'runs'}",
+        "diffusion.process=ve", "model.num_classes=10"])
+    run_dir = train_mod.train(cfg)
+    assert (run_dir / "samples-00000004.png").is_file()  # the grid came from the predictor-corrector sampler
+    ckpt = list_checkpoints(run_dir)[-1]
+    proc, model, saved = load_for_sampling(ckpt, "cpu", process="ve")
+    assert isinstance(proc, VEDiffusion) and saved.diffusion.process == "ve"
+    images, nfe = sample(proc, model, 4, sampler="em", steps=3, y=torch.arange(4), guidance_scale=2.0)
+    assert images.shape == (4, 3, 32, 32) and nfe == 3
+    with pytest.raises(ValueError, match="holds a diffusion.process='ve' model, not 'ddpm'"):
+        load_for_sampling(ckpt, "cpu", process="ddpm")
+    rc = train_mod.main(["--resume", str(run_dir), "diffusion.process=ddpm", "train.steps=6"])
+    assert rc == 2  # "trained with diffusion.process='ve'; a run cannot continue as 'ddpm'"
