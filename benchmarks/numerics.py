@@ -76,8 +76,6 @@ class Leg:
 # Fields whose difference gives two legs different batches, timesteps or noise: such legs are not paired.
 PAIRED_FIELDS = ("train.seed", "train.steps", "train.log_every", "data.seed", "data.batch_size", "data.loader",
                  "data.order", "data.flip", "data.drop_last")
-
-
 COMPILED_DROPOUT = "dropout in a compiled graph (train.compile on a GPU)"
 FUSED_DROPOUT = "dropout seeds drawn by model.norm_impl=fused"
 HOW_TO_PAIR = {COMPILED_DROPOUT: "compile every leg or none (e.g. no train.compile=False in --ref)",
@@ -131,8 +129,8 @@ def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, t
         t0, running = time.perf_counter(), set(procs)
         while running:
             time.sleep(0.5)
-            for leg in legs:
-                rc = procs[leg.name].poll() if leg.name in running else None
+            for leg in [leg for leg in legs if leg.name in running]:
+                rc = procs[leg.name].poll()
                 if rc is None:
                     continue
                 running.discard(leg.name)
@@ -223,13 +221,12 @@ def render(result: dict, out: Path) -> None:
     nf = result["noise_floor"]
     if nf:
         k = result["control_check"]
-        ratio = (f"{nf['ratio']:,.1f}x the noise floor" if nf["ratio"] is not None else
-                 "against a zero noise floor (the control's curve equals the reference's: its overrides changed "
-                 "no arithmetic)")
+        ratio = (f"ratio {nf['ratio']:,.1f}x" if nf["ratio"] is not None else
+                 "the floor is zero (the control's curve equals the reference's: its overrides changed no arithmetic)")
         lines += [f"**Noise floor**: the same statistic for the control against the reference reaches "
                   f"{pct(k['max_abs_smoothed'])} (at step {k['at_step']}; mean ratio - 1 "
                   f"{k['mean_ratio_minus_1']:+.2%}). Candidate deviation {pct(nf['candidate'])}, control deviation "
-                  f"{pct(nf['control'])}: the candidate's is {ratio}, so it "
+                  f"(noise floor) {pct(nf['control'])}, {ratio}: the candidate's deviation "
                   f"{'EXCEEDS' if nf['exceeds'] else 'does not exceed'} the noise floor. One control run: the floor "
                   "is one draw of the fp32-vs-fp32 deviation, not a bound.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
@@ -239,19 +236,20 @@ def render(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
     steps = [s["step"] for s in ref["stats"]]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    legs = [("reference", ref), ("candidate", cand)] + ([("control", ctl)] if ctl else [])
-    for name, leg in legs:
+    colors = {"reference": "C0", "candidate": "C1", "control": "C2"}  # one color per leg in both panels
+    for name, leg in [("reference", ref), ("candidate", cand)] + ([("control", ctl)] if ctl else []):
         ax.plot(steps, [s["loss"] for s in leg["stats"]], label=f"{name}: {leg['description'].replace('`', '')}",
-                lw=1)
+                lw=1, color=colors[name])
     ax.set_yscale("log")
     ax.set_ylabel("training loss (interval mean)")
     ax.legend(fontsize=8)
     ax.set_title(f"{result['preset']}: {cand['precision']} vs {ref['precision']}, batch {result['batch_size']}")
     bx.plot(steps, 100 * np.array(c["ratio_minus_1"]), lw=0.6, color="0.6", label="candidate, per interval")
     w = c["smooth_intervals"]
-    bx.plot(steps[w - 1:], 100 * np.array(c["smoothed"]), lw=1.2, label=f"candidate, moving average ({w})")
+    bx.plot(steps[w - 1:], 100 * np.array(c["smoothed"]), lw=1.2, color=colors["candidate"],
+            label=f"candidate, moving average ({w})")
     if ctl:
-        bx.plot(steps[w - 1:], 100 * np.array(result["control_check"]["smoothed"]), lw=1.2,
+        bx.plot(steps[w - 1:], 100 * np.array(result["control_check"]["smoothed"]), lw=1.2, color=colors["control"],
                 label=f"control (noise floor), moving average ({w})")
     for sign in (1, -1):
         bx.axhline(sign * 100 * c["tol"], color="r", ls=":", lw=1)
@@ -285,68 +283,73 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="trainer overrides for every leg, e.g. model.norm_impl=scale-shift")
     args = p.parse_intermixed_args(argv)  # common overrides may come before, between or after the options
     try:
-        if args.steps < 2 * args.log_every:
-            raise ValueError(f"--steps {args.steps} gives fewer than two logged intervals of {args.log_every}")
-        for item in [*args.overrides, *args.ref, *args.control]:
-            if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
-                raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
-                                 "candidate; the reference and control are fp32)")
-        beton = args.data / BETON
-        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
-        common = [f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
-                  f"train.ckpt_every={args.steps}", "train.sample_every=0", "train.progress=False", *args.overrides]
-        legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
-        if args.control:
-            legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
-        cfg = load_config(args.preset, common)
-        device = resolve_device(cfg.train.device)
-        import torch
-
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        with tempfile.TemporaryDirectory(prefix="numerics-") as tmp:  # the runs' checkpoints are not kept
-            tmp = Path(tmp)
-            for leg in legs:
-                leg.build(args.preset, common, beton, tmp)
-            check_paired(legs)
-            if args.parallel:
-                run_parallel(legs, args.preset, common, beton, tmp)
-            else:
-                run_sequential(legs)
-            runs = {leg.name: read_run(tmp / leg.name) for leg in legs}
-        synthetic = built or bool(dataset_info(beton)["synthetic"])
-        curves = {leg: run["stats"] for leg, run in runs.items()}
-        ref = curves["reference"]
-        result = {
-            "preset": args.preset, "device": name or "CPU", "batch_size": args.batch, "steps": args.steps,
-            "log_every": args.log_every, "seed": cfg.train.seed, "command": "python -m benchmarks.numerics "
-            + " ".join(argv), "environment": environment(), "config": cfg.to_dict(),
-            "common_overrides": args.overrides, "parallel": args.parallel,
-            "dataset": f"{beton}" + (" (SYNTHETIC)" if synthetic else ""),
-            **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
-                          **runs[leg.name]} for leg in legs},
-            "check": check(ref, curves["candidate"], args.tol, args.skip, args.smooth),
-            "control_check": (check(ref, curves["control"], args.tol, args.skip, args.smooth)
-                              if "control" in curves else None),
-        }
-        result.setdefault("control", None)
-        result["noise_floor"] = noise_floor(result)
+        result = measure(args, "python -m benchmarks.numerics " + " ".join(argv))
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         print(f"numerics: error: {e}", file=sys.stderr)
         return 2
-    out = (args.out or REPO / "benchmarks" / "results" / card_slug(name)) / f"numerics-{args.precision}.json"
+    out = (args.out or REPO / "benchmarks" / "results" / card_slug(result["device"]))
+    out = out / f"numerics-{args.precision}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, result)  # atomic: a cut-off run leaves no half-written JSON
     render(result, out)
     c, nf = result["check"], result["noise_floor"]
     floor = ""
     if nf:
-        floor = (f"; noise floor (control) {pct(nf['control'])}, "
-                 + (f"{nf['ratio']:,.1f}x" if nf["ratio"] is not None else "zero floor") + ": "
-                 + ("exceeds" if nf["exceeds"] else "within") + " the noise floor")
+        floor = (f"; noise floor (control vs fp32) {pct(nf['control'])}, "
+                 + (f"candidate {nf['ratio']:,.1f}x it" if nf["ratio"] is not None else "zero") + ": "
+                 + ("exceeds" if nf["exceeds"] else "does not exceed") + " the noise floor")
     print(f"numerics: {args.precision} vs fp32: max |smoothed ratio - 1| {c['max_abs_smoothed']:.2%} "
           f"(tolerance {args.tol:.1%}) -> {'ok' if c['ok'] else 'OUTSIDE TOLERANCE'}{floor}; wrote {out}, "
           f"{out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     return 0 if c["ok"] else 1
+
+
+def measure(args: argparse.Namespace, command: str) -> dict:
+    """Run the legs (checked to be paired first) and compare their curves: the result that the JSON holds."""
+    if args.steps < 2 * args.log_every:
+        raise ValueError(f"--steps {args.steps} gives fewer than two logged intervals of {args.log_every}")
+    for item in [*args.overrides, *args.ref, *args.control]:
+        if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
+            raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
+                             "candidate; the reference and control are fp32)")
+    beton = args.data / BETON
+    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+    common = [f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
+              f"train.ckpt_every={args.steps}", "train.sample_every=0", "train.progress=False", *args.overrides]
+    legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
+    if args.control:
+        legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
+    cfg = load_config(args.preset, common)
+    device = resolve_device(cfg.train.device)
+    import torch
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    with tempfile.TemporaryDirectory(prefix="numerics-") as tmp:  # the runs' checkpoints are not kept
+        tmp = Path(tmp)
+        for leg in legs:
+            leg.build(args.preset, common, beton, tmp)
+        check_paired(legs)
+        if args.parallel:
+            run_parallel(legs, args.preset, common, beton, tmp)
+        else:
+            run_sequential(legs)
+        runs = {leg.name: read_run(tmp / leg.name) for leg in legs}
+    curves = {leg: run["stats"] for leg, run in runs.items()}
+    compare = {leg: check(curves["reference"], curves[leg], args.tol, args.skip, args.smooth)
+               for leg in ("candidate", "control") if leg in curves}
+    result = {
+        "preset": args.preset, "device": name or "CPU", "batch_size": args.batch,
+        "steps": args.steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
+        "environment": environment(), "config": cfg.to_dict(), "common_overrides": args.overrides,
+        "parallel": args.parallel,
+        "dataset": f"{beton}" + (" (SYNTHETIC)" if built or dataset_info(beton)["synthetic"] else ""),
+        "control": None,
+        **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
+                      **runs[leg.name]} for leg in legs},
+        "check": compare["candidate"], "control_check": compare.get("control"),
+    }
+    result["noise_floor"] = noise_floor(result)
+    return result
 
 
 if __name__ == "__main__":
