@@ -16,7 +16,8 @@ stays within +-tol. Exit status 1 when it does not.
 equally valid kernel choice, e.g. model.norm_impl=torch). The same check between control and reference is the noise
 floor that the candidate's deviation is read against. --ref KEY=VALUE ... applies to the reference and control legs
 only (e.g. train.compile=False); plain KEY=VALUE overrides apply to every leg. Legs whose random streams would differ
-(seeds, batches, dropout drawn by a compiled graph in one leg and eagerly in another) are refused: they are not paired.
+(seeds, batches; with dropout on, a compiled graph or the fused GroupNorm in one leg but not another) are refused:
+they would not be paired.
 --parallel runs the legs as concurrent `python -m ffcv_ddpm.train` processes (on a GPU, one leg's compilation
 overlaps another's compute); without it they run one after another in this process.
 
