@@ -2,16 +2,26 @@
 
     python -m benchmarks.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
     python -m benchmarks.numerics --data data --precision fp16  # fp16 + GradScaler instead
+    python -m benchmarks.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
     python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 --batch 16 train.device=cpu
 
-Two runs of the trainer (ffcv_ddpm.train.train, everything else as configured) on the same data with the same seed:
-the reference in true fp32 (TF32 off) and the candidate precision. The same seed gives both runs the same batches,
-timesteps and noise step for step, so the curves are paired: the per-interval ratio of their mean losses is numerics
-(and the slow drift of two models that no longer share weights), not sampling noise. The check: after the first
---skip share of the steps, the moving average over --smooth intervals of (candidate / reference - 1) stays within
-+-tol. Exit status 1 when it does not.
+Runs of the trainer (ffcv_ddpm.train, everything else as configured) on the same data with the same seed, called
+legs: the reference in true fp32 (TF32 off) and the candidate precision. The same seed gives both the same batches,
+timesteps, noise and dropout masks step for step, so the curves are paired: the per-interval ratio of their mean
+losses is numerics (and the slow drift of two models that no longer share weights), not sampling noise. The check:
+after the first --skip share of the steps, the moving average over --smooth intervals of (candidate / reference - 1)
+stays within +-tol. Exit status 1 when it does not.
 
-Writes numerics-<precision>.json (both curves from the runs' stats.jsonl, the check, environment, config), .md and
+--control KEY=VALUE ... adds a third leg: fp32 again, differing from the reference only by those overrides (an
+equally valid kernel choice, e.g. model.norm_impl=torch). The same check between control and reference is the noise
+floor that the candidate's deviation is read against. --ref KEY=VALUE ... applies to the reference and control legs
+only (e.g. train.compile=False); plain KEY=VALUE overrides apply to every leg. Legs whose random streams would differ
+(seeds, batches; with dropout on, a compiled graph or the fused GroupNorm in one leg but not another) are refused:
+they would not be paired.
+--parallel runs the legs as concurrent `python -m ffcv_ddpm.train` processes (on a GPU, one leg's compilation
+overlaps another's compute); without it they run one after another in this process.
+
+Writes numerics-<precision>.json (the curves from the runs' stats.jsonl, the checks, environment, config), .md and
 .png under benchmarks/results/<card>/ (or --out).
 """
 
@@ -19,8 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,19 +43,122 @@ from benchmarks.peaks import card_slug
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
-from ffcv_ddpm.train import TrainingError, resolve_device, train
+from ffcv_ddpm.train import TrainingError, resolve_device, train, write_json
 
 REPO = Path(__file__).resolve().parent.parent
+LOG_TAIL_LINES = 40  # of a failed leg's log, printed before the error line
 
 
-def run_curve(cfg, precision: str, tmp: Path) -> list[dict]:
-    """One training run at `precision`; its stats.jsonl lines."""
-    cfg = RunConfig.from_dict(cfg.to_dict())  # a copy per run
-    cfg.train.precision = precision
-    cfg.train.out_dir = str(tmp / precision)
-    cfg.train.desc = precision
-    run_dir = train(cfg)
-    return [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+class LegFailed(Exception):
+    """One leg's training run failed; the message names the leg."""
+
+
+@dataclass
+class Leg:
+    name: str              # reference | candidate | control: its run folder and log file under the temp dir
+    precision: str         # train.precision of this leg
+    overrides: list[str]   # beyond the common ones: --ref for the reference, --ref then --control for the control
+    cfg: RunConfig | None = None  # the whole config, built from the common + own overrides (Leg.build)
+
+    def trainer_overrides(self, common: list[str], tmp: Path) -> list[str]:
+        """Everything that makes this leg's config from the preset: the same list in-process and in a subprocess."""
+        return [*common, *self.overrides, f"train.precision={self.precision}",
+                f"train.out_dir={tmp / self.name}", f"train.desc={self.name}"]
+
+    def build(self, preset: str, common: list[str], beton: Path, tmp: Path) -> None:
+        self.cfg = load_config(preset, self.trainer_overrides(common, tmp))
+        self.cfg.data.path = str(beton)
+
+    def describe(self) -> str:
+        return f"{self.precision}" + (" (TF32 off)" if self.precision == "fp32" else "") + \
+            (f" + `{' '.join(self.overrides)}`" if self.overrides else "")
+
+
+# Fields whose difference gives two legs different batches, timesteps or noise: such legs are not paired.
+PAIRED_FIELDS = ("train.seed", "train.steps", "train.log_every", "data.seed", "data.batch_size", "data.loader",
+                 "data.order", "data.flip", "data.drop_last")
+COMPILED_DROPOUT = "dropout in a compiled graph (train.compile on a GPU)"
+FUSED_DROPOUT = "dropout seeds drawn by model.norm_impl=fused"
+HOW_TO_PAIR = {COMPILED_DROPOUT: "compile every leg or none (e.g. no train.compile=False in --ref)",
+               FUSED_DROPOUT: "use model.norm_impl=fused in every leg or in none"}
+
+
+def random_stream(cfg: RunConfig) -> dict:
+    """What decides the random numbers a leg draws, beyond its seed. With dropout on, a compiled graph draws its masks
+    from seeds of its own (inductor) and the fused GroupNorm draws a seed per call: either changes the masks and,
+    through the generator's state, every later timestep and noise draw."""
+    import torch
+
+    on_gpu = cfg.train.device.startswith("cuda") or (cfg.train.device == "auto" and torch.cuda.is_available())
+    dropout = cfg.model.dropout > 0
+    stream = {f: getattr(getattr(cfg, f.split(".")[0]), f.split(".")[1]) for f in PAIRED_FIELDS}
+    stream[COMPILED_DROPOUT] = dropout and cfg.train.compile and on_gpu
+    stream[FUSED_DROPOUT] = dropout and cfg.model.norm_impl == "fused"
+    return stream
+
+
+def check_paired(legs: list[Leg]) -> None:
+    ref = random_stream(legs[0].cfg)
+    for leg in legs[1:]:
+        for key, value in random_stream(leg.cfg).items():
+            if value != ref[key]:
+                fix = (f"{HOW_TO_PAIR[key]}, or set model.dropout=0 for every leg" if key in HOW_TO_PAIR
+                       else f"give every leg the same {key}")
+                raise ValueError(f"the {leg.name} leg is not paired with the reference: {key} is {value} there and "
+                                 f"{ref[key]} in the reference, so their batches, noise or dropout masks differ step "
+                                 f"for step; {fix}")
+
+
+def run_sequential(legs: list[Leg]) -> None:
+    for leg in legs:
+        try:
+            train(leg.cfg)
+        except (TrainingError, ValueError, FileNotFoundError) as e:
+            raise LegFailed(f"the {leg.name} leg ({leg.describe()}) failed: {e}") from e
+
+
+def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, tmp: Path) -> None:
+    """Each leg a `python -m ffcv_ddpm.train` process, output to <tmp>/<leg>.log; the first failure stops the rest."""
+    procs = {}
+    try:
+        for leg in legs:
+            cmd = [sys.executable, "-m", "ffcv_ddpm.train", "--preset", preset, "--data", str(beton.resolve()),
+                   *leg.trainer_overrides(common, tmp)]
+            with open(tmp / f"{leg.name}.log", "w") as log:  # the child keeps its own handle
+                procs[leg.name] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        print(f"numerics: {', '.join(procs)} running in parallel (logs in {tmp})", flush=True)
+        t0, running = time.perf_counter(), set(procs)
+        while running:
+            time.sleep(0.5)
+            for leg in [leg for leg in legs if leg.name in running]:
+                rc = procs[leg.name].poll()
+                if rc is None:
+                    continue
+                running.discard(leg.name)
+                if rc != 0:
+                    lines = (tmp / f"{leg.name}.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                    print(f"---- the last {len(lines)} lines of the {leg.name} leg's log ----", *lines,
+                          "----", sep="\n", file=sys.stderr)
+                    raise LegFailed(f"the {leg.name} leg ({leg.describe()}) failed with exit status {rc}; "
+                                    "the end of its log is above")
+                print(f"numerics: the {leg.name} leg finished after {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        for p in procs.values():  # a failure or an interrupt: the other legs would only burn the device
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def read_run(leg_dir: Path) -> dict:
+    """A finished leg's stats.jsonl lines and the config it ran with, as its run folder has them."""
+    (run_dir,) = [p for p in leg_dir.iterdir() if p.is_dir()]  # one run per leg folder
+    return {"config": json.loads((run_dir / "config.json").read_text()),
+            "stats": [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]}
 
 
 def check(reference: list[dict], candidate: list[dict], tol: float, skip: float, smooth: int) -> dict:
@@ -70,8 +186,21 @@ def check(reference: list[dict], candidate: list[dict], tol: float, skip: float,
     }
 
 
+def pct(x: float) -> str:
+    return f"{100 * x:.3g}%"  # three significant digits: a noise floor can be far below 0.01%
+
+
+def noise_floor(result: dict) -> dict | None:
+    """The candidate's deviation against the control's (the same statistic): their ratio, and which is larger."""
+    if result["control_check"] is None:
+        return None
+    cand, floor = result["check"]["max_abs_smoothed"], result["control_check"]["max_abs_smoothed"]
+    return {"candidate": cand, "control": floor, "ratio": cand / floor if floor > 0 else None,
+            "exceeds": cand > floor}
+
+
 def render(result: dict, out: Path) -> None:
-    c, ref, cand = result["check"], result["reference"], result["candidate"]
+    c, ref, cand, ctl = result["check"], result["reference"], result["candidate"], result["control"]
     env = result["environment"]
     verdict = "within" if c["ok"] else "OUTSIDE"
     lines = [f"# Numerics: {result['preset']}, {cand['precision']} vs {ref['precision']} "
@@ -80,13 +209,27 @@ def render(result: dict, out: Path) -> None:
              f"command: `{result['command']}`",
              f"- data: {result['dataset']}; batch {result['batch_size']}, {result['steps']} steps, "
              f"loss logged every {result['log_every']} steps (mean over the interval), seed {result['seed']}",
-             f"- reference: {ref['precision']} (TF32 off); candidate: {cand['precision']}", "",
+             f"- overrides for every leg: `{' '.join(result['common_overrides']) or 'none'}`; legs run "
+             f"{'in parallel processes' if result['parallel'] else 'one after another'}",
+             f"- reference: {ref['description']}; candidate: {cand['description']}"
+             + (f"; control: {ctl['description']}" if ctl else ""), "",
              f"**{verdict} tolerance**: the moving average over {c['smooth_intervals']} intervals of "
              f"(candidate / reference - 1) reaches at most {c['max_abs_smoothed']:.2%} in magnitude (at step "
              f"{c['at_step']}) from step {c['checked_from_step']} on; tolerance +-{c['tol']:.1%}. Mean ratio - 1 "
              f"over those steps: {c['mean_ratio_minus_1']:+.2%}. Mean loss over the last 10% of intervals: "
              f"{c['last_10pct_loss']['reference']:.5f} ({ref['precision']}), "
              f"{c['last_10pct_loss']['candidate']:.5f} ({cand['precision']}).", ""]
+    nf = result["noise_floor"]
+    if nf:
+        k = result["control_check"]
+        ratio = (f"ratio {nf['ratio']:,.1f}x" if nf["ratio"] is not None else
+                 "the floor is zero (the control's curve equals the reference's: its overrides changed no arithmetic)")
+        lines += [f"**Noise floor**: the same statistic for the control against the reference reaches "
+                  f"{pct(k['max_abs_smoothed'])} (at step {k['at_step']}; mean ratio - 1 "
+                  f"{k['mean_ratio_minus_1']:+.2%}). Candidate deviation {pct(nf['candidate'])}, control deviation "
+                  f"(noise floor) {pct(nf['control'])}, {ratio}: the candidate's deviation "
+                  f"{'EXCEEDS' if nf['exceeds'] else 'does not exceed'} the noise floor. One control run: the floor "
+                  "is one draw of the fp32-vs-fp32 deviation, not a bound.", ""]
     out.with_suffix(".md").write_text("\n".join(lines))
 
     import matplotlib
@@ -94,19 +237,25 @@ def render(result: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
     steps = [s["step"] for s in ref["stats"]]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    for run in (ref, cand):
-        ax.plot(steps, [s["loss"] for s in run["stats"]], label=run["precision"], lw=1)
+    colors = {"reference": "C0", "candidate": "C1", "control": "C2"}  # one color per leg in both panels
+    for name, leg in [("reference", ref), ("candidate", cand)] + ([("control", ctl)] if ctl else []):
+        ax.plot(steps, [s["loss"] for s in leg["stats"]], label=f"{name}: {leg['description'].replace('`', '')}",
+                lw=1, color=colors[name])
     ax.set_yscale("log")
     ax.set_ylabel("training loss (interval mean)")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.set_title(f"{result['preset']}: {cand['precision']} vs {ref['precision']}, batch {result['batch_size']}")
-    bx.plot(steps, 100 * np.array(c["ratio_minus_1"]), lw=0.6, color="0.6", label="per interval")
+    bx.plot(steps, 100 * np.array(c["ratio_minus_1"]), lw=0.6, color="0.6", label="candidate, per interval")
     w = c["smooth_intervals"]
-    bx.plot(steps[w - 1:], 100 * np.array(c["smoothed"]), lw=1.2, label=f"moving average ({w})")
+    bx.plot(steps[w - 1:], 100 * np.array(c["smoothed"]), lw=1.2, color=colors["candidate"],
+            label=f"candidate, moving average ({w})")
+    if ctl:
+        bx.plot(steps[w - 1:], 100 * np.array(result["control_check"]["smoothed"]), lw=1.2, color=colors["control"],
+                label=f"control (noise floor), moving average ({w})")
     for sign in (1, -1):
         bx.axhline(sign * 100 * c["tol"], color="r", ls=":", lw=1)
     bx.axvline(c["checked_from_step"], color="k", ls=":", lw=0.8)
-    bx.set_ylabel(f"{cand['precision']} / {ref['precision']} - 1 (%)")
+    bx.set_ylabel("leg / reference - 1 (%)")
     bx.set_xlabel("step")
     bx.legend(fontsize=8)
     fig.tight_layout()
@@ -120,52 +269,88 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
-    p.add_argument("--batch", type=int, default=128, help="images per step (both runs)")
-    p.add_argument("--steps", type=int, default=2000, help="training steps per run")
+    p.add_argument("--batch", type=int, default=128, help="images per step (every leg)")
+    p.add_argument("--steps", type=int, default=2000, help="training steps per leg")
     p.add_argument("--log-every", type=int, default=20, help="steps per logged loss (its mean over the interval)")
     p.add_argument("--tol", type=float, default=0.05, help="allowed |smoothed candidate / reference - 1|")
     p.add_argument("--skip", type=float, default=0.05, help="share of the steps before the check starts")
     p.add_argument("--smooth", type=int, default=5, help="intervals in the moving average")
+    p.add_argument("--control", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="add a control leg: fp32 with the --ref overrides plus these (e.g. model.norm_impl=torch)")
+    p.add_argument("--ref", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="overrides for the reference and control legs only (e.g. train.compile=False)")
+    p.add_argument("--parallel", action="store_true", help="run the legs as concurrent trainer processes")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
-    p.add_argument("overrides", nargs="*", help="trainer overrides for both runs, e.g. model.norm_impl=scale-shift")
-    args = p.parse_args(argv)
+    p.add_argument("overrides", nargs="*", help="trainer overrides for every leg, e.g. model.norm_impl=scale-shift")
+    args = p.parse_intermixed_args(argv)  # common overrides may come before, between or after the options
     try:
-        if args.steps < 2 * args.log_every:
-            raise ValueError(f"--steps {args.steps} gives fewer than two logged intervals of {args.log_every}")
-        beton = args.data / BETON
-        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
-        cfg = load_config(args.preset, [f"data.batch_size={args.batch}", f"train.steps={args.steps}",
-                                        f"train.log_every={args.log_every}", f"train.ckpt_every={args.steps}",
-                                        "train.sample_every=0", "train.progress=False", *args.overrides])
-        cfg.data.path = str(beton)
-        device = resolve_device(cfg.train.device)
-        import torch
-
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        with tempfile.TemporaryDirectory() as tmp:  # the runs' checkpoints are not kept, their curves are
-            curves = {prec: run_curve(cfg, prec, Path(tmp)) for prec in ("fp32", args.precision)}
-        synthetic = built or bool(dataset_info(beton)["synthetic"])
-        result = {
-            "preset": args.preset, "device": name or "CPU", "batch_size": args.batch, "steps": args.steps,
-            "log_every": args.log_every, "seed": cfg.train.seed, "command": "python -m benchmarks.numerics "
-            + " ".join(argv), "environment": environment(), "config": cfg.to_dict(),
-            "dataset": f"{beton}" + (" (SYNTHETIC)" if synthetic else ""),
-            "reference": {"precision": "fp32", "stats": curves["fp32"]},
-            "candidate": {"precision": args.precision, "stats": curves[args.precision]},
-            "check": check(curves["fp32"], curves[args.precision], args.tol, args.skip, args.smooth),
-        }
-    except (BenchError, TrainingError, ValueError, FileNotFoundError) as e:
+        result = measure(args, "python -m benchmarks.numerics " + " ".join(argv))
+    except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         print(f"numerics: error: {e}", file=sys.stderr)
         return 2
-    out = (args.out or REPO / "benchmarks" / "results" / card_slug(name)) / f"numerics-{args.precision}.json"
+    out = (args.out or REPO / "benchmarks" / "results" / card_slug(result["device"]))
+    out = out / f"numerics-{args.precision}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_json(out, result)  # atomic: a cut-off run leaves no half-written JSON
     render(result, out)
-    c = result["check"]
+    c, nf = result["check"], result["noise_floor"]
+    floor = ""
+    if nf:
+        floor = (f"; noise floor (control vs fp32) {pct(nf['control'])}, "
+                 + (f"candidate {nf['ratio']:,.1f}x it" if nf["ratio"] is not None else "zero") + ": "
+                 + ("exceeds" if nf["exceeds"] else "does not exceed") + " the noise floor")
     print(f"numerics: {args.precision} vs fp32: max |smoothed ratio - 1| {c['max_abs_smoothed']:.2%} "
-          f"(tolerance {args.tol:.1%}) -> {'ok' if c['ok'] else 'OUTSIDE TOLERANCE'}; wrote {out}, "
+          f"(tolerance {args.tol:.1%}) -> {'ok' if c['ok'] else 'OUTSIDE TOLERANCE'}{floor}; wrote {out}, "
           f"{out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     return 0 if c["ok"] else 1
+
+
+def measure(args: argparse.Namespace, command: str) -> dict:
+    """Run the legs (checked to be paired first) and compare their curves: the result that the JSON holds."""
+    if args.steps < 2 * args.log_every:
+        raise ValueError(f"--steps {args.steps} gives fewer than two logged intervals of {args.log_every}")
+    for item in [*args.overrides, *args.ref, *args.control]:
+        if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
+            raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
+                             "candidate; the reference and control are fp32)")
+    beton = args.data / BETON
+    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+    common = [f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
+              f"train.ckpt_every={args.steps}", "train.sample_every=0", "train.progress=False", *args.overrides]
+    legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
+    if args.control:
+        legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
+    cfg = load_config(args.preset, common)
+    device = resolve_device(cfg.train.device)
+    import torch
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    with tempfile.TemporaryDirectory(prefix="numerics-") as tmp:  # the runs' checkpoints are not kept
+        tmp = Path(tmp)
+        for leg in legs:
+            leg.build(args.preset, common, beton, tmp)
+        check_paired(legs)
+        if args.parallel:
+            run_parallel(legs, args.preset, common, beton, tmp)
+        else:
+            run_sequential(legs)
+        runs = {leg.name: read_run(tmp / leg.name) for leg in legs}
+    curves = {leg: run["stats"] for leg, run in runs.items()}
+    compare = {leg: check(curves["reference"], curves[leg], args.tol, args.skip, args.smooth)
+               for leg in ("candidate", "control") if leg in curves}
+    result = {
+        "preset": args.preset, "device": name or "CPU", "batch_size": args.batch,
+        "steps": args.steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
+        "environment": environment(), "config": cfg.to_dict(), "common_overrides": args.overrides,
+        "parallel": args.parallel,
+        "dataset": f"{beton}" + (" (SYNTHETIC)" if built or dataset_info(beton)["synthetic"] else ""),
+        "control": None,
+        **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
+                      **runs[leg.name]} for leg in legs},
+        "check": compare["candidate"], "control_check": compare.get("control"),
+    }
+    result["noise_floor"] = noise_floor(result)
+    return result
 
 
 if __name__ == "__main__":

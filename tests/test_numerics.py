@@ -1,4 +1,5 @@
-"""benchmarks.numerics on CPU: two paired trainer runs (fp32 reference, bf16 candidate) and the check between them."""
+"""benchmarks.numerics on CPU: paired trainer runs (fp32 reference, bf16 candidate, fp32 control), in this process or
+as parallel processes, and the checks between them."""
 
 import json
 
@@ -24,24 +25,98 @@ def test_check_is_paired_smoothed_and_skips_the_start():
         numerics.check(ref, ref[:-1], tol=0.1, skip=0.0, smooth=1)
 
 
-def test_bf16_against_fp32_on_cpu(small_dataset, tmp_path, capsys):
-    args = ["--data", str(small_dataset), "--preset", "tiny", "--batch", "16", "--steps", "30", "--log-every", "5",
-            "--smooth", "2", "--out", str(tmp_path), "train.device=cpu", "data.num_workers=1"]
+TINY = ["--preset", "tiny", "--batch", "16", "--log-every", "5", "--smooth", "2", "train.device=cpu",
+        "data.num_workers=1"]
+
+
+def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_dataset, tmp_path, capsys):
+    # The control: GroupNorm computed as scale and shift instead of F.group_norm, fp32 like the reference. --ref
+    # train.compile=False reaches the reference and the control, not the candidate (compile is ignored on CPU).
+    args = ["--data", str(small_dataset), *TINY, "--steps", "20", "--out", str(tmp_path),
+            "--ref", "train.compile=False", "--control", "model.norm_impl=scale-shift"]
     rc = numerics.main([*args, "--tol", "0.5"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     r = json.loads((tmp_path / "numerics-bf16.json").read_text())
-    ref, cand = r["reference"]["stats"], r["candidate"]["stats"]
-    assert [s["step"] for s in ref] == [s["step"] for s in cand] == [5, 10, 15, 20, 25, 30]
+    ref, cand, ctl = r["reference"]["stats"], r["candidate"]["stats"], r["control"]["stats"]
+    assert [s["step"] for s in ref] == [s["step"] for s in cand] == [s["step"] for s in ctl] == [5, 10, 15, 20]
     assert ref != cand  # two runs, in two precisions...
     assert r["check"]["max_abs_smoothed"] < 0.5  # ...of the same training (same batches, timesteps and noise)
-    assert r["config"]["train"]["seed"] == r["seed"] and "SYNTHETIC" in r["dataset"]
-    assert "within tolerance" in (tmp_path / "numerics-bf16.md").read_text()
+    assert r["config"]["train"]["seed"] == r["seed"] and "SYNTHETIC" in r["dataset"] and not r["parallel"]
+    # Each leg's config as its run folder recorded it: the overrides went where they were meant to.
+    configs = {leg: r[leg]["config"] for leg in ("reference", "candidate", "control")}
+    assert [c["train"]["precision"] for c in configs.values()] == ["fp32", "bf16", "fp32"]
+    assert [c["train"]["compile"] for c in configs.values()] == [False, True, False]
+    assert [c["model"]["norm_impl"] for c in configs.values()] == ["torch", "torch", "scale-shift"]
+    assert r["control"]["overrides"] == ["train.compile=False", "model.norm_impl=scale-shift"]
+    # The control's check is the same statistic on its own curve; fp32 against fp32 deviates less than bf16 does.
+    assert r["control_check"] == numerics.check(ref, ctl, tol=0.5, skip=0.05, smooth=2)
+    floor, dev = r["control_check"]["max_abs_smoothed"], r["check"]["max_abs_smoothed"]
+    assert floor < dev and r["noise_floor"] == {"candidate": dev, "control": floor, "exceeds": True,
+                                                "ratio": dev / floor if floor else None}
+    md = (tmp_path / "numerics-bf16.md").read_text()
+    assert "within tolerance" in md and "EXCEEDS the noise floor" in md and "model.norm_impl=scale-shift" in md
+    assert "exceeds the noise floor" in printed
     assert (tmp_path / "numerics-bf16.png").stat().st_size > 10_000
-    # No tolerance at all: the same runs fail the check, and say so.
-    assert numerics.main([*args, "--tol", "0"]) == 1
-    assert "OUTSIDE TOLERANCE" in capsys.readouterr().out
-    assert "OUTSIDE tolerance" in (tmp_path / "numerics-bf16.md").read_text()
+
+    # The same legs as three trainer processes at once: the same curves (CPU arithmetic is deterministic), and with
+    # no tolerance at all the check fails and says so.
+    assert numerics.main([*args, "--parallel", "--tol", "0"]) == 1
+    printed = capsys.readouterr().out
+    assert "running in parallel" in printed and "OUTSIDE TOLERANCE" in printed
+    p = json.loads((tmp_path / "numerics-bf16.json").read_text())
+    assert p["parallel"] and "OUTSIDE tolerance" in (tmp_path / "numerics-bf16.md").read_text()
+    for leg in ("reference", "candidate", "control"):
+        assert [s["loss"] for s in p[leg]["stats"]] == [s["loss"] for s in r[leg]["stats"]], leg
+        assert p[leg]["config"]["train"]["precision"] == r[leg]["config"]["train"]["precision"]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_failing_leg_is_named_and_exits_2(small_dataset, tmp_path, capsys, parallel):
+    # lr=1e300 is inf in fp32: the reference's loss is not finite at its second step and its trainer stops with an
+    # error (the candidate, which does not get --ref overrides, would have trained on).
+    args = ["--data", str(small_dataset), *TINY, "--steps", "10", "--out", str(tmp_path), "--ref", "train.lr=1e300"]
+    assert numerics.main([*args, *(["--parallel"] if parallel else [])]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("numerics: error: the reference leg (fp32 (TF32 off) + `train.lr=1e300`) failed")
+    if parallel:  # the leg's log ends with the trainer's own error, printed above the one line that names the leg
+        assert "train: error: non-finite loss at step 1" in err
+        assert last.endswith("failed with exit status 2; the end of its log is above")
+    else:
+        assert "failed: non-finite loss at step 1" in last
+    assert not list(tmp_path.iterdir())  # no result written
+
+
+def _legs(*overrides_per_leg, common=("train.device=cuda",), preset="ddpm-cifar10"):
+    legs = [numerics.Leg(name, "fp32", list(o)) for name, o in zip(("reference", "candidate", "control"),
+                                                                    overrides_per_leg)]
+    for leg in legs:
+        leg.cfg = numerics.load_config(preset, [*common, *leg.overrides])
+    return legs
+
+
+def test_legs_with_different_random_streams_are_refused():
+    # ddpm-cifar10 has dropout 0.1: on a GPU, a compiled leg draws its masks from inductor's seeds, an eager one
+    # does not, so the two would see different noise from the second step on. (Configs only: no GPU needed.)
+    with pytest.raises(ValueError, match="candidate leg is not paired.*compile every leg or none"):
+        numerics.check_paired(_legs(["train.compile=False"], []))
+    numerics.check_paired(_legs(["train.compile=False"], [], common=("train.device=cuda", "model.dropout=0")))
+    numerics.check_paired(_legs(["train.compile=False"], [], common=("train.device=cpu",)))  # eager either way
+    numerics.check_paired(_legs([], [], ["model.norm_impl=scale-shift"]))  # the control of issue 12
+    with pytest.raises(ValueError, match="control leg.*norm_impl=fused in every leg or in none"):
+        numerics.check_paired(_legs([], [], ["model.norm_impl=fused"]))
+    with pytest.raises(ValueError, match="control leg.*give every leg the same train.seed"):
+        numerics.check_paired(_legs([], [], ["train.seed=1"]))
+
+
+def test_unpaired_legs_and_precision_overrides_stop_before_any_run(small_dataset, tmp_path, capsys):
+    args = ["--data", str(small_dataset), *TINY, "--steps", "10", "--out", str(tmp_path)]
+    assert numerics.main([*args, "model.dropout=0.1", "--control", "model.norm_impl=fused"]) == 2
+    assert "numerics: error: the control leg is not paired" in capsys.readouterr().err
+    assert numerics.main([*args, "--ref", "train.precision=tf32"]) == 2
+    assert "each leg's precision is set here" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 def test_too_few_steps_is_an_error(tmp_path, capsys):
