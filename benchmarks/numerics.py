@@ -209,8 +209,11 @@ def render(result: dict, out: Path) -> None:
              f"command: `{result['command']}`",
              f"- data: {result['dataset']}; batch {result['batch_size']}, {result['steps']} steps, "
              f"loss logged every {result['log_every']} steps (mean over the interval), seed {result['seed']}",
-             f"- overrides for every leg: `{' '.join(result['common_overrides']) or 'none'}`; legs run "
-             f"{'in parallel processes' if result['parallel'] else 'one after another'}",
+             (f"- compared from finished run folders (--from-runs) on the {result['steps']} steps all of them "
+              f"logged ({result['planned_steps']} planned): {', '.join(r['run_dir'] for r in (ref, cand, ctl) if r)}"
+              if result.get("planned_steps") else
+              f"- overrides for every leg: `{' '.join(result['common_overrides']) or 'none'}`; legs run "
+              f"{'in parallel processes' if result['parallel'] else 'one after another'}"),
              f"- reference: {ref['description']}; candidate: {cand['description']}"
              + (f"; control: {ctl['description']}" if ctl else ""), "",
              f"**{verdict} tolerance**: the moving average over {c['smooth_intervals']} intervals of "
@@ -280,16 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="overrides for the reference and control legs only (e.g. train.compile=False)")
     p.add_argument("--parallel", action="store_true", help="run the legs as concurrent trainer processes")
+    p.add_argument("--from-runs", nargs="+", type=Path, metavar="RUN_DIR",
+                   help="compare finished runs instead of training: REFERENCE CANDIDATE [CONTROL] run folders "
+                        "(config.json + stats.jsonl), on their common logged steps")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     p.add_argument("overrides", nargs="*", help="trainer overrides for every leg, e.g. model.norm_impl=scale-shift")
     args = p.parse_intermixed_args(argv)  # common overrides may come before, between or after the options
     try:
-        result = measure(args, "python -m benchmarks.numerics " + " ".join(argv))
+        command = "python -m benchmarks.numerics " + " ".join(argv)
+        result = from_runs(args, command) if args.from_runs else measure(args, command)
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         print(f"numerics: error: {e}", file=sys.stderr)
         return 2
     out = (args.out or REPO / "benchmarks" / "results" / card_slug(result["device"]))
-    out = out / f"numerics-{args.precision}.json"
+    out = out / f"numerics-{result['candidate']['precision']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, result)  # atomic: a cut-off run leaves no half-written JSON
     render(result, out)
@@ -299,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         floor = (f"; noise floor (control vs fp32) {pct(nf['control'])}, "
                  + (f"candidate {nf['ratio']:,.1f}x it" if nf["ratio"] is not None else "zero") + ": "
                  + ("exceeds" if nf["exceeds"] else "does not exceed") + " the noise floor")
-    print(f"numerics: {args.precision} vs fp32: max |smoothed ratio - 1| {c['max_abs_smoothed']:.2%} "
+    print(f"numerics: {result['candidate']['precision']} vs fp32: max |smoothed ratio - 1| {c['max_abs_smoothed']:.2%} "
           f"(tolerance {args.tol:.1%}) -> {'ok' if c['ok'] else 'OUTSIDE TOLERANCE'}{floor}; wrote {out}, "
           f"{out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     return 0 if c["ok"] else 1
@@ -347,6 +354,50 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         "control": None,
         **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
                       **runs[leg.name]} for leg in legs},
+        "check": compare["candidate"], "control_check": compare.get("control"),
+    }
+    result["noise_floor"] = noise_floor(result)
+    return result
+
+
+def from_runs(args: argparse.Namespace, command: str) -> dict:
+    """The comparison of runs made elsewhere (e.g. three trainer processes on a GPU machine), on the logged steps that
+    all of them reached: a run stopped early (SIGTERM) counts up to its last full interval."""
+    if len(args.from_runs) not in (2, 3):
+        raise ValueError("--from-runs takes REFERENCE CANDIDATE [CONTROL] run folders")
+    legs, runs, envs = [], {}, {}
+    for name, run_dir in zip(("reference", "candidate", "control"), args.from_runs):
+        files = {f: run_dir / f for f in ("config.json", "stats.jsonl", "environment.json")}
+        missing = [str(p) for p in files.values() if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"--from-runs: {run_dir} is not a finished run folder (missing {', '.join(missing)})")
+        cfg = RunConfig.from_dict(json.loads(files["config.json"].read_text()))
+        envs[name] = json.loads(files["environment.json"].read_text())
+        if cfg.train.device == "auto":  # where it ran, not where it is analysed, decides the random stream
+            cfg.train.device = "cuda" if envs[name].get("cuda_available") else "cpu"
+        legs.append(Leg(name, cfg.train.precision, [], cfg))
+        stats = [json.loads(line) for line in files["stats.jsonl"].read_text().splitlines()]
+        runs[name] = {"config": cfg.to_dict(), "run_dir": str(run_dir),
+                      "stats": [r for r in stats if r["step"] % cfg.train.log_every == 0]}
+    if [leg.precision for leg in legs[::2]] != ["fp32"] * len(legs[::2]):
+        raise ValueError("--from-runs: the reference and control runs must be train.precision=fp32")
+    check_paired(legs)
+    n = min(len(r["stats"]) for r in runs.values())
+    if n < 2:
+        raise ValueError("--from-runs: the runs share fewer than two logged intervals")
+    curves = {name: r["stats"][:n] for name, r in runs.items()}
+    compare = {name: check(curves["reference"], curves[name], args.tol, args.skip, args.smooth)
+               for name in ("candidate", "control") if name in curves}
+    cfg = legs[1].cfg
+    env = envs["candidate"]
+    result = {
+        "preset": cfg.preset, "device": (env.get("gpus") or [{}])[0].get("name", "CPU"),
+        "batch_size": cfg.data.batch_size, "steps": curves["candidate"][-1]["step"], "planned_steps": cfg.train.steps,
+        "log_every": cfg.train.log_every, "seed": cfg.train.seed, "command": command,
+        "environment": env, "analysed_with": environment(), "config": cfg.to_dict(), "common_overrides": [],
+        "parallel": None, "dataset": f"{cfg.data.path} (as the runs recorded it)", "control": None,
+        **{leg.name: {"precision": leg.precision, "overrides": [], "description": leg.describe(),
+                      **{**runs[leg.name], "stats": curves[leg.name]}} for leg in legs},
         "check": compare["candidate"], "control_check": compare.get("control"),
     }
     result["noise_floor"] = noise_floor(result)

@@ -122,3 +122,31 @@ def test_unpaired_legs_and_precision_overrides_stop_before_any_run(small_dataset
 def test_too_few_steps_is_an_error(tmp_path, capsys):
     assert numerics.main(["--data", str(tmp_path), "--steps", "10", "--log-every", "10"]) == 2
     assert "fewer than two logged intervals" in capsys.readouterr().err
+
+
+def test_from_runs_compares_finished_runs_on_their_common_steps(small_dataset, tmp_path, capsys):
+    """Runs made elsewhere: compared on the logged steps all of them reached (a run stopped early counts up to its last
+    full interval); a run folder that is not one, or an unpaired pair, is a clear error."""
+    base = ["--data", str(small_dataset), "--preset", "tiny", "--steps", "20", "--log-every", "5", "--batch", "8",
+            "train.device=cpu", "data.num_workers=0"]
+    assert numerics.main([*base, "--control", "model.norm_impl=torch", "--out", str(tmp_path / "first")]) == 0
+    first = json.loads((tmp_path / "first" / "numerics-bf16.json").read_text())
+    runs = {}
+    for leg in ("reference", "candidate", "control"):  # as the trainer would have left them, the candidate cut short
+        d = runs[leg] = tmp_path / leg
+        d.mkdir()
+        stats = first[leg]["stats"] if leg != "candidate" else first[leg]["stats"][:3] + [
+            {**first[leg]["stats"][3], "step": 17}]  # a SIGTERM at step 17 logs a partial interval
+        (d / "stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in stats))
+        (d / "config.json").write_text(json.dumps(first[leg]["config"]))
+        (d / "environment.json").write_text(json.dumps(first["environment"]))
+    args = ["--from-runs", str(runs["reference"]), str(runs["candidate"]), str(runs["control"]), "--out", str(tmp_path)]
+    assert numerics.main(args) == 0
+    got = json.loads((tmp_path / "numerics-bf16.json").read_text())
+    assert [r["step"] for r in got["candidate"]["stats"]] == [5, 10, 15] and got["steps"] == 15
+    assert got["planned_steps"] == 20 and got["control_check"] is not None
+    assert got["check"]["ratio_minus_1"] == first["check"]["ratio_minus_1"][:3]
+    assert "compared from finished run folders" in (tmp_path / "numerics-bf16.md").read_text()
+    capsys.readouterr()
+    assert numerics.main(["--from-runs", str(tmp_path / "nothing"), str(runs["candidate"])]) == 2
+    assert "is not a finished run folder" in capsys.readouterr().err
