@@ -7,8 +7,9 @@ STAMP := $(VENV)/.installed
 SETUP := $(if $(NO_SETUP),,$(STAMP))
 
 # make dataset: SOURCE=download (default) | tarball (CIFAR=path/to/cifar-10-python.tar.gz) | png (PNG_DIR=path) | synthetic
-SOURCE ?= $(if $(CIFAR),tarball,$(if $(PNG_DIR),png,download))
-DATA ?= data
+#               | digits (scikit-learn's bundled digits -> data/digits) | mnist (MNIST_DIR=path of IDX files -> data/mnist)
+SOURCE ?= $(if $(CIFAR),tarball,$(if $(PNG_DIR),png,$(if $(MNIST_DIR),mnist,download)))
+DATA ?= $(if $(filter digits mnist,$(SOURCE)),data/$(SOURCE),data)
 JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
@@ -25,7 +26,8 @@ test: $(SETUP)
 
 dataset: $(SETUP)
 	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(DATA) --jpeg-quality $(JPEG_QUALITY) \
-		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(ARGS)
+		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(if $(MNIST_DIR),--mnist-dir $(MNIST_DIR)) \
+		$(ARGS)
 
 # The .beton files plus the Kaggle-layout PNG folder $(DATA)/png, for the PyTorch-DataLoader-from-files baseline
 # (make bench and make bench-loaders use it when present).

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tools.cifar10 import CLASSES, Cifar10, load_synthetic
+from tools.cifar10 import CLASSES, ImageDataset, load_synthetic
 
 SMALL_TRAIN, SMALL_TEST, SMALL_SEED = 256, 64, 0
 
@@ -27,7 +27,7 @@ SMALL_TRAIN, SMALL_TEST, SMALL_SEED = 256, 64, 0
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs in the formats tools/ reads
 
-def make_cifar_tarball(path: Path, data: Cifar10, skip: tuple[str, ...] = ()) -> Path:
+def make_cifar_tarball(path: Path, data: ImageDataset, skip: tuple[str, ...] = ()) -> Path:
     """Write `data` as cifar-10-python.tar.gz does: cifar-10-batches-py/data_batch_1..5 (train split in 5 parts),
     test_batch and batches.meta, each a protocol-2 pickle of a dict with bytes keys; b'data' is (N, 3072) uint8,
     each row the R, G and B planes of one image, row-major. Members named in `skip` are left out."""
@@ -53,7 +53,7 @@ def make_cifar_tarball(path: Path, data: Cifar10, skip: tuple[str, ...] = ()) ->
     return path
 
 
-def write_png_folder(root: Path, data: Cifar10, with_test: bool = True) -> Path:
+def write_png_folder(root: Path, data: ImageDataset, with_test: bool = True) -> Path:
     """Kaggle layout: root/train/<id>.png (ids from 1) + root/trainLabels.csv ('id,label', class names); test too."""
     from PIL import Image
     splits = [("train", data.train)] + ([("test", data.test)] if with_test else [])
@@ -93,7 +93,7 @@ def read_beton(path, order: str = "sequential", seed: int = 0, batch_size: int =
 # Fixtures
 
 @pytest.fixture(scope="session")
-def small_dataset_arrays() -> Cifar10:
+def small_dataset_arrays() -> ImageDataset:
     """What small_dataset holds: SMALL_TRAIN / SMALL_TEST synthetic images (seed SMALL_SEED)."""
     return load_synthetic(SMALL_TRAIN, SMALL_TEST, SMALL_SEED)
 
