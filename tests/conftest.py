@@ -2,6 +2,7 @@
 
 - small_dataset (session): a folder with the four .beton files + manifest.json that `make dataset` writes, built by
   tools.make_dataset from SMALL_TRAIN / SMALL_TEST synthetic images; small_dataset_arrays is what they contain.
+- digits_dataset (session): the same for `make dataset SOURCE=digits` (scikit-learn's digits, all 1,797).
 - make_cifar_tarball(path, data): the official CIFAR-10 python tarball format (pickled batches in a .tar.gz).
 - write_png_folder(root, data): the Kaggle PNG layout, written with PIL independently of tools' exporter.
 - read_beton(path, order=...): every image and label of a .beton through FFCV's Loader, as numpy arrays.
@@ -106,6 +107,15 @@ def small_dataset(tmp_path_factory) -> Path:
     rc = main(["--source", "synthetic", "--out", str(out), "--num-synthetic", str(SMALL_TRAIN),
                "--num-synthetic-test", str(SMALL_TEST), "--seed", str(SMALL_SEED), "--workers", "2"])
     assert rc == 0, "tools.make_dataset failed to build the small synthetic dataset"
+    return out
+
+
+@pytest.fixture(scope="session")
+def digits_dataset(tmp_path_factory) -> Path:
+    """A data folder as `make dataset SOURCE=digits` writes it: digits_{train,test}_{raw,jpg}.beton + manifest.json."""
+    from tools.make_dataset import main
+    out = tmp_path_factory.mktemp("digits")
+    assert main(["--source", "digits", "--out", str(out), "--workers", "2"]) == 0, "make_dataset --source digits failed"
     return out
 
 

@@ -16,14 +16,8 @@ from tools.digits import MNIST_FILES, digits_split, load_digits, load_mnist, rea
 from tools.make_dataset import MANIFEST, beton_files, main
 
 
-@pytest.fixture(scope="module")
-def digits_out(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("digits")
-    assert main(["--source", "digits", "--out", str(out), "--workers", "2"]) == 0
-    return out
-
-
-def test_digits_betons_hold_all_1797_images_split_by_class(digits_out, capsys):
+def test_digits_betons_hold_all_1797_images_split_by_class(digits_dataset, capsys):
+    digits_out = digits_dataset
     assert sorted(p.name for p in digits_out.glob("*.beton")) == sorted(beton_files("digits"))
     manifest = json.loads((digits_out / MANIFEST).read_text())
     assert manifest["source"] == manifest["dataset"] == "digits" and manifest["synthetic"] is False
