@@ -32,8 +32,9 @@ STATS_VERSION = 1  # bump when the cached statistics change for the same data an
 _torchvision_ops_stub = []  # keeps the stub library alive (a Library's definitions go with it)
 
 
-class FIDError(Exception):
-    """A problem the user fixes (missing weights, unreadable data); the message says how."""
+class FIDError(ValueError):
+    """A problem the user fixes (missing weights, unreadable data); the message says how. A ValueError, so the
+    trainer reports it as one line like its other configuration errors."""
 
 
 def default_weights_path() -> Path:
@@ -78,19 +79,7 @@ def load_inception(weights: str | os.PathLike | None = None, device: torch.devic
     file; its numbers are not FID."""
     inception = _pytorch_fid_inception()
     if random_init_seed is not None:
-        import torchvision
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(random_init_seed)
-            # Same parameter names and shapes as the FID network (its blocks differ only in forward).
-            net = torchvision.models.inception_v3(num_classes=1008, aux_logits=False, weights=None,
-                                                  init_weights=False)
-            # He init keeps activations near unit scale through ~90 conv-BN-ReLU layers whose BN, in eval mode with
-            # fresh running statistics, normalises nothing (torchvision's own init gives features ~1e10).
-            for m in net.modules():
-                if isinstance(m, nn.Conv2d):
-                    nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
-            state = net.state_dict()
+        state = random_inception_state(random_init_seed)
     else:
         path = resolve_weights(weights)
         try:
@@ -107,6 +96,23 @@ def load_inception(weights: str | os.PathLike | None = None, device: torch.devic
                            f"use {WEIGHTS_NAME} from {WEIGHTS_URL}") from None
     # channels_last: oneDNN's (CPU) and cuDNN's fastest convolutions; 4.5x faster on a 2-core CPU, same features.
     return model.eval().to(device, memory_format=torch.channels_last)
+
+
+def random_inception_state(seed: int) -> dict:
+    """A state dict with the FID weights' names and shapes, randomly initialised (for tests: not FID)."""
+    import torchvision
+
+    _pytorch_fid_inception()  # torchvision, importable
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # The FID network is torchvision's Inception-v3 with blocks that differ only in forward.
+        net = torchvision.models.inception_v3(num_classes=1008, aux_logits=False, weights=None, init_weights=False)
+        # He init keeps activations near unit scale through ~90 conv-BN-ReLU layers whose BN, in eval mode with
+        # fresh running statistics, normalises nothing (torchvision's own init gives features ~1e10).
+        for m in net.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+        return net.state_dict()
 
 
 def network_tag(weights: str | os.PathLike | None = None, random_init_seed: int | None = None) -> str:

@@ -136,7 +136,7 @@ def test_weights_only_from_a_local_file(tmp_path, monkeypatch, inception):
     assert "\n" not in msg and str(expected) in msg and fid.WEIGHTS_URL in msg and "never downloads" in msg
     # A file in the hub cache is used (here: the random network's weights saved under the real name).
     expected.parent.mkdir(parents=True)
-    torch.save(_fid_state(inception), expected)
+    torch.save(fid.random_inception_state(0), expected)
     loaded = fid.load_inception()
     x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     np.testing.assert_array_equal(fid.inception_features(loaded, x), fid.inception_features(inception, x))
@@ -148,18 +148,3 @@ def test_weights_only_from_a_local_file(tmp_path, monkeypatch, inception):
 
 def _no_download(*args, **kwargs):
     raise AssertionError("FID tried to download its weights")
-
-
-def _fid_state(inception) -> dict:
-    """The state dict pytorch-fid's fid_inception_v3 loads, recovered from the built InceptionV3's blocks."""
-    blocks = {0: ("Conv2d_1a_3x3", "Conv2d_2a_3x3", "Conv2d_2b_3x3"), 1: ("Conv2d_3b_1x1", "Conv2d_4a_3x3"),
-              2: ("Mixed_5b", "Mixed_5c", "Mixed_5d", "Mixed_6a", "Mixed_6b", "Mixed_6c", "Mixed_6d", "Mixed_6e"),
-              3: ("Mixed_7a", "Mixed_7b", "Mixed_7c")}
-    state = {}
-    for b, names in blocks.items():
-        for i, name in enumerate(names):
-            for k, v in inception.blocks[b][i].state_dict().items():
-                state[f"{name}.{k}"] = v
-    state["fc.weight"] = torch.zeros(1008, 2048)  # the classifier, unused by FID but part of the file
-    state["fc.bias"] = torch.zeros(1008)
-    return state
