@@ -14,7 +14,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics clean
+.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics fid quality clean
 
 setup: $(SETUP)
 
@@ -50,6 +50,11 @@ profile: $(SETUP)
 
 numerics: $(SETUP)
 	$(PY) -m benchmarks.numerics --preset $(PRESET) --data $(DATA) $(ARGS)
+
+# FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
+# (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache, never downloaded.
+fid: $(SETUP)
+	$(PY) -m benchmarks.fid --ref $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(ARGS)
 
 sweeps: $(SETUP)
 	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)

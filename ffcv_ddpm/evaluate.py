@@ -11,7 +11,9 @@ the plain conditional model (GaussianDiffusion.sample's guidance_scale is 1 + w)
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,6 +37,27 @@ def generate(model: nn.Module, diffusion: GaussianDiffusion, n: int, *, labels: 
                                            guidance_scale=1.0 + guidance, shape=shape, device=device,
                                            memory_format=memory_format))
     return torch.cat(chunks)
+
+
+def load_run(run_dir: str | Path, device: torch.device | str, ema: bool = True):
+    """(config, model in eval mode, diffusion, step) from a run folder's config.json and newest checkpoint; the EMA
+    weights unless ema=False (or the run kept none)."""
+    from ffcv_ddpm.checkpoint import load_latest
+    from ffcv_ddpm.config import RunConfig
+    from ffcv_ddpm.unet import build_model
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} has no config.json: give a run folder written by ffcv_ddpm.train")
+    cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    state, path = load_latest(run_dir, map_location="cpu")
+    if state is None:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint (ckpt-*.pt)")
+    model = build_model(cfg.model)
+    model.load_state_dict(state["ema"]["module"] if ema and state.get("ema") else state["model"])
+    memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    model = model.to(device, memory_format=memory_format).eval()
+    return cfg, model, GaussianDiffusion(cfg.diffusion).to(device), state["step"]
 
 
 def class_labels(n: int, num_classes: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
