@@ -56,6 +56,11 @@ numerics: $(SETUP)
 fid: $(SETUP)
 	$(PY) -m benchmarks.fid --ref $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(ARGS)
 
+# Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
+# conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality.py.
+quality: $(SETUP)
+	$(PY) -m benchmarks.quality --data data/digits $(ARGS)
+
 sweeps: $(SETUP)
 	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)
 
