@@ -75,8 +75,7 @@ def load_digits() -> ImageDataset:
     images, labels = _sklearn_digits()
     rgb, test = upscale_digits(images), digits_split(labels)
     info = {"dataset": "UCI ML handwritten digits, as bundled in scikit-learn (sklearn.datasets.load_digits)",
-            "scikit_learn": sklearn.__version__, "count": len(labels), "split": DIGITS_SPLIT,
-            "preprocess": DIGITS_PREPROCESS}
+            "scikit_learn": sklearn.__version__, "count": len(labels)}  # split and preprocessing: in the settings
     return ImageDataset(Split(rgb[~test], labels[~test]), Split(rgb[test], labels[test]), source="digits", info=info)
 
 
@@ -137,5 +136,5 @@ def load_mnist(folder: Path) -> ImageDataset:
     folder = Path(folder)
     files = mnist_files(folder)
     info = {"dataset": "MNIST (IDX files)", "path": str(folder), "files": [p.name for p in files],
-            "split": "MNIST's own: train-* = train, t10k-* = test", "preprocess": MNIST_PREPROCESS}
+            "split": "MNIST's own: train-* = train, t10k-* = test"}
     return ImageDataset(_mnist_split(folder, "train"), _mnist_split(folder, "test"), source="mnist", info=info)
