@@ -64,8 +64,9 @@ def score(args: argparse.Namespace, device: torch.device) -> dict:
     ref = fid.reference_stats(args.ref, inception, tag, args.batch, args.max_ref)
     t_ref = time.perf_counter()
     if args.run is not None:
-        cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw)
         from ffcv_ddpm.train import AMP_DTYPES
+
+        cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw)
 
         labels = class_labels(args.n, cfg.model.num_classes, device)
         images = generate(model, diffusion, args.n, labels=labels, sampler=args.sampler, steps=args.steps,
@@ -122,11 +123,12 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    from ffcv_ddpm.train import TrainingError, resolve_device
+
     try:
-        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                              "cpu" if args.device == "auto" else args.device)
+        device = resolve_device(args.device)
         result = score(args, device)
-    except (ValueError, FileNotFoundError) as e:  # fid.FIDError is a ValueError
+    except (TrainingError, ValueError, FileNotFoundError) as e:  # fid.FIDError is a ValueError
         print(f"fid: error: {e}", file=sys.stderr)
         return 2
     result["command"] = "python -m benchmarks.fid " + " ".join(argv)
