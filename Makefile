@@ -7,13 +7,14 @@ STAMP := $(VENV)/.installed
 SETUP := $(if $(NO_SETUP),,$(STAMP))
 
 # make dataset: SOURCE=download (default) | tarball (CIFAR=path/to/cifar-10-python.tar.gz) | png (PNG_DIR=path) | synthetic
-SOURCE ?= $(if $(CIFAR),tarball,$(if $(PNG_DIR),png,download))
-DATA ?= data
+#               | digits (scikit-learn's bundled digits -> data/digits) | mnist (MNIST_DIR=path of IDX files -> data/mnist)
+SOURCE ?= $(if $(CIFAR),tarball,$(if $(PNG_DIR),png,$(if $(MNIST_DIR),mnist,download)))
+DATA ?= $(if $(filter digits mnist,$(SOURCE)),data/$(SOURCE),data)
 JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality clean
+.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality clean
 
 setup: $(SETUP)
 
@@ -25,7 +26,8 @@ test: $(SETUP)
 
 dataset: $(SETUP)
 	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(DATA) --jpeg-quality $(JPEG_QUALITY) \
-		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(ARGS)
+		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(if $(MNIST_DIR),--mnist-dir $(MNIST_DIR)) \
+		$(ARGS)
 
 # The .beton files plus the Kaggle-layout PNG folder $(DATA)/png, for the PyTorch-DataLoader-from-files baseline
 # (make bench and make bench-loaders use it when present).
@@ -52,6 +54,16 @@ numerics: $(SETUP)
 # Quality vs NFE of every sampler on a VE and a DDPM model trained on the digits (make dataset SOURCE=digits first).
 sde-quality: $(SETUP)
 	$(PY) -m benchmarks.sde_quality --data $(DATA)/digits --out $(or $(OUT),benchmarks/results/sde-quality) $(ARGS)
+
+# FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
+# (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache, never downloaded.
+fid: $(SETUP)
+	$(PY) -m benchmarks.fid --ref $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(ARGS)
+
+# Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
+# conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality.py.
+quality: $(SETUP)
+	$(PY) -m benchmarks.quality --data data/digits $(ARGS)
 
 sweeps: $(SETUP)
 	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)

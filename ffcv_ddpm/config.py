@@ -39,7 +39,11 @@ class TrainConfig:
     keep_ckpts: int = 3                  # newest complete checkpoints kept on disk
     sample_every: int = 10_000           # steps between sample grids from the EMA model; 0 disables
     sample_n: int = 64                   # images per sample grid
-    sample_steps: int = 100              # steps for the grids: DDIM (ddpm process) or predictor-corrector (ve)
+    sample_steps: int = 100              # steps for the grids and evaluations: DDIM (ddpm process) or predictor-corrector (ve)
+    eval_every: int = 0                  # steps between quality metrics in stats.jsonl (rounded up to a multiple of log_every); 0 = off
+    eval_n: int = 1000                   # samples per evaluation (EMA weights, DDIM, plain conditional: see ffcv_ddpm.evaluate)
+    eval_judge: str = ""                 # a saved digits judge: log FD-digits + conditional accuracy; "" = FID (Inception weights in the torch hub cache)
+    eval_ref: str = ""                   # reference .beton or PNG folder of the metric; "" = data.path
     out_dir: str = "runs"                # parent folder of run folders
     desc: str = ""                       # extra words in the run folder name
     resume: str = ""                     # a run folder to continue from its newest complete checkpoint

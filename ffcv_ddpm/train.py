@@ -32,6 +32,7 @@ from ffcv_ddpm.data import check_beton, dataset_info, make_loader, prepare_batch
 from ffcv_ddpm.diffusion import GaussianDiffusion, save_grid
 from ffcv_ddpm.ema import EMA
 from ffcv_ddpm.env import environment
+from ffcv_ddpm.evaluate import Evaluator
 from ffcv_ddpm.sde import VEDiffusion, make_diffusion
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import StepTimer
@@ -251,6 +252,10 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
     if cfg.train.compile and device.type != "cuda" and ddp.main:
         print("train: torch.compile is used on CUDA only; running eagerly on CPU")
     cfg.train.ckpt_every = math.ceil(cfg.train.ckpt_every / cfg.train.log_every) * cfg.train.log_every
+    cfg.train.eval_every = math.ceil(cfg.train.eval_every / cfg.train.log_every) * cfg.train.log_every
+    # Sampling and scoring run on rank 0 only, at log intervals; a missing judge or weights file fails here.
+    evaluator = (Evaluator(cfg, device, AMP_DTYPES[cfg.train.precision])
+                 if cfg.train.eval_every > 0 and ddp.main else None)
     run_dir = None
     if ddp.main:
         run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
@@ -376,6 +381,8 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                 "wall_s": time.perf_counter() - t_start,
             }
+            if evaluator is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
+                stats.update(evaluator(t.ema.module if t.ema is not None else t.model, t.diffusion))
             if ddp.main:
                 with open(run_dir / "stats.jsonl", "a") as f:
                     f.write(json.dumps(stats) + "\n")

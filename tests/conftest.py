@@ -2,6 +2,7 @@
 
 - small_dataset (session): a folder with the four .beton files + manifest.json that `make dataset` writes, built by
   tools.make_dataset from SMALL_TRAIN / SMALL_TEST synthetic images; small_dataset_arrays is what they contain.
+- digits_dataset (session): the same for `make dataset SOURCE=digits` (scikit-learn's digits, all 1,797).
 - make_cifar_tarball(path, data): the official CIFAR-10 python tarball format (pickled batches in a .tar.gz).
 - write_png_folder(root, data): the Kaggle PNG layout, written with PIL independently of tools' exporter.
 - read_beton(path, order=...): every image and label of a .beton through FFCV's Loader, as numpy arrays.
@@ -26,7 +27,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tools.cifar10 import CLASSES, Cifar10, load_synthetic
+from tools.cifar10 import CLASSES, ImageDataset, load_synthetic
 
 SMALL_TRAIN, SMALL_TEST, SMALL_SEED = 256, 64, 0
 
@@ -34,7 +35,7 @@ SMALL_TRAIN, SMALL_TEST, SMALL_SEED = 256, 64, 0
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs in the formats tools/ reads
 
-def make_cifar_tarball(path: Path, data: Cifar10, skip: tuple[str, ...] = ()) -> Path:
+def make_cifar_tarball(path: Path, data: ImageDataset, skip: tuple[str, ...] = ()) -> Path:
     """Write `data` as cifar-10-python.tar.gz does: cifar-10-batches-py/data_batch_1..5 (train split in 5 parts),
     test_batch and batches.meta, each a protocol-2 pickle of a dict with bytes keys; b'data' is (N, 3072) uint8,
     each row the R, G and B planes of one image, row-major. Members named in `skip` are left out."""
@@ -60,7 +61,7 @@ def make_cifar_tarball(path: Path, data: Cifar10, skip: tuple[str, ...] = ()) ->
     return path
 
 
-def write_png_folder(root: Path, data: Cifar10, with_test: bool = True) -> Path:
+def write_png_folder(root: Path, data: ImageDataset, with_test: bool = True) -> Path:
     """Kaggle layout: root/train/<id>.png (ids from 1) + root/trainLabels.csv ('id,label', class names); test too."""
     from PIL import Image
     splits = [("train", data.train)] + ([("test", data.test)] if with_test else [])
@@ -100,7 +101,7 @@ def read_beton(path, order: str = "sequential", seed: int = 0, batch_size: int =
 # Fixtures
 
 @pytest.fixture(scope="session")
-def small_dataset_arrays() -> Cifar10:
+def small_dataset_arrays() -> ImageDataset:
     """What small_dataset holds: SMALL_TRAIN / SMALL_TEST synthetic images (seed SMALL_SEED)."""
     return load_synthetic(SMALL_TRAIN, SMALL_TEST, SMALL_SEED)
 
@@ -113,6 +114,15 @@ def small_dataset(tmp_path_factory) -> Path:
     rc = main(["--source", "synthetic", "--out", str(out), "--num-synthetic", str(SMALL_TRAIN),
                "--num-synthetic-test", str(SMALL_TEST), "--seed", str(SMALL_SEED), "--workers", "2"])
     assert rc == 0, "tools.make_dataset failed to build the small synthetic dataset"
+    return out
+
+
+@pytest.fixture(scope="session")
+def digits_dataset(tmp_path_factory) -> Path:
+    """A data folder as `make dataset SOURCE=digits` writes it: digits_{train,test}_{raw,jpg}.beton + manifest.json."""
+    from tools.make_dataset import main
+    out = tmp_path_factory.mktemp("digits")
+    assert main(["--source", "digits", "--out", str(out), "--workers", "2"]) == 0, "make_dataset --source digits failed"
     return out
 
 

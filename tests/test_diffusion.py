@@ -197,6 +197,16 @@ def test_conditional_sampling_with_guidance_runs():
         d.sample(model, 3, sampler="ddim", steps=3, y=y)
 
 
+@pytest.mark.parametrize("sampler", ["ddpm", "ddim"])
+def test_both_samplers_guide_every_step(sampler):
+    """Guidance in both samplers: every step is one forward of the conditional and null-label halves together."""
+    spy, d = LabelSpy(num_classes=10), GaussianDiffusion(DiffusionConfig(timesteps=20))
+    y = torch.tensor([4, 7])
+    d.sample(spy, 2, sampler=sampler, steps=5, y=y, guidance_scale=2.0, shape=(3, 4, 4))
+    assert len(spy.seen) == (20 if sampler == "ddpm" else 5)
+    assert all(n == 4 and torch.equal(labels, torch.tensor([4, 7, 10, 10])) for n, labels in spy.seen)
+
+
 def test_timesteps_for_sampling():
     assert timesteps_for_sampling(1000, 1000) == list(range(999, -1, -1))
     ts = timesteps_for_sampling(1000, 50)

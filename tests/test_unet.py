@@ -61,6 +61,7 @@ def test_preset_parameter_counts():
     assert abs(counts["ddpm-cifar10"] - 35.7e6) <= 0.1e6, counts  # Ho et al. 2020: 35.7M
     assert counts["ddpm-cifar10"] == 35_746_307  # pins the architecture; change only on purpose
     assert counts["annotated-small"] == 9_190_211  # the published MFU table's network
+    assert counts["digits"] == 6_475_011  # the class-conditional network of the digits quality report
     assert 10_000 <= counts["tiny"] <= 100_000
 
 

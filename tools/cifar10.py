@@ -59,10 +59,11 @@ class Split:
 
 
 @dataclass
-class Cifar10:
+class ImageDataset:
+    """A train and a test split of 32x32 RGB images with labels 0..9 (CIFAR-10, or digits from tools.digits)."""
     train: Split
     test: Split
-    source: str  # "download" | "tarball" | "png" | "synthetic"
+    source: str  # "download" | "tarball" | "png" | "synthetic" | "digits" | "mnist"
     info: dict = field(default_factory=dict)  # what was read (path, checksums, split rule); goes into the manifest
 
     @property
@@ -170,7 +171,7 @@ def _decode_batch(raw: dict, where: str) -> Split:
         raise DatasetError(f"{where}: {e}") from None
 
 
-def load_tarball(path: Path) -> Cifar10:
+def load_tarball(path: Path) -> ImageDataset:
     """Decode the CIFAR-10 python tarball straight from the archive (nothing is extracted to disk)."""
     path = Path(path)
     if not path.is_file():
@@ -205,7 +206,7 @@ def load_tarball(path: Path) -> Cifar10:
     train = Split(np.concatenate([batches[n].images for n in TRAIN_BATCHES]),
                   np.concatenate([batches[n].labels for n in TRAIN_BATCHES]))
     info = {"path": str(path), **digests, "official_md5": digests["md5"] == CIFAR10_MD5}
-    return Cifar10(train, batches[TEST_BATCH], source="tarball", info=info)
+    return ImageDataset(train, batches[TEST_BATCH], source="tarball", info=info)
 
 
 def tarball_fingerprint(path: Path) -> str:
@@ -324,7 +325,7 @@ def png_fingerprint(root: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def load_png_dir(root: Path, holdout: str | float | int = 0.2, workers: int = 1) -> Cifar10:
+def load_png_dir(root: Path, holdout: str | float | int = 0.2, workers: int = 1) -> ImageDataset:
     """Read a Kaggle-layout PNG folder. Without test/ + testLabels.csv (the real Kaggle set has no test labels), the
     test split is the last `holdout` train images by id: a fraction in (0, 1) or a count (0.2 of 50,000 = 10,000)."""
     root = Path(root)
@@ -350,10 +351,10 @@ def load_png_dir(root: Path, holdout: str | float | int = 0.2, workers: int = 1)
         test_split = Split(images[cut:], train[1][cut:])
         info["test_split"] = (f"no test/ + testLabels.csv: the last {n_test} of {n_train} train images by id "
                               f"(--png-holdout {holdout})")
-    return Cifar10(train_split, test_split, source="png", info=info)
+    return ImageDataset(train_split, test_split, source="png", info=info)
 
 
-def export_png_dir(data: Cifar10, root: Path, workers: int = 1) -> None:
+def export_png_dir(data: ImageDataset, root: Path, workers: int = 1) -> None:
     """Write data in the Kaggle layout that load_png_dir reads (into `root`, which must not exist yet)."""
     root = Path(root)
     for split_name, split in (("train", data.train), ("test", data.test)):
@@ -434,12 +435,12 @@ def synthetic_fingerprint(spec: dict) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-def load_synthetic(num_train: int = 50_000, num_test: int = 10_000, seed: int = 0, workers: int = 1) -> Cifar10:
+def load_synthetic(num_train: int = 50_000, num_test: int = 10_000, seed: int = 0, workers: int = 1) -> ImageDataset:
     """Deterministic CIFAR-shaped data: balanced labels, class-coloured gradients, blobs, stripes and grain."""
     if num_train < 1 or num_test < 1:
         raise DatasetError(f"synthetic data needs at least one train and one test image, got {num_train}/{num_test}")
     spec = synthetic_spec(num_train, num_test, seed)
-    return Cifar10(_synthetic_split(num_train, seed, 0, workers), _synthetic_split(num_test, seed, 1, workers),
+    return ImageDataset(_synthetic_split(num_train, seed, 0, workers), _synthetic_split(num_test, seed, 1, workers),
                    source="synthetic", info=dict(spec))
 
 
@@ -447,7 +448,7 @@ def load_synthetic(num_train: int = 50_000, num_test: int = 10_000, seed: int = 
 
 def load_source(source: str, *, tarball: Path | None = None, png_dir: Path | None = None,
                 cache_dir: Path | None = None, url: str = CIFAR10_URL, png_holdout: str | float = 0.2,
-                num_train: int = 50_000, num_test: int = 10_000, seed: int = 0, workers: int = 1) -> Cifar10:
+                num_train: int = 50_000, num_test: int = 10_000, seed: int = 0, workers: int = 1) -> ImageDataset:
     """The whole dataset from one source, as arrays. 'download' keeps the tarball in cache_dir for the next run."""
     if source == "download":
         if cache_dir is None:

@@ -1,10 +1,16 @@
-"""Write CIFAR-10 as FFCV .beton files (train/test x raw/JPEG) plus data/manifest.json; optionally a PNG folder.
+"""Write CIFAR-10 (or handwritten digits) as FFCV .beton files (train/test x raw/JPEG) plus manifest.json;
+optionally a PNG folder.
 
     python -m tools.make_dataset --source download --out data            # official tarball, MD5-checked
     python -m tools.make_dataset --source tarball --tarball cifar-10-python.tar.gz
     python -m tools.make_dataset --source png --png-dir kaggle_cifar10/    # train/1.png ... + trainLabels.csv
     python -m tools.make_dataset --source synthetic --num-synthetic 256 --num-synthetic-test 64 --out /tmp/d
     python -m tools.make_dataset --source synthetic --export-png data/png  # also the PNG-folder layout
+    python -m tools.make_dataset --source digits                         # scikit-learn's digits -> data/digits/
+    python -m tools.make_dataset --source mnist --mnist-dir ~/mnist       # MNIST's IDX files -> data/mnist/
+
+CIFAR-10 sources write cifar10_{train,test}_{raw,jpg}.beton (default folder data/); digits and mnist write
+digits_* / mnist_* into data/digits and data/mnist, so that each folder's manifest describes one dataset.
 
 Every output appears under its final name only when complete (temp name in the same folder, fsync, rename), and a
 second run with the same inputs and settings checks the files against the manifest and does nothing.
@@ -24,23 +30,34 @@ import time
 from pathlib import Path
 
 from tools.atomic import Staged, abort_cleanly, partial_path, remove_stale_partials, write_json
-from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, Cifar10, DatasetError, export_png_dir,
+from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, ImageDataset, DatasetError, export_png_dir,
                            load_source, png_fingerprint, synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
+from tools.digits import (DIGITS_PREPROCESS, DIGITS_SPLIT, MNIST_PREPROCESS, digits_fingerprint, load_digits,
+                          load_mnist, mnist_fingerprint)
 
 TOOL_VERSION = "1"  # bump when the written files change for the same input: old manifests then trigger a rebuild
 MANIFEST = "manifest.json"
 EXPORT_MARKER = "export.json"
 SPLITS = ("train", "test")
 WRITE_MODES = ("raw", "jpg")
-SOURCES = ("download", "tarball", "png", "synthetic")
+SOURCES = ("download", "tarball", "png", "synthetic", "digits", "mnist")
+DIGIT_SOURCES = ("digits", "mnist")  # each its own dataset name, files and default folder; the rest are CIFAR-10
 PAGE_SIZE = 1 << 23  # FFCV's default .beton page (8 MiB)
 
 
-def beton_name(split: str, write_mode: str) -> str:
-    return f"cifar10_{split}_{write_mode}.beton"
+def dataset_name(source: str) -> str:
+    return source if source in DIGIT_SOURCES else "cifar10"
 
 
-BETON_FILES = tuple(beton_name(s, m) for s in SPLITS for m in WRITE_MODES)
+def beton_name(split: str, write_mode: str, dataset: str = "cifar10") -> str:
+    return f"{dataset}_{split}_{write_mode}.beton"
+
+
+def beton_files(dataset: str = "cifar10") -> tuple[str, ...]:
+    return tuple(beton_name(s, m, dataset) for s in SPLITS for m in WRITE_MODES)
+
+
+BETON_FILES = beton_files()
 
 
 def default_workers() -> int:
@@ -51,10 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.make_dataset", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--source", choices=SOURCES, default="download", help="where the images come from")
-    p.add_argument("--out", type=Path, default=Path("data"), help="folder for the .beton files and manifest")
+    p.add_argument("--out", type=Path, help="folder for the .beton files and manifest (default: data, or "
+                                            "data/digits and data/mnist for those sources)")
     p.add_argument("--jpeg-quality", type=int, default=90, help="JPEG quality (1-100) of the *_jpg.beton files")
     p.add_argument("--tarball", type=Path, help=f"local {TARBALL_NAME} (--source tarball)")
     p.add_argument("--png-dir", type=Path, help="Kaggle-layout PNG folder (--source png)")
+    p.add_argument("--mnist-dir", type=Path, help="folder of MNIST's four IDX files, plain or .gz (--source mnist)")
     p.add_argument("--png-holdout", default="0.2",
                    help="PNG folder without test/ + testLabels.csv: test = the last N train images (a count) or "
                         "this fraction of them (0.2 of Kaggle's 50,000 = 10,000)")
@@ -76,6 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--tarball (CIFAR=) is only read with --source tarball, not {args.source}")
     if args.png_dir is not None and args.source != "png":
         p.error(f"--png-dir (PNG_DIR=) is only read with --source png, not {args.source}")
+    if args.mnist_dir is not None and args.source != "mnist":
+        p.error(f"--mnist-dir (MNIST_DIR=) is only read with --source mnist, not {args.source}")
+    if args.export_png is not None and args.source in DIGIT_SOURCES:
+        p.error("--export-png writes CIFAR-10's Kaggle layout (class names in the CSV); not for digit sources")
+    if args.out is None:
+        args.out = Path("data") / (args.source if args.source in DIGIT_SOURCES else "")
     return args
 
 
@@ -120,6 +145,12 @@ def input_fingerprint(args) -> str:
         if not args.png_dir.is_dir():
             raise DatasetError(f"PNG folder {args.png_dir} does not exist")
         return png_fingerprint(args.png_dir)
+    if args.source == "digits":
+        return digits_fingerprint()
+    if args.source == "mnist":
+        if args.mnist_dir is None:
+            raise DatasetError("--source mnist needs a folder: make dataset SOURCE=mnist MNIST_DIR=/path/to/idx-files")
+        return mnist_fingerprint(args.mnist_dir)
     return synthetic_fingerprint(synthetic_spec(args.num_synthetic, args.num_synthetic_test, args.seed))
 
 
@@ -129,6 +160,10 @@ def wanted_state(args, fingerprint: str) -> dict:
                 "fields": {"image": "RGBImageField (raw | jpg)", "label": "IntField"}}
     if args.source == "png":
         settings["png_holdout"] = str(args.png_holdout)
+    if args.source == "digits":
+        settings.update(split=DIGITS_SPLIT, preprocess=DIGITS_PREPROCESS)
+    if args.source == "mnist":
+        settings["preprocess"] = MNIST_PREPROCESS
     return {"tool_version": TOOL_VERSION, "source": args.source, "synthetic": args.source == "synthetic",
             "input_fingerprint": fingerprint, "settings": settings}
 
@@ -156,7 +191,7 @@ def why_stale(out: Path, wanted: dict) -> str | None:
         return f"{path} is unreadable ({e})"
     if (diff := _first_difference(manifest, wanted)) is not None:
         return diff
-    for name in BETON_FILES:
+    for name in beton_files(dataset_name(wanted["source"])):
         entry = manifest.get("files", {}).get(name)
         if entry is None or not (out / name).is_file():
             return f"{name} is missing"
@@ -167,7 +202,7 @@ def why_stale(out: Path, wanted: dict) -> str | None:
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: int, read_s: float) -> dict:
+def convert(data: ImageDataset, out: Path, wanted: dict, jpeg_quality: int, workers: int, read_s: float) -> dict:
     """Write the four .beton files (all or none) and then the manifest describing them; returns the manifest."""
     from tools.ffcv_writer import write_beton  # noqa: PLC0415 (imports FFCV and torch: only when writing)
     t0 = time.perf_counter()
@@ -176,7 +211,7 @@ def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: 
         for split_name in SPLITS:
             split = getattr(data, split_name)
             for mode in WRITE_MODES:
-                name = beton_name(split_name, mode)
+                name = beton_name(split_name, mode, dataset_name(wanted["source"]))
                 write_beton(staged.path(out / name), split, mode, jpeg_quality, workers, PAGE_SIZE,
                             desc=f"write {name}")
                 files[name] = {"split": split_name, "write_mode": mode, "count": len(split),
@@ -188,6 +223,7 @@ def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: 
         entry.update(sha256=sha256_file(out / name), bytes=(out / name).stat().st_size)
     manifest = {
         **wanted,
+        "dataset": dataset_name(wanted["source"]),  # the prefix of the file names
         "input": data.info,
         "counts": {s: len(getattr(data, s)) for s in SPLITS},
         "content_sha256": {s: getattr(data, s).sha256() for s in SPLITS},  # of the decoded arrays
@@ -205,7 +241,7 @@ def convert(data: Cifar10, out: Path, wanted: dict, jpeg_quality: int, workers: 
     return manifest
 
 
-def export_png(data: Cifar10, folder: Path, workers: int) -> None:
+def export_png(data: ImageDataset, folder: Path, workers: int) -> None:
     """The PNG-folder layout of `data` in `folder`, replaced as a whole; skipped if its marker says it is current."""
     marker = folder / EXPORT_MARKER
     want = {"tool_version": TOOL_VERSION, "source": data.source, "synthetic": data.synthetic,
@@ -245,21 +281,27 @@ def run(args) -> int:
         print(f"removed {len(stale)} partial file(s) left by an interrupted run: {', '.join(p.name for p in stale)}")
     t0 = time.perf_counter()
     wanted = wanted_state(args, input_fingerprint(args))
+    files = beton_files(dataset_name(args.source))
     reason = "--force" if args.force else why_stale(out, wanted)
     if reason is None:
-        print(f"{out}: {len(BETON_FILES)} .beton files match {MANIFEST} ({args.source}) - nothing to do")
+        print(f"{out}: {len(files)} .beton files match {MANIFEST} ({args.source}) - nothing to do")
         if args.export_png is None:
             return 0
-    data = load_source(args.source, tarball=args.tarball, png_dir=args.png_dir, cache_dir=out, url=args.url,
-                       png_holdout=args.png_holdout, num_train=args.num_synthetic, num_test=args.num_synthetic_test,
-                       seed=args.seed, workers=args.workers)
+    if args.source == "digits":
+        data = load_digits()
+    elif args.source == "mnist":
+        data = load_mnist(args.mnist_dir)
+    else:
+        data = load_source(args.source, tarball=args.tarball, png_dir=args.png_dir, cache_dir=out, url=args.url,
+                           png_holdout=args.png_holdout, num_train=args.num_synthetic,
+                           num_test=args.num_synthetic_test, seed=args.seed, workers=args.workers)
     read_s = time.perf_counter() - t0
     if reason is not None:
         print(f"{out}: writing .beton files ({reason})")
         (out / MANIFEST).unlink(missing_ok=True)  # no manifest may describe a half-replaced set of files
         manifest = convert(data, out, wanted, args.jpeg_quality, args.workers, read_s)
         t = manifest["timing_s"]
-        print(f"{out}: wrote {', '.join(BETON_FILES)} + {MANIFEST}: {len(data.train)} train + {len(data.test)} test "
+        print(f"{out}: wrote {', '.join(files)} + {MANIFEST}: {len(data.train)} train + {len(data.test)} test "
               f"images{' (SYNTHETIC)' if data.synthetic else ''} in {t['total']:.1f} s (read {t['read']} s, "
               f"write {t['write']} s, checksum {t['checksum']} s; {args.workers} workers)")
     if args.export_png is not None:

@@ -1,0 +1,237 @@
+"""`make quality`: does the trainer learn? A class-conditional DDPM trained on the digits, scored by a digits judge.
+
+    python -m benchmarks.quality --data data/digits --out benchmarks/results/h100/quality-digits
+    python -m benchmarks.quality --data /tmp/d --out /tmp/q --preset tiny --steps 4 ...   # CPU toy (tests)
+
+One command, in this order (each phase's result is written before the next starts, so a run cut off keeps what
+it measured):
+1. the digits .beton files (`make dataset SOURCE=digits`), if --data has none;
+2. the judge (ffcv_ddpm.quality): a small CNN trained --judge-steps on the train split; its test accuracy;
+3. the floor: FD-digits between --n-per-class x 10 class-balanced train images and the test set (and all of them);
+4. training: the `digits` preset (6.5M parameters, 10 classes + the null label, label dropout
+   diffusion.p_uncond = 0.1) for --steps steps of --batch images, bf16 + torch.compile on a GPU, the whole dataset
+   resident on the device, no flips (a mirrored digit is another symbol or none); the trainer logs FD-digits and
+   conditional accuracy every steps/4 steps (train.eval_every) into its stats.jsonl;
+5. sampling rows, in priority order: EMA weights with DDIM 100 at guidance w = 0, 1, 2, 4 and unconditional;
+   DDIM 50; raw weights with DDIM 100; ancestral DDPM (all 1000 steps). Each row: --n-per-class samples per class
+   from the same seed, FD-digits to the test set and conditional accuracy; the report is rewritten after every row.
+   A row whose time (estimated from the rows before it) would end past --budget-s is recorded as skipped.
+
+Writes quality.json, quality.md, quality.png (FD-digits and conditional accuracy per guidance weight and sampler,
+and the training curve) and samples.png (per-class grids: rows = classes) into --out; the run folder (checkpoint,
+stats.jsonl) and the judge go to --work.
+
+Time on one H100/H200, estimated from FLOP counts, not yet measured: about 5-6 minutes in all, within the default
+--budget-s 400 for everything before the last row: start-up and the dataset ~20 s, judge (2,000 steps) ~15 s,
+training 4,000 steps of 256 (3.2 GFLOP per image forward; ~2.4 TFLOP per step) ~70 s plus ~60 s of compilation,
+DDIM rows ~2-4 s each (500 samples, x2 forwards with guidance), DDPM rows ~15-35 s each.
+
+Guidance weight w (Ho & Salimans): ε = (1 + w) ε(x, y) - w ε(x, ∅); w = 0 is the plain conditional model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.quality_report import best_row, write_report
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN, TEST = "digits_train_raw.beton", "digits_test_raw.beton"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (built if missing)")
+    p.add_argument("--out", type=Path, help="report folder (default benchmarks/results/<card>/quality-digits)")
+    p.add_argument("--work", type=Path, default=Path("runs"), help="where the training run and the judge go")
+    p.add_argument("--preset", default="digits", help="model preset (a conditional one, or num_classes=10 below)")
+    p.add_argument("--steps", type=int, default=4000, help="training steps")
+    p.add_argument("--batch", type=int, default=256, help="training batch")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (after 200 warm-up steps)")
+    p.add_argument("--ema", type=float, default=0.998, help="EMA decay (0.998^4000 leaves 0.03%% of the init)")
+    p.add_argument("--judge-steps", type=int, default=2000, help="judge training steps")
+    p.add_argument("--n-per-class", type=int, default=50, help="samples per class in each row")
+    p.add_argument("--guidance", default="0,1,2,4", help="guidance weights w, comma-separated")
+    p.add_argument("--ddim-steps", default="100,50", help="DDIM step counts: the first is the main one")
+    p.add_argument("--sample-batch", type=int, default=1000, help="images per sampling batch")
+    p.add_argument("--budget-s", type=float, default=400, help="no row starts that would end after this (s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("overrides", nargs="*", help="trainer overrides, e.g. train.device=cpu diffusion.timesteps=20")
+    args = p.parse_args(argv)
+    args.guidance = [float(w) for w in args.guidance.split(",")]
+    args.ddim_steps = [int(s) for s in args.ddim_steps.split(",")]
+    return args
+
+
+def ensure_digits(data: Path) -> bool:
+    """Builds the digits .beton files (tools.make_dataset) when missing; True if it did."""
+    if (data / TRAIN).is_file() and (data / TEST).is_file():
+        return False
+    from tools.make_dataset import main as make_dataset
+
+    print(f"quality: no {TRAIN} in {data}/: building the digits dataset there (make dataset SOURCE=digits)", flush=True)
+    if make_dataset(["--source", "digits", "--out", str(data)]) != 0:
+        raise ValueError(f"building the digits dataset in {data} failed (see the error above)")
+    return True
+
+
+def rows_in_priority_order(args) -> list[dict]:
+    """The sampling rows; earlier rows matter more (the budget skips from the end)."""
+    main_ddim, *other_ddim = args.ddim_steps
+    rows = [dict(weights="EMA", sampler="ddim", steps=main_ddim, guidance=w) for w in args.guidance]
+    rows.append(dict(weights="EMA", sampler="ddim", steps=main_ddim, guidance=None))  # null label: unconditional
+    rows += [dict(weights="EMA", sampler="ddim", steps=s, guidance=w) for s in other_ddim for w in args.guidance]
+    rows += [dict(weights="raw", sampler="ddim", steps=main_ddim, guidance=w) for w in args.guidance]
+    rows += [dict(weights="EMA", sampler="ddpm", steps=None, guidance=w) for w in args.guidance]
+    return rows
+
+
+def train_config(args, train_beton: Path, test_beton: Path, judge_path: Path):
+    from ffcv_ddpm.config import load_config
+
+    eval_every = max(1, args.steps // 4)
+    cfg = load_config(args.preset, [
+        f"data.path={train_beton}", "data.loader=gpu", "data.flip=none", f"data.batch_size={args.batch}",
+        f"data.seed={args.seed}", f"train.steps={args.steps}", f"train.lr={args.lr}",
+        f"train.warmup_steps={min(200, max(1, args.steps // 10))}", f"train.ema_decay={args.ema}",
+        f"train.log_every={min(100, eval_every)}", f"train.ckpt_every={args.steps}", "train.sample_every=0",
+        f"train.eval_every={eval_every}", f"train.eval_n={10 * args.n_per_class}", f"train.sample_steps={args.ddim_steps[0]}", f"train.eval_judge={judge_path}",
+        f"train.eval_ref={test_beton}", "train.progress=False", "train.desc=quality", f"train.seed={args.seed}",
+        f"train.out_dir={args.work}", *args.overrides])
+    if cfg.model.num_classes < 2:
+        raise ValueError(f"preset {args.preset!r} is unconditional: add model.num_classes=10")
+    return cfg
+
+
+def run(args, argv: list[str], t_start: float) -> dict:
+    from ffcv_ddpm import quality
+    from ffcv_ddpm.env import environment
+    from ffcv_ddpm.evaluate import class_labels, generate, load_run
+    from ffcv_ddpm.train import AMP_DTYPES, resolve_device, train
+    from ffcv_ddpm.unet import build_model, count_params
+
+    built = ensure_digits(args.data)
+    train_beton, test_beton = args.data / TRAIN, args.data / TEST
+    args.work.mkdir(parents=True, exist_ok=True)
+    judge_path = args.work / "quality-judge.pt"
+    cfg = train_config(args, train_beton, test_beton, judge_path)
+    device = resolve_device(cfg.train.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    from benchmarks.peaks import card_slug
+    from ffcv_ddpm.data import dataset_info
+
+    out = args.out or REPO / "benchmarks" / "results" / card_slug(card) / "quality-digits"
+    info = dataset_info(train_beton)
+    manifest = info.pop("manifest") or {}
+    result = {
+        "command": "python -m benchmarks.quality " + " ".join(argv), "device": card or "CPU",
+        "environment": environment(), "budget_s": args.budget_s, "complete": False,
+        "dataset": {**info, "built_now": built, "counts": manifest.get("counts"),
+                    "split": manifest.get("settings", {}).get("split"),
+                    "preprocess": manifest.get("settings", {}).get("preprocess")},
+        "config": cfg.to_dict(), "rows": [],
+    }
+    images = {}  # the samples of the main rows, for the grids
+
+    def save(phase: str, draw: bool = True) -> None:
+        """JSON + Markdown always; the two PNGs only when asked (matplotlib costs ~1 s per rewrite)."""
+        result["elapsed_s"] = time.perf_counter() - t_start
+        result["best"] = best_row(result["rows"])
+        write_report(result, out, images if draw else None)
+        print(f"quality: [{result['elapsed_s']:.0f} s] {phase}", flush=True)
+
+    # ---- judge and floor ----------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    judge = quality.train_judge(train_beton, device, steps=args.judge_steps, seed=args.seed)
+    quality.save_judge(judge, judge_path)
+    test_x, test_y = quality.beton_tensors(test_beton, device)
+    train_x, train_y = quality.beton_tensors(train_beton, device)
+    n = args.n_per_class * cfg.model.num_classes
+    result["judge"] = {"test_accuracy": quality.accuracy(judge, test_x, test_y), "test_images": len(test_y),
+                       "seconds": time.perf_counter() - t0, **judge.info, **judge.config}
+    subset = torch.from_numpy(quality.class_balanced_subset(train_y, min(n, len(train_y)), args.seed)).to(device)
+    result["floor"] = {"n": len(subset), "fd_digits": quality.evaluate_samples(judge, train_x[subset], None,
+                                                                               test_x)["fd_digits"],
+                       "n_full": len(train_y),
+                       "fd_digits_full": quality.evaluate_samples(judge, train_x, None, test_x)["fd_digits"]}
+    images["test set (real)"] = (test_x, test_y)
+    save(f"judge: test accuracy {result['judge']['test_accuracy']:.2%}; floor FD-digits {result['floor']['fd_digits']:.3f}")
+
+    # ---- training ----------------------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    run_dir = train(cfg)
+    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    with torch.device("meta"):
+        params = count_params(build_model(cfg.model))
+    result["training"] = {"run_dir": str(run_dir), "preset": args.preset, "params": params, "steps": args.steps,
+                          "batch": args.batch, "seconds": time.perf_counter() - t0, "stats": stats}
+    save(f"trained {args.steps} steps in {result['training']['seconds']:.0f} s")
+
+    # ---- sampling rows -----------------------------------------------------------------------------------------
+    models = {"EMA": load_run(run_dir, device, ema=True), "raw": load_run(run_dir, device, ema=False)}
+    amp_dtype = AMP_DTYPES[cfg.train.precision] if device.type == "cuda" else None
+    labels = class_labels(n, cfg.model.num_classes, device)
+    per_forward_s = None  # seconds per image per network evaluation, measured on the rows so far
+    for row in rows_in_priority_order(args):
+        _, model, diffusion, _ = models[row["weights"]]
+        steps = diffusion.num_timesteps if row["sampler"] == "ddpm" else row["steps"]
+        forwards = n * steps * (2 if row["guidance"] not in (None, 0.0) else 1)
+        row.update(steps=steps, n=n)
+        elapsed = time.perf_counter() - t_start
+        if per_forward_s is not None and elapsed + per_forward_s * forwards > args.budget_s:
+            row.update(status=f"skipped: estimated {per_forward_s * forwards:.0f} s would end past the "
+                              f"{args.budget_s:.0f} s budget")
+            result["rows"].append(row)
+            continue
+        uncond = row["guidance"] is None
+        y = torch.full_like(labels, cfg.model.num_classes) if uncond else labels  # the null label
+        t0 = time.perf_counter()
+        samples = generate(model, diffusion, n, labels=y, sampler=row["sampler"], steps=steps,
+                           guidance=row["guidance"] or 0.0, batch=args.sample_batch, seed=args.seed,
+                           amp_dtype=amp_dtype, memory_format=torch.channels_last)
+        scores = quality.evaluate_samples(judge, samples, None if uncond else labels, test_x)
+        seconds = time.perf_counter() - t0
+        per_forward_s = seconds / forwards
+        predicted = judge.predict(samples)
+        hist = torch.bincount(predicted, minlength=cfg.model.num_classes)
+        row.update(status="ok", fd_digits=scores["fd_digits"], cond_acc=scores["cond_acc"], seconds=seconds,
+                   predicted_class_counts=hist.tolist())
+        result["rows"].append(row)
+        main_row = row["weights"] == "EMA" and row["sampler"] == "ddim" and row["steps"] == args.ddim_steps[0]
+        if main_row:
+            # Unconditional samples asked for no class: their grid rows are the class the judge sees.
+            images["unconditional (judge's class)" if uncond else f"w = {row['guidance']:g}"] = \
+                (samples, predicted if uncond else labels)
+        acc = "-" if uncond else f"{scores['cond_acc']:.1%}"
+        save(f"{row['weights']} {row['sampler']} {steps} w={row['guidance']}: FD-digits {scores['fd_digits']:.3f}, "
+             f"cond acc {acc} ({seconds:.1f} s)", draw=main_row)
+    result["complete"] = True
+    save("done")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from ffcv_ddpm.train import TrainingError
+
+    try:
+        result = run(args, argv, t_start)
+    except (TrainingError, ValueError, FileNotFoundError) as e:
+        print(f"quality: error: {e}", file=sys.stderr)
+        return 2
+    best = result.get("best")
+    if best:
+        print(f"quality: best conditional accuracy {best['cond_acc']:.1%} ({best['label']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The digits judge: trained briefly on the real digits train split it already classifies the test split well; its
+FD-digits and conditional accuracy respond to what they should, and it saves and loads exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ffcv_ddpm.quality import (Judge, accuracy, beton_tensors, class_balanced_subset, evaluate_samples, load_judge,
+                               save_judge, train_judge)
+
+JUDGE_STEPS = 80  # ~97% test accuracy already on CPU; the GPU report trains 2000 steps
+
+
+@pytest.fixture(scope="module")
+def judged(digits_dataset, one_thread):
+    judge = train_judge(digits_dataset / "digits_train_raw.beton", "cpu", steps=JUDGE_STEPS, seed=0)
+    return judge, beton_tensors(digits_dataset / "digits_test_raw.beton"), \
+        beton_tensors(digits_dataset / "digits_train_raw.beton")
+
+
+def test_judge_learns_the_digits(judged):
+    judge, (test_x, test_y), _ = judged
+    assert not judge.training and judge.info["steps"] == JUDGE_STEPS
+    assert accuracy(judge, test_x, test_y) >= 0.93
+    feats = judge.features(test_x)
+    assert feats.shape == (len(test_x), 64) and feats.dtype == torch.float32
+    assert judge.predict(test_x).dtype == torch.long
+    with pytest.raises(ValueError, match="uint8"):
+        judge.features(test_x.float())
+
+
+def test_fd_digits_and_conditional_accuracy(judged):
+    judge, (test_x, test_y), (train_x, train_y) = judged
+    itself = evaluate_samples(judge, test_x, test_y, test_x)
+    assert abs(itself["fd_digits"]) < 1e-6 and itself["cond_acc"] == accuracy(judge, test_x, test_y)
+    idx = class_balanced_subset(train_y, len(test_x))
+    floor = evaluate_samples(judge, train_x[idx], None, test_x)
+    assert floor["cond_acc"] is None and floor["n"] == len(test_x) and floor["fd_digits"] > 0
+    # Wrong labels: accuracy near chance; noise: far from the digits.
+    wrong = evaluate_samples(judge, test_x, (test_y + 1) % 10, test_x)
+    assert wrong["cond_acc"] < 0.1
+    noise = torch.randint(0, 256, test_x.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert evaluate_samples(judge, noise, None, test_x)["fd_digits"] > 20 * floor["fd_digits"]
+    # One class only (a collapsed generator): far worse than the floor although every image is a real digit.
+    sevens = train_x[train_y == 7][:300]
+    assert evaluate_samples(judge, sevens, None, test_x)["fd_digits"] > 5 * floor["fd_digits"]
+
+
+def test_save_and_load_round_trip(judged, tmp_path):
+    judge, (test_x, _), _ = judged
+    save_judge(judge, tmp_path / "judge.pt")
+    again = load_judge(tmp_path / "judge.pt", "cpu")
+    assert isinstance(again, Judge) and not again.training and again.info == judge.info
+    torch.testing.assert_close(again.features(test_x), judge.features(test_x), rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="train one"):
+        load_judge(tmp_path / "missing.pt", "cpu")
+
+
+def test_class_balanced_subset():
+    labels = np.repeat(np.arange(10), [5, 9, 9, 9, 9, 9, 9, 9, 9, 9])
+    idx = class_balanced_subset(labels, 25)
+    assert len(np.unique(idx)) == 25 and np.bincount(labels[idx], minlength=10).tolist() == [3] * 5 + [2] * 5
+    with pytest.raises(ValueError, match="class-balanced"):
+        class_balanced_subset(labels, 80)
