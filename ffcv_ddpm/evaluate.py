@@ -22,20 +22,24 @@ from ffcv_ddpm.diffusion import GaussianDiffusion
 
 
 @torch.no_grad()
-def generate(model: nn.Module, diffusion: GaussianDiffusion, n: int, *, labels: torch.Tensor | None = None,
-             sampler: str = "ddim", steps: int = 100, guidance: float = 0.0, batch: int = 500, seed: int = 0,
+def generate(model: nn.Module, diffusion, n: int, *, labels: torch.Tensor | None = None,
+             sampler: str | None = None, steps: int = 100, guidance: float = 0.0, batch: int = 500, seed: int = 0,
              amp_dtype: torch.dtype | None = None, shape: tuple[int, int, int] = (3, 32, 32),
              memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """n uint8 images (n, C, H, W) on the diffusion's device, sampled `batch` at a time (chunk i seeded seed + i)."""
-    device = diffusion.betas.device
+    """n uint8 images (n, C, H, W) on the model's device, sampled `batch` at a time (chunk i seeded seed + i), from
+    a DDPM or VE process (`diffusion`); sampler None = DDIM for DDPM, predictor-corrector for VE."""
+    from ffcv_ddpm.sde_sampling import sample
+
+    device = next(model.parameters()).device
+    sampler = sampler or ("ddim" if isinstance(diffusion, GaussianDiffusion) else "pc")
     chunks = []
     for i, start in enumerate(range(0, n, batch)):
         m = min(batch, n - start)
         y = None if labels is None else labels[start:start + m]
         with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            chunks.append(diffusion.sample(model, m, sampler=sampler, steps=steps, seed=seed + i, y=y,
-                                           guidance_scale=1.0 + guidance, shape=shape, device=device,
-                                           memory_format=memory_format))
+            chunks.append(sample(diffusion, model, m, sampler=sampler, steps=steps, seed=seed + i, y=y,
+                                 guidance_scale=1.0 + guidance, shape=shape, device=device,
+                                 memory_format=memory_format)[0])
     return torch.cat(chunks)
 
 
