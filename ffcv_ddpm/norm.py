@@ -5,10 +5,10 @@
 - "torch": nn.GroupNorm, then F.silu and F.dropout: the reference, what the DDPM code wrote.
 - "scale-shift": GroupNorm as x * scale + shift (scale_shift_group_norm), which keeps channels_last through
   torch.compile (inductor's own GroupNorm lowering returns NCHW on GPUs).
-- "fused": one Triton kernel forward and one backward (ffcv_ddpm.gn_kernels) for GroupNorm + the optional add
-  before it + the optional FiLM after it + SiLU + dropout, as the custom op ffcv_ddpm::group_norm_act that
-  torch.compile keeps as one call. Statistics in fp32, output in the input's dtype, the dropout mask regenerated
-  in the backward from a seed instead of stored. On CPU tensors the op runs `reference_forward`, plain torch.
+- "fused": Triton kernels (ffcv_ddpm.gn_kernels) for GroupNorm + the optional add before it + the optional FiLM
+  after it + SiLU + dropout, behind the custom op ffcv_ddpm::group_norm_act that torch.compile keeps as one call.
+  Statistics in fp32, output in the input's dtype, the dropout mask recomputed in the backward from a seed instead
+  of stored. On CPU tensors the op runs `reference_forward`, plain torch with the same mask.
 
 All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them.
 """
@@ -96,7 +96,7 @@ class GroupNormAct(nn.GroupNorm):
             scale, shift = film[0].to(dt), film[1].to(dt)
             a, b = a * (scale + 1), b * (scale + 1) + shift
         p = self.p if self.training else 0.0
-        # A fresh mask per call, drawn on the device (no host sync); the backward regenerates it from this seed.
+        # A fresh mask per call, drawn on the device (no host sync); the backward recomputes it from this seed.
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
         out, _, _ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
