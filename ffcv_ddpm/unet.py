@@ -52,6 +52,7 @@ class ModelConfig:
     dropout: float = 0.1  # dropout inside residual blocks, before the second 3x3 conv
     norm_groups: int = 32  # GroupNorm groups in residual blocks (and attention for "ddpm")
     conv_groups: int = 1  # groups for the res-block 3x3 convs: 1 dense, >1 grouped, = channels depthwise; must divide their channel counts
+    depthwise_separable: bool = False  # res-block 3x3 convs as depthwise 3x3 + pointwise 1x1 (MobileNet); needs conv_groups=1
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
     norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
@@ -99,6 +100,11 @@ class ModelConfig:
             g = getattr(self, name)
             if g < 1 or any(c % g for c in chans):
                 raise ValueError(f"{name}={g} must be >= 1 and divide every level's channels {chans}")
+        if not isinstance(self.depthwise_separable, bool):
+            raise ValueError(f"depthwise_separable={self.depthwise_separable!r} must be True or False")
+        if self.depthwise_separable and self.conv_groups != 1:
+            raise ValueError(f"depthwise_separable=True with conv_groups={self.conv_groups}: the depthwise part is "
+                             "already grouped per channel; set conv_groups=1")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -206,9 +212,21 @@ class TimeEmbedding(nn.Module):
 # ---------------------------------------------------------------------------------------------------- blocks
 
 
-def res_conv3x3(cfg: ModelConfig, cin: int, cout: int) -> nn.Conv2d:
-    """The residual blocks' 3x3 conv: dense or grouped, plain or weight-standardized, as configured."""
+class SeparableConv2d(nn.Sequential):
+    """A 3x3 conv factored as depthwise 3x3 (one filter per input channel, no bias: the pointwise bias absorbs it)
+    then pointwise 1x1: 9 cin + cin cout + cout parameters instead of 9 cin cout + cout."""
+
+    def __init__(self, conv: type[nn.Conv2d], cin: int, cout: int):
+        super().__init__()
+        self.depthwise = conv(cin, cin, 3, padding=1, groups=cin, bias=False)
+        self.pointwise = conv(cin, cout, 1)
+
+
+def res_conv3x3(cfg: ModelConfig, cin: int, cout: int) -> nn.Module:
+    """The residual blocks' 3x3 conv: dense, grouped or depthwise-separable, plain or weight-standardized."""
     conv = WSConv2d if cfg.weight_standardize else nn.Conv2d
+    if cfg.depthwise_separable:
+        return SeparableConv2d(conv, cin, cout)
     return conv(cin, cout, 3, padding=1, groups=cfg.conv_groups)
 
 

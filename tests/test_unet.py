@@ -13,6 +13,7 @@ from ffcv_ddpm.unet import (
     Downsample,
     ModelConfig,
     SelfAttention,
+    SeparableConv2d,
     WSConv2d,
     attention,
     build_model,
@@ -118,6 +119,31 @@ def test_grouped_convs():
     assert count_params(depthwise) < count_params(dense)
     x, t = inputs(2)
     assert depthwise(x, t).shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-annotated"])
+def test_depthwise_separable_convs(name):
+    cfg = TINY_CONFIGS[name]
+    dense = build_model(cfg)
+    sep = build_model(dataclasses.replace(cfg, depthwise_separable=True))
+    res_convs = [m for n, m in dense.named_modules() if n.endswith(("conv1", "conv2"))]
+    assert res_convs and all(c.kernel_size == (3, 3) and c.groups == 1 for c in res_convs)
+    # Each res-block 3x3 conv (9 cin cout weights) becomes 9 cin depthwise + cin cout pointwise weights; bias kept.
+    saved = sum(9 * c.in_channels * c.out_channels - 9 * c.in_channels - c.in_channels * c.out_channels
+                for c in res_convs)
+    assert count_params(sep) == count_params(dense) - saved > 0
+    seps = [m for m in sep.modules() if isinstance(m, SeparableConv2d)]
+    assert len(seps) == len(res_convs)
+    assert all(s.depthwise.groups == s.depthwise.in_channels and s.depthwise.bias is None
+               and s.pointwise.kernel_size == (1, 1) for s in seps)
+    assert all(isinstance(s.depthwise, WSConv2d) == cfg.weight_standardize for s in seps)
+    x, t = inputs(2)
+    out = sep(x, t)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="conv_groups=1"):
+        build_model(dataclasses.replace(cfg, depthwise_separable=True, conv_groups=2))
+    with pytest.raises(ValueError, match="True or False"):
+        build_model(dataclasses.replace(cfg, depthwise_separable="yes"))
 
 
 def test_attention_sdpa_matches_math():
