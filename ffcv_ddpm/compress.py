@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import warnings
 
 import torch
 from torch import nn
@@ -95,11 +96,14 @@ def sparse_checkpoint_mb(model: nn.Module) -> float:
     model = _permanent_copy(model)
     sparse = {id(m.weight) for m in compressible_layers(model) if (m.weight == 0).float().mean() >= 0.5}
     state = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) in sparse:
-            csr = t.detach().reshape(t.shape[0], -1).to_sparse_csr()
-            t = torch.sparse_csr_tensor(csr.crow_indices().int(), csr.col_indices().int(), csr.values(), csr.shape)
-        state[key] = t.detach()
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": storing it is all this does
+        warnings.simplefilter("ignore", UserWarning)
+        for key, t in model.state_dict(keep_vars=True).items():
+            if id(t) in sparse:
+                csr = t.detach().reshape(t.shape[0], -1).to_sparse_csr()
+                t = torch.sparse_csr_tensor(csr.crow_indices().int(), csr.col_indices().int(), csr.values(),
+                                            csr.shape)
+            state[key] = t.detach()
     buf = io.BytesIO()
     torch.save(state, buf)
     return len(buf.getvalue()) / 1e6
@@ -109,7 +113,8 @@ def forward_gflops(model: nn.Module, in_channels: int, image_size: int, num_clas
     """Forward GFLOP per image (convolutions, matmuls, attention; FlopCounterMode on a meta-device copy)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    meta = _permanent_copy(model).to("meta")
+    # A float32 copy (FLOPs do not depend on the dtype; fp32 inputs need fp32 weights): the model stays as it is.
+    meta = make_permanent(copy.deepcopy(model)).to("meta", torch.float32)
     x = torch.randn(2, in_channels, image_size, image_size, device="meta")
     t = torch.zeros(2, dtype=torch.long, device="meta")
     y = torch.zeros(2, dtype=torch.long, device="meta") if num_classes else None
@@ -137,6 +142,10 @@ def prune_unstructured(model: nn.Module, amount: float, method: str = "l1", scop
         raise ValueError(f"pruning scope {scope!r}: use one of {', '.join(PRUNE_SCOPES)}")
     if not 0.0 <= amount < 1.0:
         raise ValueError(f"pruning amount {amount} must be in [0, 1)")
+    # torch.nn.utils.prune views weights flat (view(-1)), which a channels_last 3x3 weight refuses: prune in NCHW,
+    # then give the weights (weight_orig and its mask) their layout back.
+    channels_last = any(p.dim() == 4 and not p.is_contiguous() for p in model.parameters())
+    model.to(memory_format=torch.contiguous_format)
     params = [(m, "weight") for m in compressible_layers(model)]
     cls = PRUNE_METHODS[method]
     device = params[0][0].weight.device
@@ -147,6 +156,13 @@ def prune_unstructured(model: nn.Module, amount: float, method: str = "l1", scop
         else:
             for module, name in params:
                 cls.apply(module, name, amount=amount)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        # The masked weight prune computed holds a graph (not a leaf), which deepcopy refuses; the next forward
+        # computes it again with the graph, in the weight's layout.
+        for module, name in params:
+            setattr(module, name, effective(module, name))
     return model
 
 

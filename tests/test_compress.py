@@ -40,9 +40,11 @@ def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("method", ["l1", "random"])
 @pytest.mark.parametrize("scope", ["global", "local"])
-@pytest.mark.parametrize("amount", [0.3, 0.9])
-def test_unstructured_pruning_has_the_sparsity_it_claims(method, scope, amount):
+@pytest.mark.parametrize("amount, channels_last", [(0.3, False), (0.9, True)])
+def test_unstructured_pruning_has_the_sparsity_it_claims(method, scope, amount, channels_last):
     model = model_of(TINY)
+    if channels_last:  # how the trainer and load_run keep models
+        model = model.to(memory_format=torch.channels_last)
     before, nonzero_before = compress.param_counts(model)
     compress.prune_unstructured(model, amount, method=method, scope=scope, seed=1)
     layers = compress.compressible_layers(model)
@@ -61,6 +63,10 @@ def test_unstructured_pruning_has_the_sparsity_it_claims(method, scope, amount):
         flat_orig = torch.cat([m.weight_orig.detach().abs().flatten() for m in layers])
         flat_mask = torch.cat([m.weight_mask.flatten() for m in layers]).bool()
         assert flat_orig[~flat_mask].max() <= flat_orig[flat_mask].min()
+    copy.deepcopy(model)  # the trainer's EMA and the study copy pruned models
+    if channels_last:
+        conv = model.down[0].block.conv1
+        assert conv.weight_orig.is_contiguous(memory_format=torch.channels_last) and not conv.weight_orig.is_contiguous()
     x, t, y = inputs()
     assert torch.isfinite(model(x, t, y)).all()
 
@@ -95,6 +101,9 @@ def test_masks_survive_training_and_make_permanent():
         assert torch.equal(model(x, t, y), expected)
     assert compress.checkpoint_mb(model) == size_masked
     dense = model_of(TINY)
+    # FLOPs of any dtype and sparsity, counted on an fp32 copy.
+    assert compress.forward_gflops(copy.deepcopy(model).to(torch.bfloat16), 3, 32, 10) == \
+        compress.forward_gflops(dense, 3, 32, 10)
     # Same shapes, so the same dense checkpoint; stored sparse (CSR, int32 indices) it is smaller at 70% zeros.
     assert abs(compress.checkpoint_mb(dense) - size_masked) < 0.01
     assert compress.sparse_checkpoint_mb(model) < 0.8 * size_masked
@@ -149,6 +158,7 @@ def test_structured_pruning_shrinks_and_equals_the_masked_dense_model():
     assert compress.checkpoint_mb(small) < compress.checkpoint_mb(dense)
     flops = compress.forward_gflops(dense, 3, 32, 10)
     assert flops == pytest.approx(train_flops_per_image(TINY)["fwd"] / 1e9)
+    assert next(dense.parameters()).device.type == "cpu"  # counted on a meta copy
     assert compress.forward_gflops(small, 3, 32, 10) < flops
 
 
