@@ -14,7 +14,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality clean
+.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality compress clean
 
 setup: $(SETUP)
 
@@ -64,6 +64,11 @@ fid: $(SETUP)
 # conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality.py.
 quality: $(SETUP)
 	$(PY) -m benchmarks.quality --data data/digits $(ARGS)
+
+# Compression study: pruning, grouped/depthwise-separable convs, int8 (torchao) with size, speed and quality. Trains
+# the digits model first, or studies RUN=runs/... (e.g. the run of make quality). ~6-7 minutes on one H100/H200.
+compress: $(SETUP)
+	$(PY) -m benchmarks.compress $(RUN) --data data/digits $(if $(OUT),--out $(OUT)) $(ARGS)
 
 sweeps: $(SETUP)
 	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)

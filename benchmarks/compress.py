@@ -189,7 +189,9 @@ class Study:
     test_x: torch.Tensor | None = None
     data: tuple | None = None  # train (uint8 images, labels) on the device, for fine-tuning
     sample_s: dict = field(default_factory=dict)  # model -> seconds of each sampling call so far
+    row_s: dict = field(default_factory=dict)  # (model, family, fine_tune) -> seconds the last such row took
     train_step_s: float = 0.0  # the dense model's training step (the unit of the time estimates)
+    gflops: dict = field(default_factory=dict)  # parameter shapes -> forward GFLOP/img (counting costs ~1 s)
 
 
 def sample_calls(study: Study, model: nn.Module, precision: str, shape) -> tuple:
@@ -222,10 +224,12 @@ def measure(study: Study, v: Variant, model: nn.Module) -> dict:
 
     counted = v.source if v.source is not None else model
     params, nonzero = compress.param_counts(counted)
+    shapes = (v.model, *(tuple(p.shape) for p in counted.parameters()))
+    if shapes not in study.gflops:
+        study.gflops[shapes] = compress.forward_gflops(counted, v.shape.in_channels, v.shape.image_size,
+                                                       v.shape.num_classes)
     row = {"params": params, "nonzero_params": nonzero, "weight_sparsity": compress.weight_sparsity(counted),
-           "gflops_per_image": compress.forward_gflops(counted, v.shape.in_channels, v.shape.image_size,
-                                                       v.shape.num_classes),
-           "size_mb": compress.checkpoint_mb(model)}
+           "gflops_per_image": study.gflops[shapes], "size_mb": compress.checkpoint_mb(model)}
     if v.family == "unstructured":
         row["size_csr_mb"] = compress.sparse_checkpoint_mb(model)
     samples, labels, ms = sample_calls(study, model, v.precision, v.shape)
@@ -239,12 +243,13 @@ def measure(study: Study, v: Variant, model: nn.Module) -> dict:
 
 
 def estimate_s(study: Study, v: Variant) -> float:
-    """Seconds the row should take, from the rows before it (sampling unknown yet for a new model: 0)."""
+    """Seconds the row should take: its sampling calls and training steps at the times measured so far, or what the
+    last row of its kind took if that was longer (start-up, slower kernels); 0 for a new model's first row."""
     calls = study.sample_s.get(v.model)
     sampling = study.args.reps * statistics.median(calls) if calls else 0.0
     steps = (study.args.ft_steps if v.fine_tune else 0) + (
         v.extra.get("scratch_steps", 0) + study.args.time_steps if v.family == "architecture" and v.quality else 0)
-    return sampling + steps * study.train_step_s
+    return max(sampling + steps * study.train_step_s, study.row_s.get((v.model, v.family, v.fine_tune), 0.0))
 
 
 # ---------------------------------------------------------------------------------------------------- the study
@@ -462,12 +467,13 @@ def run(args, argv: list[str], t_start: float) -> dict:
                                                          args.time_steps, args.ft_lr, args.ft_ema, args.seed)[1])
             elif v.model == main and v.name == "dense (baseline)":
                 row["train_step_ms"] = dense_step_ms
-            row.update(measure(study, v, model))
+            # Measured as deployed: pruning masks baked into the weights, no per-call mask multiply.
+            row.update(measure(study, v, compress.make_permanent(model)))
             row["status"] = "ok"
         except Exception as e:  # one broken conversion must not end the study: the row says what happened
             traceback.print_exc()
             row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        row["seconds"] = time.perf_counter() - t0
+        row["seconds"] = study.row_s[v.model, v.family, v.fine_tune] = time.perf_counter() - t0
         result["rows"].append(row)
         save(f"{label}: {_summary(row)}", draw=len(result["rows"]) % 10 == 0)  # a plot costs ~1 s: not every row
     result["complete"] = True
