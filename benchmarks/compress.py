@@ -100,8 +100,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.overrides = [a for a in args.positional if "=" in a]
     del args.positional
     args.ratios = [float(r) for r in args.ratios.split(",")]
-    if args.reps < 1 or args.batch < 1:
-        p.error("--reps and --batch must be >= 1")
+    if not all(0 < r < 1 for r in args.ratios):
+        p.error(f"--ratios {args.ratios}: each must be between 0 and 1 (the share removed)")
+    if args.reps < 1 or args.batch < 1 or args.ft_steps < 0:
+        p.error("--reps and --batch must be >= 1, --ft-steps >= 0 (0: no fine-tuned rows)")
     return args
 
 
@@ -313,9 +315,9 @@ def variants(study: Study) -> list[Variant]:
         rows += [Variant(speed, "architecture", name, lambda o=o: random_model(study, dataclasses.replace(scfg, **o)),
                          shape=dataclasses.replace(scfg, **o), quality=False, extra={"override": o})
                  for name, o in ARCHITECTURES]
-    # Fine-tuned last: the most rows, each the cheapest to lose.
-    rows += [structured(main, dense, r, shape, fine_tune=True) for r in ratios]
-    rows += [unstructured(main, dense, m, s, r, shape, fine_tune=True) for m, s, r in prunings]
+    if a.ft_steps:  # fine-tuned last: the most rows, each the cheapest to lose
+        rows += [structured(main, dense, r, shape, fine_tune=True) for r in ratios]
+        rows += [unstructured(main, dense, m, s, r, shape, fine_tune=True) for m, s, r in prunings]
     return rows
 
 
@@ -350,21 +352,20 @@ def dense_run(args) -> tuple:
     from ffcv_ddpm.train import resolve_device, train
 
     if args.run_dir is not None:
-        cfg, _, _, _ = load_run(args.run_dir, "cpu")
-        for item in args.overrides:
+        cfg, model, diffusion, step = load_run(args.run_dir, "cpu")
+        for item in args.overrides:  # e.g. train.device=cpu, and the settings of the from-scratch runs
             apply_override(cfg, item)
         device = resolve_device(cfg.train.device)
-        _, model, diffusion, step = load_run(args.run_dir, device)
-        return cfg, model, diffusion, {"run_dir": str(args.run_dir), "step": step, "trained_here": False}
+        return cfg, model.to(device), diffusion.to(device), {"run_dir": str(args.run_dir), "step": step,
+                                                             "trained_here": False}
     built = ensure_digits(args.data)
-    judge_path = args.judge or args.work / "compress-judge.pt"
+    # The digits quality run's settings, eager, evaluating nothing while it trains (the judge is the study's).
     eager = ["train.eval_every=0", "train.compile=False", "train.cudnn_benchmark=True", "train.desc=compress-dense"]
     ns = SimpleNamespace(preset=args.preset, batch=args.train_batch, seed=args.seed, steps=args.steps, lr=args.lr,
                          ema=args.ema, n_per_class=1, ddim_steps=[args.ddim_steps], work=args.work,
                          overrides=[*eager, *args.overrides])
     args.work.mkdir(parents=True, exist_ok=True)
-    cfg = train_config(ns, args.data / "digits_train_raw.beton", args.data / "digits_test_raw.beton", judge_path)
-    cfg.train.eval_judge = ""  # the trainer evaluates nothing here; the judge is the study's
+    cfg = train_config(ns, args.data / "digits_train_raw.beton", args.data / "digits_test_raw.beton", "")
     t0 = time.perf_counter()
     run_dir = train(cfg)
     seconds = time.perf_counter() - t0

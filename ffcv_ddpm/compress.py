@@ -279,13 +279,20 @@ def _conv(conv: nn.Conv2d, out_keep: torch.Tensor | None = None, in_keep: torch.
 
 
 def import_torchao():
-    """torchao, or ImportError saying how to install it (its import log is quieted: on a machine without its CUDA
-    libraries it warns that its optional kernels do not load, which the modes here do not use)."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)
+    """torchao, or ImportError saying how to install it. Its import warnings are quieted: without CUDA libraries its
+    optional kernels do not load (the modes here do not use them), and torch 2.13 deprecates how it registers an
+    enum with pytree."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
     try:
         import torchao
     except ImportError as e:
         raise ImportError(f"int8 quantization needs torchao ({e}): pip install --no-deps torchao==0.18.0") from None
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
     return torchao
 
 
