@@ -29,14 +29,16 @@ set and conditional accuracy of all --reps x --batch samples (the guidance weigh
 What the numbers mean: a zero in a dense tensor is still multiplied, so unstructured sparsity leaves latency
 where it was (the rows show it) and the checkpoint size too unless stored sparse; structured pruning and grouped
 convolutions cut FLOPs, which becomes latency only where kernels are not bound by launches or memory; int8 here
-saves storage, and on a GPU costs time (a dequantization per layer per call): PyTorch has no int8 convolution for
-CUDA. Everything is eager PyTorch (no torch.compile: a compilation per variant would cost more than the study),
+saves storage but cannot save GPU time: PyTorch has no int8 convolution for CUDA, so each layer dequantizes its
+weights and runs the float convolution (the rows show what that costs). Everything is eager PyTorch (no torch.compile: a compilation per variant would cost more than the study),
 channels_last, cuDNN benchmark mode; training steps are the trainer's (ffcv_ddpm.train.make_step).
 
-Time on one H100/H200, estimated from FLOP counts and eager overheads, not yet measured: about 6 minutes, within
-the default --budget-s 420 for starting rows: start-up and data ~20 s, judge ~15 s, dense 1,500 steps ~35 s,
-reference/int8/pruned rows ~1.5 s each (3 x DDIM 50 at batch 256, 3.2 GFLOP per image forward) ~60 s, three
-models from scratch ~110 s, 18 ddpm-cifar10 rows ~50 s, 20 fine-tunings of 100 steps ~70 s.
+Time on one H100/H200, estimated from FLOP counts and eager overheads, not yet measured: about 6.5 minutes, within
+the default --budget-s 420 for starting rows (the GPU machine's 10-minute call leaves room for the last row): start-up
+and data ~20 s, dense 1,500 steps ~35 s, judge ~15 s, 7 reference/int8 rows ~20 s, 20 pruned rows ~1.5 s each (3 x
+DDIM 50 at batch 256, 3.2 GFLOP per image forward), three models from scratch ~40 s each, 18 ddpm-cifar10 rows ~80 s
+(its fp32 row alone ~12 s), 20 fine-tunings of 100 steps ~3.5 s each. The int8 rows need torchao
+(requirements.txt: 0.18.0, `pip install --no-deps`); without it they are recorded as failed, saying so.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.overrides = [a for a in args.positional if "=" in a]
     del args.positional
     args.ratios = [float(r) for r in args.ratios.split(",")]
+    from ffcv_ddpm.unet import PRESETS
+
+    if args.speed_preset and args.speed_preset not in PRESETS:
+        p.error(f"--speed-preset {args.speed_preset!r}: use one of {', '.join(PRESETS)} or '' (none)")
     if not all(0 < r < 1 for r in args.ratios):
         p.error(f"--ratios {args.ratios}: each must be between 0 and 1 (the share removed)")
     if args.reps < 1 or args.batch < 1 or args.ft_steps < 0:
@@ -249,8 +255,8 @@ def estimate_s(study: Study, v: Variant) -> float:
     last row of its kind took if that was longer (start-up, slower kernels); 0 for a new model's first row."""
     calls = study.sample_s.get(v.model)
     sampling = study.args.reps * statistics.median(calls) if calls else 0.0
-    steps = (study.args.ft_steps if v.fine_tune else 0) + (
-        v.extra.get("scratch_steps", 0) + study.args.time_steps if v.family == "architecture" and v.quality else 0)
+    scratch = v.extra.get("scratch_steps")
+    steps = (study.args.ft_steps if v.fine_tune else 0) + (scratch + study.args.time_steps if scratch else 0)
     return max(sampling + steps * study.train_step_s, study.row_s.get((v.model, v.family, v.fine_tune), 0.0))
 
 
@@ -263,7 +269,7 @@ ARCHITECTURES = [("grouped convs (2 groups)", {"conv_groups": 2}), ("grouped con
 def variants(study: Study) -> list[Variant]:
     """Every row in priority order (see the module docstring)."""
     from ffcv_ddpm import compress
-    from ffcv_ddpm.unet import PRESETS, build_model
+    from ffcv_ddpm.unet import PRESETS
 
     a, dense, main = study.args, study.dense, study.cfg.preset
     pct = lambda r: f"{r:.0%}"  # noqa: E731
@@ -306,8 +312,7 @@ def variants(study: Study) -> list[Variant]:
     if a.speed_preset:
         speed = f"{a.speed_preset} (random weights)"
         scfg = PRESETS[a.speed_preset]
-        torch.manual_seed(a.seed)
-        net = build_model(scfg).to(study.device, memory_format=torch.channels_last).eval()
+        net = random_model(study, scfg)
         rows += conversions(speed, net, scfg, False)
         # One unstructured method per ratio: which weights are zero changes neither shapes nor kernels.
         rows += [unstructured(speed, net, "l1", "global", r, scfg, quality=False) for r in ratios]
@@ -463,7 +468,7 @@ def run(args, argv: list[str], t_start: float) -> dict:
                                          args.seed)
                 model = compress.make_permanent(ema)
                 row["train_step_ms"] = step_ms(iter_ms)
-            elif v.family == "architecture" and v.quality:  # trained from scratch: time its step like the others
+            elif "scratch_steps" in v.extra:  # trained from scratch: its step timed like the dense model's
                 row["train_step_ms"] = step_ms(fine_tune(copy.deepcopy(model), cfg, diffusion, study.data,
                                                          args.time_steps, args.ft_lr, args.ft_ema, args.seed)[1])
             elif v.model == main and v.name == "dense (baseline)":
