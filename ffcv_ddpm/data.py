@@ -113,6 +113,33 @@ def check_beton(path) -> None:
     _image_size(_open_beton(path))
 
 
+def check_dataset(cfg: DataConfig, image_shape: tuple[int, int, int], world_size: int = 1) -> None:
+    """Before anything is built or written: the data `cfg` reads exists, its images are `image_shape` (C, H, W) as
+    the model is built for, and each rank's share holds a batch. FileNotFoundError / ValueError otherwise."""
+    if cfg.loader == "torch-files":
+        dataset = _PNGDataset(cfg.png_dir)
+        where, num_images, shape = f"PNG folder {cfg.png_dir}", len(dataset), dataset.image_shape
+    else:
+        reader = _open_beton(cfg.path)
+        where, num_images, shape = cfg.path, int(reader.num_samples), (3, *_image_size(reader))
+    if shape != tuple(image_shape):
+        (c, h, w), (mc, mh, mw) = shape, image_shape
+        fix = (f"set model.image_size={h}" if h == w else "the model needs square images: resize them") + \
+              " or use data of the model's size"
+        raise ValueError(f"{where} holds {h}x{w} images with {c} channels, but the model is built for {mh}x{mw} "
+                         f"with {mc} (model.image_size={mh}, model.in_channels={mc}); {fix}")
+    _check_batches_fit(cfg, num_images, world_size)
+
+
+def _check_batches_fit(cfg: DataConfig, num_images: int, world_size: int) -> None:
+    if num_images < world_size:
+        raise ValueError(f"{num_images} images cannot be shared by {world_size} ranks; use more data or fewer ranks")
+    if cfg.drop_last and num_images // world_size < cfg.batch_size:
+        raise ValueError(f"{cfg.loader} loader: data.batch_size={cfg.batch_size} exceeds the "
+                         f"{num_images // world_size} images per rank with drop_last=True; "
+                         "lower data.batch_size or set data.drop_last=False")
+
+
 def dataset_info(path) -> dict:
     """What a result should record about its data: counts, image size, and the manifest's source/synthetic flag.
 
@@ -427,10 +454,7 @@ def make_loader(cfg: DataConfig, device, *, rank: int = 0, world_size: int = 1) 
     else:
         dataset = _PNGDataset(cfg.png_dir)
         loader = _TorchBatches(cfg, device, rank, world_size, dataset, dataset.image_shape)
-    if len(loader) == 0:
-        raise ValueError(f"{cfg.loader} loader: batch_size {cfg.batch_size} exceeds the "
-                         f"{loader.num_images // world_size} images per rank with drop_last=True; "
-                         "lower data.batch_size or set data.drop_last=False")
+    _check_batches_fit(cfg, loader.num_images, world_size)
     return loader
 
 

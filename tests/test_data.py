@@ -218,7 +218,7 @@ def test_bad_configs_are_rejected_with_the_field_named(data, tmp_path):
     cfg.batch_size = 0  # set after __init__, as config overrides do: make_loader validates again
     with pytest.raises(ValueError, match="batch_size"):
         make_loader(cfg, CPU)
-    with pytest.raises(ValueError, match="batch_size 101 exceeds"):
+    with pytest.raises(ValueError, match="batch_size=101 exceeds"):
         make_loader(config(data[0], "torch-files", batch_size=101, drop_last=True), CPU)
     with pytest.raises(ValueError, match="torch.distributed"):
         make_loader(config(data[0], "ffcv"), CPU, rank=1, world_size=2)
