@@ -17,7 +17,6 @@ Writes numerics-<precision>.json (both curves from the runs' stats.jsonl, the ch
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import numpy as np
 
 from benchmarks.bench import BETON, BenchError, ensure_dataset
 from benchmarks.peaks import card_slug
+from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
@@ -116,27 +116,27 @@ def render(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
-    p.add_argument("--batch", type=int, default=128, help="images per step (both runs)")
-    p.add_argument("--steps", type=int, default=2000, help="training steps per run")
-    p.add_argument("--log-every", type=int, default=20, help="steps per logged loss (its mean over the interval)")
-    p.add_argument("--tol", type=float, default=0.05, help="allowed |smoothed candidate / reference - 1|")
-    p.add_argument("--skip", type=float, default=0.05, help="share of the steps before the check starts")
-    p.add_argument("--smooth", type=int, default=5, help="intervals in the moving average")
+    p.add_argument("--batch", type=option(int, at_least(1)), default=128, help="images per step (both runs)")
+    p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per run")
+    p.add_argument("--log-every", type=option(int, at_least(1)), default=20, help="steps per logged loss (its mean over the interval)")
+    p.add_argument("--tol", type=option(float, at_least(0)), default=0.05, help="allowed |smoothed candidate / reference - 1|")
+    p.add_argument("--skip", type=option(float, in_range(0, 1, high_open=True)), default=0.05, help="share of the steps before the check starts")
+    p.add_argument("--smooth", type=option(int, at_least(1)), default=5, help="intervals in the moving average")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     p.add_argument("overrides", nargs="*", help="trainer overrides for both runs, e.g. model.norm_impl=scale-shift")
     args = p.parse_args(argv)
     try:
         if args.steps < 2 * args.log_every:
             raise ValueError(f"--steps {args.steps} gives fewer than two logged intervals of {args.log_every}")
-        beton = args.data / BETON
-        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
         cfg = load_config(args.preset, [f"data.batch_size={args.batch}", f"train.steps={args.steps}",
                                         f"train.log_every={args.log_every}", f"train.ckpt_every={args.steps}",
                                         "train.sample_every=0", "train.progress=False", *args.overrides])
+        beton = args.data / BETON  # built only once the config is known to be good
+        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
         cfg.data.path = str(beton)
         device = resolve_device(cfg.train.device)
         import torch

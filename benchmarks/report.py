@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.peaks import lookup_peak
+from ffcv_ddpm.checks import Parser
 
 # The published A100 table (small UNet; torchinfo mult-adds x 2 x 3, attention counted as zero; the fp32 rows are
 # divided by the FP32 peak 19.5 although PyTorch lets cuDNN run fp32 convolutions on TF32 tensor cores by default).
@@ -296,7 +297,7 @@ def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
+    p = Parser(prog="python -m benchmarks.report", description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
     p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
     args = p.parse_args(argv)
     try:
