@@ -23,7 +23,7 @@ from PIL import Image
 import tools.ffcv_writer
 import tools.make_dataset
 from conftest import SMALL_TEST, SMALL_TRAIN, make_cifar_tarball, read_beton, write_png_folder
-from tools.atomic import remove_stale_partials
+from tools.atomic import SHM_DIR, remove_stale_partials
 from tools.cifar10 import CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic
 from tools.make_dataset import BETON_FILES, MANIFEST, main
 
@@ -532,11 +532,68 @@ def test_stopped_mid_write_cleans_up_itself(tmp_path, how):
         proc.send_signal(signal.SIGTERM)  # plain `kill <pid>`: the CLI alone
     else:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the CLI and its workers
-    _, err = proc.communicate(timeout=60)
+    segments = _wait_for_segments(proc)
+    _, err = proc.communicate(timeout=60)  # to EOF: also what multiprocessing's resource tracker writes there
     assert proc.returncode == 128 + (signal.SIGTERM if how == "kill" else signal.SIGINT), err
     assert "interrupted" in err and "Traceback" not in err
+    assert "leaked" not in err, err  # "resource_tracker: There appear to be 1 leaked shared_memory objects"
     assert betons(tmp_path) == [] and partials(tmp_path) == []
     assert _group_ends(proc.pid) == [], "writer workers outlived the stopped CLI"
+    assert [s for s in segments if (SHM_DIR / s).exists()] == []
+
+
+def _wait_for_segments(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
+    """Names of the shared-memory segments the writer process has mapped (its FFCV metadata; not multiprocessing's
+    semaphores, which are unlinked as soon as they are made), once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        names = sorted({line.split("/dev/shm/", 1)[1].split()[0] for line in maps.splitlines()
+                        if "/dev/shm/" in line and "(deleted)" not in line and "/dev/shm/sem." not in line})
+        if names:
+            return names
+        time.sleep(0.01)
+    raise AssertionError("the writer mapped no shared memory")
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs Linux /dev/shm")
+def test_kill9_of_the_group_leaves_a_segment_the_next_run_removes(tmp_path, capsys):
+    proc = _start_big_conversion(tmp_path)
+    segments = _wait_for_segments(proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the CLI, its workers and multiprocessing's resource tracker
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    assert _group_ends(proc.pid) == []
+    assert all((SHM_DIR / s).exists() for s in segments)  # nothing could unlink it
+    assert main(SMALL + ["--out", str(tmp_path)]) == 0
+    assert "shared-memory segment(s) left by a killed run" in capsys.readouterr().out
+    assert [s for s in segments if (SHM_DIR / s).exists()] == []
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from tools.atomic import partial_path
+partial_path(Path(sys.argv[1]) / "x.beton").write_bytes(b"x")
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_partials_of_a_killed_writer_are_stale_before_it_is_reaped(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.kill()
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not reaped: its pid still answers kill 0
+        time.sleep(0.01)
+    try:
+        (partial,) = partials(tmp_path)
+        assert remove_stale_partials(tmp_path) == [tmp_path / partial]
+        assert list(tmp_path.iterdir()) == []  # its lock file is gone too
+    finally:
+        proc.wait()
 
 
 def test_stale_partials_of_live_processes_are_kept(tmp_path):

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from ffcv_ddpm.checks import Parser, at_least, in_range, matches, option
-from tools.atomic import Staged, abort_cleanly, partial_path, remove_stale_partials, write_json
+from tools.atomic import (Staged, abort_cleanly, partial_path, release_locks, remove_stale_partials,
+                          remove_stale_segments, write_json)
 from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, Cifar10, DatasetError, export_png_dir,
                            load_source, png_fingerprint, synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
 
@@ -247,6 +248,8 @@ def run(args) -> int:
             raise DatasetError("--export-png must differ from --png-dir (the export replaces its folder)")
     if stale:
         print(f"removed {len(stale)} partial file(s) left by an interrupted run: {', '.join(p.name for p in stale)}")
+    if segments := remove_stale_segments():
+        print(f"removed {len(segments)} shared-memory segment(s) left by a killed run: {', '.join(segments)}")
     t0 = time.perf_counter()
     wanted = wanted_state(args, input_fingerprint(args))
     reason = "--force" if args.force else why_stale(out, wanted)
@@ -284,6 +287,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # raised by code rather than a signal: the `with` blocks have removed the temp files
         print("make_dataset: interrupted - temp files removed, no .beton was left half-written", file=sys.stderr)
         return 130
+    finally:
+        release_locks()
 
 
 if __name__ == "__main__":
