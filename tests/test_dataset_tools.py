@@ -24,7 +24,8 @@ import tools.ffcv_writer
 import tools.make_dataset
 from conftest import SMALL_TEST, SMALL_TRAIN, make_cifar_tarball, read_beton, write_png_folder
 from tools.atomic import SHM_DIR, remove_stale_partials
-from tools.cifar10 import CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic
+from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic,
+                           load_tarball)
 from tools.make_dataset import BETON_FILES, MANIFEST, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +67,13 @@ def tarball_case(tmp_path_factory):
             "--workers", "2"]
     assert main(args) == 0
     return data, tarball, out, args
+
+
+def test_a_tarball_that_is_not_the_official_file_gets_a_warning(tarball_case, capsys):
+    load_tarball(tarball_case[1])
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    assert hashlib.md5(tarball_case[1].read_bytes()).hexdigest() in warning and f"not the official CIFAR-10 " \
+        f"tarball's {CIFAR10_MD5}" in warning
 
 
 def test_tarball_manifest_records_input_counts_and_files(tarball_case):
@@ -307,7 +315,7 @@ def test_offline_download_is_one_clear_message(tmp_path):
     assert proc.returncode != 0
     err = proc.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert url in err and "CIFAR=" in err and "SOURCE=synthetic" in err
+    assert url in err and "CIFAR=" in err and "SOURCE=synthetic" in err and "PNG_DIR=" in err
     assert list((tmp_path / "data").iterdir()) == []
 
 
@@ -396,6 +404,19 @@ def test_bad_png_folder_names_what_is_wrong(png_root, case, message):
     assert message in str(err.value)
     if case == "missing_row":
         assert str(train / "40.png") in str(err.value)  # names the file that has no label
+
+
+@pytest.mark.parametrize("case", ["no folders", "no pngs"])
+def test_empty_png_folder_is_one_line_without_a_progress_fragment(tmp_path, capsys, case):
+    root = tmp_path / "kaggle"
+    (root / "train").mkdir(parents=True)
+    if case == "no pngs":
+        (root / "trainLabels.csv").write_text("id,label\n")
+    else:
+        (root / "train").rmdir()
+    assert main(["--source", "png", "--png-dir", str(root), "--out", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("make_dataset: error: ") and err.count("\n") == 1 and "\r" not in err, repr(err)
 
 
 def test_bad_png_folder_through_the_cli(png_root, tmp_path, capsys):
