@@ -20,7 +20,7 @@ import csv
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +36,18 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 _MAKE_DATASET_HINT = "create it with `make dataset` (or `python -m tools.make_dataset --help`)"
 
 
+def default_workers() -> int:
+    return max(1, min(8, cpu_count() or 1))
+
+
 @dataclass
 class DataConfig:
     path: str = "data/cifar10_train_raw.beton"  # train .beton (fields 'image', 'label'); read by all but torch-files
     loader: str = "ffcv"          # ffcv | torch-files | torch-memory | gpu
     batch_size: int = 128         # images per batch (per rank when distributed)
-    num_workers: int = 8          # FFCV: decode threads (<1 = all cores, FFCV's rule); torch: processes (0 = main)
+    # FFCV: decode threads (<1 = all cores, FFCV's rule); torch: processes (0 = main). Default: 8, or this
+    # process's cores if fewer (more threads than numba may start would only be capped, with a warning).
+    num_workers: int = field(default_factory=lambda: default_workers())
     order: str = "random"         # random | quasi_random (FFCV page-local shuffle; plain random elsewhere) | sequential
     os_cache: bool = True         # FFCV: page cache via mmap (True) or FFCV's own process cache (False)
     flip: str = "gpu"             # gpu: prepare_batch flips on the device | cpu: flipped inside the loader | none
