@@ -512,7 +512,7 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
     from benchmarks.peaks import card_slug
-    from benchmarks.report import add_metrics, write_reports
+    from benchmarks.report import add_metrics, terminal_table, write_reports
     from ffcv_ddpm.unet import PRESETS
 
     cuda = torch.cuda.is_available()  # does not create a CUDA context: the children own the GPU
@@ -666,6 +666,7 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     save()
     md, png = write_reports(result, json_path)
     failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
+    print(terminal_table(result))
     print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"
           + (f"; {len(failed)} row(s) FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed and len(failed) == len(result["rows"]) else 0
