@@ -2,6 +2,7 @@
 it runs is a stub, so the test checks the script's own output and order)."""
 
 import os
+import re
 import subprocess
 
 from conftest import REPO
@@ -34,3 +35,11 @@ def test_install_prints_each_step_before_running_it(tmp_path):
     ran = lambda words: next(i for i, line in enumerate(lines) if line.startswith("RUN") and words in line)  # noqa: E731
     assert lines.index(steps[1]) < ran("-m venv") < lines.index(steps[2]) < ran("-r requirements.txt") \
         < lines.index(steps[3]) < ran("ffcv==") < lines.index(steps[4]) < lines.index("RUN -")
+
+
+def test_readme_says_how_to_use_the_venv_before_its_first_python_command():
+    """The quick start's `python -m ...` lines fail outside .venv (No module named torch) unless it says how."""
+    text = (REPO / "README.md").read_text()
+    assert "source .venv/bin/activate" in text
+    first_command = re.search(r"python -m \w", text).start()
+    assert text.index("source .venv/bin/activate") < first_command
