@@ -456,28 +456,34 @@ def resolve_rows(rows: list[Row], selected: str | None) -> list[Row]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = Parser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (made by `make dataset`)")
     p.add_argument("--beton", type=Path, help=f"train .beton (default: DATA/{BETON})")
     p.add_argument("--table", choices=sorted(TABLES), help="row set (default: both with CUDA, quick without)")
     p.add_argument("--rows", help="run only these rows: 1-based indices or name substrings, comma-separated")
     p.add_argument("--list", action="store_true", help="print the rows and their overrides and exit")
-    p.add_argument("--iters", type=option(int, at_least(1)), help="timed iterations per row (default: 50 on CUDA, 5 on CPU)")
-    p.add_argument("--warmup", type=option(int, at_least(0)), help="warm-up iterations after the first step (default: 10 CUDA, 1 CPU)")
+    p.add_argument("--iters", type=option(int, at_least(1)),
+                   help="timed iterations per row (default: 50 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=option(int, at_least(0)),
+                   help="warm-up iterations after the first step (default: 10 CUDA, 1 CPU)")
     p.add_argument("--baseline-loader", choices=("auto", "torch-memory", "torch-files"), default="auto",
                    help="loader of the rows before '+ FFCV loading'; auto = torch-files (PNG decode per image) if "
                         f"DATA/{PNG_TRAIN} exists, else torch-memory (a DataLoader over arrays in RAM)")
-    p.add_argument("--max-batch", type=option(int, at_least(1)), default=4096, help="cap for the 'largest batch that fits' rows")
-    p.add_argument("--batch", type=option(int, at_least(1)), help="run every row at this batch (no probing; for subsets and CPUs)")
+    p.add_argument("--max-batch", type=option(int, at_least(1)), default=4096,
+                   help="cap for the 'largest batch that fits' rows")
+    p.add_argument("--batch", type=option(int, at_least(1)),
+                   help="run every row at this batch (no probing; for subsets and CPUs)")
     p.add_argument("--mem-fraction", type=option(float, matches("a number in (0, 1]", lambda v: 0 < v <= 1)),
                    default=0.9, help="GPU memory share a probed batch may use")
     p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
     p.add_argument("--sampling", action="store_true", help="also time DDPM (1000 steps) and DDIM sampling, bf16")
-    p.add_argument("--sample-n", type=option(int, at_least(1)), help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
+    p.add_argument("--sample-n", type=option(int, at_least(1)),
+                   help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
     p.add_argument("--ddim-steps", type=option(int, at_least(1)), default=50, help="DDIM steps for the sampling figure")
-    p.add_argument("--num-synthetic", type=option(int, at_least(1)), help="images in a synthetic dataset built when none exists "
-                                                     "(default: 50000 on CUDA, 4096 on CPU)")
-    p.add_argument("--row-timeout", type=option(float, above(0)), default=1800, help="seconds before a row's process is stopped")
+    p.add_argument("--num-synthetic", type=option(int, at_least(1)),
+                   help="images in a synthetic dataset built when none exists (default: 50000 on CUDA, 4096 on CPU)")
+    p.add_argument("--row-timeout", type=option(float, above(0)), default=1800,
+                   help="seconds before a row's process is stopped")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
     p.add_argument("--name", help="output file stem (default: the table name)")
     return p.parse_args(argv)

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int_list(at_least(1)), default="1,2,4", help="process counts (comma-separated)")
     p.add_argument("--mode", choices=("per-gpu", "global", "both"), default="both",
                    help="keep the batch per GPU fixed, the global batch fixed (--batch / N per GPU), or both")
-    p.add_argument("--batch", type=option(int, at_least(1)), default=512, help="batch per GPU (per-gpu mode) / global batch (global)")
+    p.add_argument("--batch", type=option(int, at_least(1)), default=512,
+                   help="batch per GPU (per-gpu mode) / global batch (global)")
     p.add_argument("--steps", type=option(int, at_least(1)), default=150, help="training steps per point")
     p.add_argument("--log-every", type=option(int, at_least(1)), default=25, help="steps per stats interval")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) | cpu (gloo)")

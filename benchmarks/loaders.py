@@ -83,10 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card or cpu>)")
     p.add_argument("--workers", help=f"comma-separated worker counts (default {FULL['workers']}; quick "
                                      f"{QUICK['workers']}); counts above this machine's cores are skipped")
-    p.add_argument("--batch-size", type=option(int, at_least(1)), help=f"images per batch (default {FULL['batch_size']}; quick "
-                                                   f"{QUICK['batch_size']})")
-    p.add_argument("--epochs", type=option(int, at_least(1)), help=f"steady-state epochs timed after the first (default "
-                                              f"{FULL['epochs']}; quick {QUICK['epochs']})")
+    p.add_argument("--batch-size", type=option(int, at_least(1)),
+                   help=f"images per batch (default {FULL['batch_size']}; quick {QUICK['batch_size']})")
+    p.add_argument("--epochs", type=option(int, at_least(1)),
+                   help=f"steady-state epochs timed after the first (default {FULL['epochs']}; quick "
+                        f"{QUICK['epochs']})")
     p.add_argument("--loaders", help="only variants whose name contains one of these comma-separated words "
                                      "(default: all; quick: " + ", ".join(QUICK_VARIANTS) + ")")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")

@@ -122,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
     p.add_argument("--batch", type=option(int, at_least(1)), default=128, help="images per step (both runs)")
     p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per run")
-    p.add_argument("--log-every", type=option(int, at_least(1)), default=20, help="steps per logged loss (its mean over the interval)")
-    p.add_argument("--tol", type=option(float, at_least(0)), default=0.05, help="allowed |smoothed candidate / reference - 1|")
-    p.add_argument("--skip", type=option(float, in_range(0, 1, high_open=True)), default=0.05, help="share of the steps before the check starts")
+    p.add_argument("--log-every", type=option(int, at_least(1)), default=20,
+                   help="steps per logged loss (its mean over the interval)")
+    p.add_argument("--tol", type=option(float, at_least(0)), default=0.05,
+                   help="allowed |smoothed candidate / reference - 1|")
+    p.add_argument("--skip", type=option(float, in_range(0, 1, high_open=True)), default=0.05,
+                   help="share of the steps before the check starts")
     p.add_argument("--smooth", type=option(int, at_least(1)), default=5, help="intervals in the moving average")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     p.add_argument("overrides", nargs="*", help="trainer overrides for both runs, e.g. model.norm_impl=scale-shift")

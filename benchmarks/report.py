@@ -14,7 +14,6 @@ without rerunning the GPU. Definitions (also in benchmarks/README.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -317,7 +316,8 @@ def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.report", description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
+    p = Parser(prog="python -m benchmarks.report",
+               description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
     p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
     args = p.parse_args(argv)
     try:

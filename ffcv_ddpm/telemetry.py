@@ -21,7 +21,6 @@ the loop with and without it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import threading
@@ -375,7 +374,7 @@ def plot_telemetry(jsonl_path, png_path, title: str | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m ffcv_ddpm.telemetry",
-                                description="Summarise and plot a telemetry.jsonl written by GpuTelemetry.")
+               description="Summarise and plot a telemetry.jsonl written by GpuTelemetry.")
     p.add_argument("jsonl", type=Path, help="telemetry file (e.g. runs/<id>/telemetry.jsonl)")
     p.add_argument("--images", type=int, help="images trained while sampling, for J/img")
     p.add_argument("--png", type=Path, help="plot path (default: the JSONL's path with .png)")

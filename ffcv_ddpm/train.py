@@ -518,8 +518,8 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
 
 def parse_args(argv: list[str]) -> RunConfig:
     p = Parser(prog="python -m ffcv_ddpm.train", description=__doc__.split("\n")[0],
-                                epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
-                                       "data.batch_size=256 precision=fp32 compile=False")
+               epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
+                      "data.batch_size=256 precision=fp32 compile=False")
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
     p.add_argument("--data", help="train .beton file (data.path)")
     p.add_argument("--resume", help="run folder to continue from its newest complete checkpoint")

@@ -32,7 +32,10 @@ def test_install_prints_each_step_before_running_it(tmp_path):
     assert (tmp_path / "venv" / ".installed").exists()
     # Each step's line comes before the commands of that step.
     lines = proc.stdout.splitlines()
-    ran = lambda words: next(i for i, line in enumerate(lines) if line.startswith("RUN") and words in line)  # noqa: E731
+
+    def ran(words):
+        return next(i for i, line in enumerate(lines) if line.startswith("RUN") and words in line)
+
     assert lines.index(steps[1]) < ran("-m venv") < lines.index(steps[2]) < ran("-r requirements.txt") \
         < lines.index(steps[3]) < ran("ffcv==") < lines.index(steps[4]) < lines.index("RUN -")
 

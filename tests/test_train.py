@@ -271,7 +271,8 @@ def test_bad_input_is_one_line_and_leaves_no_run_folder(override, words, beton, 
 
 def test_nan_loss_without_a_checkpoint_says_there_is_none(beton, tmp_path, monkeypatch):
     real_loss = train_mod.GaussianDiffusion.loss
-    monkeypatch.setattr(train_mod.GaussianDiffusion, "loss", lambda self, *a, **k: real_loss(self, *a, **k) * float("nan"))
+    monkeypatch.setattr(train_mod.GaussianDiffusion, "loss",
+                        lambda self, *a, **k: real_loss(self, *a, **k) * float("nan"))
     cfg = tiny_cfg(beton, tmp_path, "train.log_every=2", "train.ckpt_every=4")
     with pytest.raises(train_mod.TrainingError) as e:
         train_mod.train(cfg)

@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--source", choices=SOURCES, default="download", help="where the images come from")
     p.add_argument("--out", type=Path, default=Path("data"), help="folder for the .beton files and manifest")
-    p.add_argument("--jpeg-quality", type=option(int, in_range(1, 100)), default=90, help="JPEG quality (1-100) of the *_jpg.beton files")
+    p.add_argument("--jpeg-quality", type=option(int, in_range(1, 100)), default=90,
+                   help="JPEG quality (1-100) of the *_jpg.beton files")
     p.add_argument("--tarball", type=Path, help=f"local {TARBALL_NAME} (--source tarball)")
     p.add_argument("--png-dir", type=Path, help="Kaggle-layout PNG folder (--source png)")
     p.add_argument("--png-holdout", type=_holdout, default="0.2",
@@ -73,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--export-png", type=Path, metavar="DIR",
                    help="also write the images in the Kaggle PNG layout (train/1.png ... + trainLabels.csv, "
                         "test/ + testLabels.csv) for the PyTorch-DataLoader baseline")
-    p.add_argument("--workers", type=option(int, at_least(1)), default=default_workers(), help="processes for decoding and writing")
+    p.add_argument("--workers", type=option(int, at_least(1)), default=default_workers(),
+                   help="processes for decoding and writing")
     p.add_argument("--force", action="store_true", help="rebuild even if the manifest says the files are current")
     p.add_argument("--url", default=CIFAR10_URL, help="download URL (a mirror of the same file: MD5 is checked)")
     args = p.parse_args(argv)
