@@ -55,10 +55,11 @@ def _hold_lock(path: Path) -> None:
 
 
 def _locked_by_another(path: Path) -> bool | None:
-    """True if a live process holds the lock on `path`, False if none does, None if there is no such file."""
+    """True if a live process holds the lock on `path`, False if none does, None if there is no such file (or it
+    is not ours to open: then nothing is removed on its account)."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
