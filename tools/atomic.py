@@ -20,7 +20,7 @@ import secrets
 import shutil
 import signal
 import time
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 PARTIAL_TAG = ".partial-"
@@ -29,7 +29,7 @@ SHM_DIR = Path("/dev/shm")
 _pending: set[Path] = set()  # this process's temp outputs, not yet renamed into place or removed
 _children: set[int] = set()  # worker processes that may still (re)open those outputs
 _locks: dict[Path, int] = {}  # lock file -> fd, held while this process (or a worker it forked) lives
-_segments: dict[str, shared_memory.SharedMemory] = {}  # this process's shared-memory segments, by name
+_segments: dict[str, shared_memory.SharedMemory | None] = {}  # ours, by name (None: being created)
 
 
 def partial_path(final: Path) -> Path:
@@ -127,21 +127,27 @@ def remove_stale_partials(folder: Path) -> list[Path]:
 def create_segment(size: int) -> shared_memory.SharedMemory:
     """A shared-memory segment named as this project's and locked while this process (or a worker it forked) lives.
     Free it with release_segment; Ctrl-C/kill unlink it (abort_cleanly); after kill -9, remove_stale_segments."""
-    seg = shared_memory.SharedMemory(name=f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}", create=True,
-                                     size=size)
-    _segments[seg.name] = seg
+    name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+    _segments[name] = None  # known before it exists: a signal while it is being made still removes it
+    # SharedMemory would start multiprocessing's resource tracker (a process: tens of ms) after the segment exists;
+    # started first, the moment the segment exists but is not registered here shrinks to nothing.
+    resource_tracker.ensure_running()
+    seg = _segments[name] = shared_memory.SharedMemory(name=name, create=True, size=size)
     _hold_lock(SHM_DIR / seg.name)  # where the segment is a file (Linux): its own lock says whether it is in use
     return seg
 
 
 def release_segment(seg: shared_memory.SharedMemory) -> None:
-    seg.close()
     with contextlib.suppress(FileNotFoundError):
-        seg.unlink()  # also tells multiprocessing's resource tracker, so it reports no leak
+        seg.unlink()  # first: it also tells multiprocessing's resource tracker, so it reports no leak
     _segments.pop(seg.name, None)
     fd = _locks.pop(SHM_DIR / seg.name, None)
     if fd is not None:
         os.close(fd)
+    # Stopped mid-write, numpy views of the buffer may still exist and close() refuses (BufferError); the mapping
+    # then goes with the process, and the name is already gone.
+    with contextlib.suppress(BufferError):
+        seg.close()
 
 
 def remove_stale_segments() -> list[str]:
@@ -264,9 +270,12 @@ def abort_cleanly(message: str):
                 for p in list(_pending):
                     remove_path(p)
                 time.sleep(0.04)
-            for seg in list(_segments.values()):
+            for name, seg in list(_segments.items()):
                 with contextlib.suppress(Exception):
-                    release_segment(seg)
+                    if seg is None:
+                        (SHM_DIR / name).unlink(missing_ok=True)
+                    else:
+                        release_segment(seg)
             release_locks()
             os.write(2, f"\n{message}\n".encode())
         os._exit(128 + signum)
