@@ -106,6 +106,9 @@ RULES = {
     "diffusion.beta_start": Rule("in (0, 1)", lambda v: 0 < v < 1),
     "diffusion.beta_end": Rule("in (0, 1)", lambda v: 0 < v < 1),
     "diffusion.p_uncond": in_range(0, 1),
+    "diffusion.process": one_of(("ddpm", "ve")),
+    "diffusion.sigma_min": above(0),  # below sigma_max: check_config
+    "diffusion.sigma_max": above(0),
     "data.path": _NONEMPTY,
     "data.loader": one_of(LOADERS),
     "data.batch_size": at_least(1),
@@ -131,6 +134,8 @@ RULES = {
     "train.sample_every": at_least(0),
     "train.sample_n": at_least(1),
     "train.sample_steps": at_least(1),
+    "train.eval_every": at_least(0),
+    "train.eval_n": at_least(1),
     "train.out_dir": _NONEMPTY,
     "train.desc": matches("a string without '/' (it becomes part of a folder name)", lambda v: "/" not in v),
 }
@@ -169,6 +174,8 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
     d = cfg.diffusion
     if d.schedule == "linear" and d.beta_start > d.beta_end:
         raise BadValue(f"diffusion.beta_start={d.beta_start}: expected at most diffusion.beta_end={d.beta_end}")
+    if d.process == "ve" and d.sigma_min >= d.sigma_max:
+        raise BadValue(f"diffusion.sigma_min={d.sigma_min}: expected below diffusion.sigma_max={d.sigma_max}")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")
