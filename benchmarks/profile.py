@@ -70,8 +70,9 @@ _SPECIFIC = tuple((c, re.compile(p)) for c, p in (
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("convolution bwd", r"dgrad|wgrad|convolution_?backward|conv2d_backward|conv_bwd"),
     ("convolution fwd", r"fprop|convolve|convolution|conv2d|winograd|implicit_gemm|conv_fwd"),
+    # var_mean: the statistics of the default (scale-shift) GroupNorm, whose apply step is plain elementwise work.
     ("normalization", r"group_?norm|layer_?norm|batch_?norm|rowwisemoments|computefusedparams|gammabeta"
-                      r"|compute1d"),
+                      r"|compute1d|var_mean"),
 ))
 # Names that are only a kernel family: used when neither the name nor the launching ops said more.
 _GENERIC = tuple((c, re.compile(p)) for c, p in (

@@ -549,11 +549,11 @@ def test_kill_mid_write_leaves_no_beton_and_next_run_cleans_up(tmp_path, capsys)
 @pytest.mark.parametrize("how", ["kill", "ctrl-c"])
 def test_stopped_mid_write_cleans_up_itself(tmp_path, how):
     proc = _start_big_conversion(tmp_path)
+    segments = _wait_for_segments(proc)  # before the signal: on a loaded machine it could come before the mapping
     if how == "kill":
         proc.send_signal(signal.SIGTERM)  # plain `kill <pid>`: the CLI alone
     else:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the CLI and its workers
-    segments = _wait_for_segments(proc)
     _, err = proc.communicate(timeout=60)  # to EOF: also what multiprocessing's resource tracker writes there
     assert proc.returncode == 128 + (signal.SIGTERM if how == "kill" else signal.SIGINT), err
     assert "interrupted" in err and "Traceback" not in err

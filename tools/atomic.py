@@ -73,11 +73,16 @@ def _locked_by_another(path: Path) -> bool | None:
 def release_locks() -> None:
     """When this process has finished writing (at exit at the latest; forked workers leave with os._exit, so never
     from them) and when it is stopped by a signal."""
-    for path, fd in list(_locks.items()):
+    for path in list(_locks):
+        _release_lock(path)
+
+
+def _release_lock(path: Path) -> None:
+    fd = _locks.pop(path, None)
+    if fd is not None:
         with contextlib.suppress(OSError):
             path.unlink()
             os.close(fd)
-        _locks.pop(path, None)
 
 
 atexit.register(release_locks)
@@ -194,7 +199,14 @@ class Staged:
             _pending.discard(tmp)
         for folder in {final.parent for _, final in self.pending}:
             fsync_path(folder)  # so that the renames themselves survive a power cut
+        self._done()
+
+    def _done(self) -> None:
+        # A folder where this process has no temp output left needs no lock: a results folder keeps no lock file.
+        folders = {final.parent for _, final in self.pending}
         self.pending.clear()
+        for folder in folders - {tmp.parent for tmp in _pending}:
+            _release_lock(folder / _lock_name(os.getpid()))
 
     def __enter__(self):
         return self
@@ -203,7 +215,7 @@ class Staged:
         for tmp, _ in self.pending:
             remove_path(tmp)
             _pending.discard(tmp)
-        self.pending.clear()
+        self._done()
 
 
 def write_json(path: Path, obj: dict) -> None:
