@@ -31,6 +31,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ffcv_ddpm.checks import Parser, above, at_least, matches, option
+
 REPO = Path(__file__).resolve().parent.parent
 BETON = "cifar10_train_raw.beton"  # what tools.make_dataset writes; the raw (uint8) train split
 JPEG_BETON = "cifar10_train_jpg.beton"  # the same split, JPEG-encoded
@@ -91,7 +93,7 @@ VARIANTS = (
 
 
 # End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
-# the GPU, 8 workers) and only the loader changes. "{data}" stands for the --data folder.
+# the GPU, 8 workers or the cores there are) and only the loader changes. "{data}" stands for the --data folder.
 LOADER_ROWS = (
     ("FFCV raw .beton", ("data.loader=ffcv",)),
     ("FFCV JPEG .beton", ("data.loader=ffcv", f"data.path={{data}}/{JPEG_BETON}")),
@@ -458,28 +460,35 @@ def resolve_rows(rows: list[Row], selected: str | None) -> list[Row]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (made by `make dataset`)")
     p.add_argument("--beton", type=Path, help=f"train .beton (default: DATA/{BETON})")
     p.add_argument("--table", choices=sorted(TABLES), help="row set (default: both with CUDA, quick without)")
     p.add_argument("--rows", help="run only these rows: 1-based indices or name substrings, comma-separated")
     p.add_argument("--list", action="store_true", help="print the rows and their overrides and exit")
-    p.add_argument("--iters", type=int, help="timed iterations per row (default: 50 on CUDA, 5 on CPU)")
-    p.add_argument("--warmup", type=int, help="warm-up iterations after the first step (default: 10 CUDA, 1 CPU)")
+    p.add_argument("--iters", type=option(int, at_least(1)),
+                   help="timed iterations per row (default: 50 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=option(int, at_least(0)),
+                   help="warm-up iterations after the first step (default: 10 CUDA, 1 CPU)")
     p.add_argument("--baseline-loader", choices=("auto", "torch-memory", "torch-files"), default="auto",
                    help="loader of the rows before '+ FFCV loading'; auto = torch-files (PNG decode per image) if "
                         f"DATA/{PNG_TRAIN} exists, else torch-memory (a DataLoader over arrays in RAM)")
-    p.add_argument("--max-batch", type=int, default=4096, help="cap for the 'largest batch that fits' rows")
-    p.add_argument("--batch", type=int, help="run every row at this batch (no probing; for subsets and CPUs)")
-    p.add_argument("--mem-fraction", type=float, default=0.9, help="GPU memory share a probed batch may use")
+    p.add_argument("--max-batch", type=option(int, at_least(1)), default=4096,
+                   help="cap for the 'largest batch that fits' rows")
+    p.add_argument("--batch", type=option(int, at_least(1)),
+                   help="run every row at this batch (no probing; for subsets and CPUs)")
+    p.add_argument("--mem-fraction", type=option(float, matches("a number in (0, 1]", lambda v: 0 < v <= 1)),
+                   default=0.9, help="GPU memory share a probed batch may use")
     p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
     p.add_argument("--sampling", action="store_true", help="also time DDPM (1000 steps) and DDIM sampling, bf16")
-    p.add_argument("--sample-n", type=int, help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
-    p.add_argument("--ddim-steps", type=int, default=50, help="DDIM steps for the sampling figure")
-    p.add_argument("--num-synthetic", type=int, help="images in a synthetic dataset built when none exists "
-                                                     "(default: 50000 on CUDA, 4096 on CPU)")
-    p.add_argument("--row-timeout", type=float, default=1800, help="seconds before a row's process is stopped")
+    p.add_argument("--sample-n", type=option(int, at_least(1)),
+                   help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
+    p.add_argument("--ddim-steps", type=option(int, at_least(1)), default=50, help="DDIM steps for the sampling figure")
+    p.add_argument("--num-synthetic", type=option(int, at_least(1)),
+                   help="images in a synthetic dataset built when none exists (default: 50000 on CUDA, 4096 on CPU)")
+    p.add_argument("--row-timeout", type=option(float, above(0)), default=1800,
+                   help="seconds before a row's process is stopped")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
     p.add_argument("--name", help="output file stem (default: the table name)")
     return p.parse_args(argv)
@@ -514,15 +523,13 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 
     from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
     from benchmarks.peaks import card_slug
-    from benchmarks.report import add_metrics, write_reports
+    from benchmarks.report import add_metrics, terminal_table, write_reports
     from ffcv_ddpm.unet import PRESETS
 
     cuda = torch.cuda.is_available()  # does not create a CUDA context: the children own the GPU
     table = args.table or ("both" if cuda else "quick")
     iters = args.iters or (50 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
-    if iters < 1 or warmup < 0 or (args.batch is not None and args.batch < 1):
-        raise BenchError(f"--iters and --batch must be >= 1 and --warmup >= 0 (got {iters}, {args.batch}, {warmup})")
     data_dir = args.data
     beton = args.beton or data_dir / BETON
     png_dir = data_dir / PNG_TRAIN
@@ -670,6 +677,7 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     save()
     md, png = write_reports(result, json_path)
     failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
+    print(terminal_table(result))
     print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"
           + (f"; {len(failed)} row(s) FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed and len(failed) == len(result["rows"]) else 0

@@ -13,7 +13,6 @@ NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench import BETON, ensure_dataset
+from benchmarks.bench import BETON, BenchError, ensure_dataset
 from benchmarks.flops import train_flops_per_image
 from benchmarks.peaks import card_slug, lookup_peak
+from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.train import NO_MULTICAST
@@ -114,34 +114,42 @@ def render(result: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ddp", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.ddp", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
     p.add_argument("--preset", default="ddpm-cifar10")
-    p.add_argument("--gpus", default="1,2,4", help="process counts (comma-separated)")
+    p.add_argument("--gpus", type=int_list(at_least(1)), default="1,2,4", help="process counts (comma-separated)")
     p.add_argument("--mode", choices=("per-gpu", "global", "both"), default="both",
                    help="keep the batch per GPU fixed, the global batch fixed (--batch / N per GPU), or both")
-    p.add_argument("--batch", type=int, default=512, help="batch per GPU (per-gpu mode) / global batch (global)")
-    p.add_argument("--steps", type=int, default=150, help="training steps per point")
-    p.add_argument("--log-every", type=int, default=25, help="steps per stats interval")
-    p.add_argument("--device", default="cuda", help="cuda (NCCL) | cpu (gloo)")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per point")
+    p.add_argument("--batch", type=option(int, at_least(1)), default=512,
+                   help="batch per GPU (per-gpu mode) / global batch (global)")
+    p.add_argument("--steps", type=option(int, at_least(1)), default=150, help="training steps per point")
+    p.add_argument("--log-every", type=option(int, at_least(1)), default=25, help="steps per stats interval")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) | cpu (gloo)")
+    p.add_argument("--timeout", type=option(float, above(0)), default=1200, help="seconds per point")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     p.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. train.compile_mode=max-autotune")
     args = p.parse_args(argv)
     import torch
 
-    counts = [int(n) for n in args.gpus.split(",")]
+    counts = args.gpus
+    try:  # the trainer's config, checked before any dataset is built or process started
+        cfg = load_config(args.preset, list(args.overrides))
+    except ValueError as e:
+        return fail("bench-ddp", str(e))
+    if args.mode != "per-gpu" and args.batch < max(counts):
+        return fail("bench-ddp", f"--batch {args.batch} is the global batch in --mode {args.mode}: it must be at "
+                                 f"least the largest process count, {max(counts)}")
     if args.device != "cpu":
         have = torch.cuda.device_count()
         if have == 0:
-            print("bench-ddp: no CUDA GPU; use --device cpu (gloo) for a functional check", file=sys.stderr)
-            return 2
+            return fail("bench-ddp", "no CUDA GPU; use --device cpu (gloo) for a functional check")
         if max(counts) > have:
-            print(f"bench-ddp: --gpus asks for {max(counts)} GPUs but this machine has {have}", file=sys.stderr)
-            return 2
+            return fail("bench-ddp", f"--gpus asks for {max(counts)} GPUs but this machine has {have}")
     beton = args.data / BETON
-    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
-    cfg = load_config(args.preset, list(args.overrides))
+    try:
+        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+    except BenchError as e:
+        return fail("bench-ddp", str(e))
     device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
     peak = lookup_peak(device_name, cfg.train.precision).tflops if device_name else None
     modes = {"per-gpu": ["per-GPU"], "global": ["global"], "both": ["per-GPU", "global"]}[args.mode]

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.peaks import card_slug
+from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.timing import sync
@@ -74,7 +75,7 @@ QUICK_VARIANTS = ("ffcv-raw", "ffcv-jpg", "torch-memory", "torch-files (PNG)", "
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.loaders", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.loaders", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("data"),
                    help="folder with cifar10_train_{raw,jpg}.beton (and manifest.json), from `make dataset`")
     p.add_argument("--png-dir", type=Path,
@@ -82,10 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card or cpu>)")
     p.add_argument("--workers", help=f"comma-separated worker counts (default {FULL['workers']}; quick "
                                      f"{QUICK['workers']}); counts above this machine's cores are skipped")
-    p.add_argument("--batch-size", type=int, help=f"images per batch (default {FULL['batch_size']}; quick "
-                                                   f"{QUICK['batch_size']})")
-    p.add_argument("--epochs", type=int, help=f"steady-state epochs timed after the first (default "
-                                              f"{FULL['epochs']}; quick {QUICK['epochs']})")
+    p.add_argument("--batch-size", type=option(int, at_least(1)),
+                   help=f"images per batch (default {FULL['batch_size']}; quick {QUICK['batch_size']})")
+    p.add_argument("--epochs", type=option(int, at_least(1)),
+                   help=f"steady-state epochs timed after the first (default {FULL['epochs']}; quick "
+                        f"{QUICK['epochs']})")
     p.add_argument("--loaders", help="only variants whose name contains one of these comma-separated words "
                                      "(default: all; quick: " + ", ".join(QUICK_VARIANTS) + ")")
     p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
@@ -96,11 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     try:
-        args.workers = sorted({int(w) for w in args.workers.split(",")})
-    except ValueError:
-        p.error(f"--workers must be comma-separated integers, got {args.workers!r}")
-    if args.workers[0] < 0 or args.batch_size < 1 or args.epochs < 1:
-        p.error("--workers must be >= 0, --batch-size and --epochs >= 1")
+        args.workers = sorted(set(int_list(at_least(0))(args.workers)))
+    except argparse.ArgumentTypeError as e:
+        p.error(f"argument --workers: {e}")
     args.png_dir = args.png_dir or args.data / "png" / "train"
     return args
 
@@ -296,8 +296,7 @@ def main(argv=None) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: torch sees no CUDA device here")
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: torch's message for a bad --device
-        print(f"benchmarks.loaders: {e}", file=sys.stderr)
-        return 2
+        return fail("loaders", str(e))
     result = run(args, device)
     out = args.out or Path("benchmarks/results") / card_slug(
         torch.cuda.get_device_name(device) if device.type == "cuda" else None)

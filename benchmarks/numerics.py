@@ -40,6 +40,7 @@ import numpy as np
 
 from benchmarks.bench import BETON, BenchError, ensure_dataset
 from benchmarks.peaks import card_slug
+from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
@@ -268,16 +269,19 @@ def render(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
-    p.add_argument("--batch", type=int, default=128, help="images per step (every leg)")
-    p.add_argument("--steps", type=int, default=2000, help="training steps per leg")
-    p.add_argument("--log-every", type=int, default=20, help="steps per logged loss (its mean over the interval)")
-    p.add_argument("--tol", type=float, default=0.05, help="allowed |smoothed candidate / reference - 1|")
-    p.add_argument("--skip", type=float, default=0.05, help="share of the steps before the check starts")
-    p.add_argument("--smooth", type=int, default=5, help="intervals in the moving average")
+    p.add_argument("--batch", type=option(int, at_least(1)), default=128, help="images per step (every leg)")
+    p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg")
+    p.add_argument("--log-every", type=option(int, at_least(1)), default=20,
+                   help="steps per logged loss (its mean over the interval)")
+    p.add_argument("--tol", type=option(float, at_least(0)), default=0.05,
+                   help="allowed |smoothed candidate / reference - 1|")
+    p.add_argument("--skip", type=option(float, in_range(0, 1, high_open=True)), default=0.05,
+                   help="share of the steps before the check starts")
+    p.add_argument("--smooth", type=option(int, at_least(1)), default=5, help="intervals in the moving average")
     p.add_argument("--control", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="add a control leg: fp32 with the --ref overrides plus these (e.g. model.norm_impl=torch)")
     p.add_argument("--ref", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
@@ -320,14 +324,14 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
             raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
                              "candidate; the reference and control are fp32)")
-    beton = args.data / BETON
-    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
     common = [f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
               f"train.ckpt_every={args.steps}", "train.sample_every=0", "train.progress=False", *args.overrides]
     legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
     if args.control:
         legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
     cfg = load_config(args.preset, common)
+    beton = args.data / BETON  # built only once the config is known to be good
+    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
     device = resolve_device(cfg.train.device)
     import torch
 

@@ -41,6 +41,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from ffcv_ddpm.checks import Parser
+
 REPO = Path(__file__).resolve().parent.parent
 STEP_PREFIX = "ProfilerStep"  # torch.profiler's per-step events ("ProfilerStep#3", shown as "ProfilerStep*")
 # Events the profiler records about itself, on the device timeline, with no kernel behind them.
@@ -68,8 +70,9 @@ _SPECIFIC = tuple((c, re.compile(p)) for c, p in (
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("convolution bwd", r"dgrad|wgrad|convolution_?backward|conv2d_backward|conv_bwd"),
     ("convolution fwd", r"fprop|convolve|convolution|conv2d|winograd|implicit_gemm|conv_fwd"),
+    # var_mean: the statistics of the default (scale-shift) GroupNorm, whose apply step is plain elementwise work.
     ("normalization", r"group_?norm|layer_?norm|batch_?norm|rowwisemoments|computefusedparams|gammabeta"
-                      r"|compute1d"),
+                      r"|compute1d|var_mean"),
 ))
 # Names that are only a kernel family: used when neither the name nor the launching ops said more.
 _GENERIC = tuple((c, re.compile(p)) for c, p in (
@@ -609,9 +612,9 @@ def telemetry_lines(t: dict) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0],
-                                epilog="Any other key=value overrides a config field, e.g. data.batch_size=256 "
-                                       "train.compile=False (see ffcv_ddpm.config).")
+    p = Parser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0],
+               epilog="Any other key=value overrides a config field, e.g. data.batch_size=256 "
+                      "train.compile=False (see ffcv_ddpm.config).")
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`) or a .beton")
     p.add_argument("--steps", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")

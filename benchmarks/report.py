@@ -14,7 +14,6 @@ without rerunning the GPU. Definitions (also in benchmarks/README.md):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.peaks import lookup_peak
+from ffcv_ddpm.checks import Parser
 
 # The published A100 table (small UNet; torchinfo mult-adds x 2 x 3, attention counted as zero; the fp32 rows are
 # divided by the FP32 peak 19.5 although PyTorch lets cuDNN run fp32 convolutions on TF32 tensor cores by default).
@@ -222,6 +222,31 @@ def published_lines(result: dict) -> list[str]:
     return lines + _table(header, rows)
 
 
+def _groups(result: dict) -> dict[str, list[dict]]:
+    """Rows by table section (model preset), in order."""
+    groups: dict[str, list[dict]] = {}
+    for row in result["rows"]:
+        groups.setdefault(row["group"], []).append(row)
+    return groups
+
+
+_TERMINAL_COLUMNS = ("row", "batch", "ms/iter median (p10-p90)", "img/s", "speedup", "data wait", "TFLOP/s", "MFU")
+
+
+def terminal_table(result: dict) -> str:
+    """The Markdown report's tables, aligned for a terminal: the main columns, a failed row's error at its end."""
+    out = []
+    for group, rows in _groups(result).items():
+        table = [list(_TERMINAL_COLUMNS)]
+        for row in rows:
+            cells = dict(zip(_COLUMNS, _row_cells(row, measured=False)))
+            table.append([cells[c] for c in _TERMINAL_COLUMNS] + ([cells["notes"]] if row["metrics"] is None else []))
+        widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(_TERMINAL_COLUMNS))]
+        out += ["", group] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                              + ("  " + r[-1] if len(r) > len(widths) else "") for r in table]
+    return "\n".join(out)
+
+
 def render_markdown(result: dict) -> str:
     """The whole report: provenance header, one table per model, sampling throughput, the published table."""
     measured = bool(result.get("measured_peaks"))
@@ -230,10 +255,7 @@ def render_markdown(result: dict) -> str:
         columns.insert(columns.index("MFU") + 1, "MFU (measured peak)")
     lines = [f"# Training-step benchmark: {result['table']} table on {result.get('card', '?')}", ""]
     lines += _header(result) + [""]
-    groups: dict[str, list[dict]] = {}
-    for row in result["rows"]:
-        groups.setdefault(row["group"], []).append(row)
-    for group, rows in groups.items():
+    for group, rows in _groups(result).items():
         lines += [f"## {group}", ""] + _table(columns, [_row_cells(r, measured) for r in rows]) + [""]
         lines += [f"Overrides per row (on top of `load_config({rows[0]['preset']!r})`):", ""]
         lines += [f"- {r['name']}: `{' '.join(r['overrides'])}`" for r in rows] + [""]
@@ -261,9 +283,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[str, list[dict]] = {}
-    for row in result["rows"]:
-        groups.setdefault(row["group"], []).append(row)
+    groups = _groups(result)
     fig, axes = plt.subplots(len(groups), 1, figsize=(10, 1.0 + 0.45 * len(result["rows"]) + len(groups)),
                              squeeze=False)
     for ax, (group, rows) in zip(axes[:, 0], groups.items()):
@@ -296,7 +316,8 @@ def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
+    p = Parser(prog="python -m benchmarks.report",
+               description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
     p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
     args = p.parse_args(argv)
     try:

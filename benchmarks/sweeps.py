@@ -25,6 +25,8 @@ from typing import Callable
 
 from benchmarks import bench
 from benchmarks.bench import BASELINE, STACK, Row, merge
+from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.unet import PRESETS
 
 # The last row of bench's stack: everything on. Sweeps vary one setting of it.
 FULL = merge(BASELINE, *(added for _, added, _ in STACK))
@@ -148,10 +150,11 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweeps", description=__doc__.split("\n\n")[0],
-                                epilog="Other arguments are passed to benchmarks.bench (see its --help).")
+    p = Parser(prog="python -m benchmarks.sweeps", description=__doc__.split("\n\n")[0],
+               epilog="Other arguments are passed to benchmarks.bench (see its --help).")
     p.add_argument("--sweep", default="all", help=f"comma-separated: {', '.join(SWEEPS)}, or all")
-    p.add_argument("--preset", help="model preset (default: ddpm-cifar10 with CUDA, tiny without)")
+    p.add_argument("--preset", choices=list(PRESETS),
+                   help="model preset (default: ddpm-cifar10 with CUDA, tiny without)")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
     return p.parse_known_args(argv)
 

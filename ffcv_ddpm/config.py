@@ -2,18 +2,26 @@
 
     cfg = load_config("ddpm-cifar10", ["data.batch_size=512", "precision=bf16"])
 
-A bare key (`precision=bf16`) is accepted when exactly one section has a field of that name. Values are parsed as
-Python literals where possible (`1e-4`, `True`, `(1, 2, 2)`), otherwise taken as strings.
+A bare key (`precision=bf16`) is accepted when exactly one section has a field of that name. Every value is parsed
+to its field's annotated type (`1e-4`, `True`, `(1, 2, 2)`) and checked against RULES when the config is built
+(load_config, RunConfig.from_dict, check_config): a bad one is a BadValue (a ValueError) of one line naming the
+field, the value and what is allowed.
 """
 
-import ast
 import dataclasses
 import json
+import re
+import typing
 from dataclasses import dataclass, field
 
-from ffcv_ddpm.data import DataConfig
+from ffcv_ddpm import unet
+from ffcv_ddpm.checks import BadValue, Rule, above, at_least, coerce, each, in_range, matches, one_of
+from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
 from ffcv_ddpm.diffusion import DiffusionConfig
 from ffcv_ddpm.unet import PRESETS, ModelConfig
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of train.AMP_DTYPES
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -64,8 +72,8 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
-        sections = {name: _from_dict(typ, d.get(name, {})) for name, typ in _SECTIONS.items()}
-        return cls(preset=d["preset"], **sections)
+        sections = {name: _from_dict(name, typ, d.get(name, {})) for name, typ in _SECTIONS.items()}
+        return check_config(cls(preset=d["preset"], **sections))
 
     def summary(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
@@ -73,54 +81,137 @@ class RunConfig:
 
 _SECTIONS = {"model": ModelConfig, "diffusion": DiffusionConfig, "data": DataConfig, "train": TrainConfig}
 
+_NONEMPTY = matches("a non-empty string", bool)
+# What each field allows beyond its annotated type (bool and free-text fields need no entry; tests/test_config.py
+# asserts that every int, float, tuple and choice field has one).
+RULES = {
+    "model.arch": one_of(("ddpm", "annotated")),
+    "model.image_size": at_least(1),  # divisible by 2**(levels - 1): ModelConfig.validate
+    "model.in_channels": at_least(1),
+    "model.base_channels": at_least(1),
+    "model.channel_mult": each(at_least(1), nonempty=True),
+    "model.num_res_blocks": at_least(1),
+    "model.attn_resolutions": each(at_least(1)),
+    "model.attn_heads": at_least(1),
+    "model.attn_head_dim": at_least(1),
+    "model.dropout": in_range(0, 1, high_open=True),
+    "model.norm_groups": at_least(1),
+    "model.conv_groups": at_least(1),
+    "model.attn_impl": one_of(("sdpa", "math")),
+    "model.norm_impl": one_of(lambda: tuple(unet.NORM_IMPLS)),
+    "model.num_classes": at_least(0),
+    "model.stem_kernel": at_least(1),
+    "diffusion.schedule": one_of(("linear", "cosine")),
+    "diffusion.timesteps": at_least(1),
+    "diffusion.beta_start": Rule("in (0, 1)", lambda v: 0 < v < 1),
+    "diffusion.beta_end": Rule("in (0, 1)", lambda v: 0 < v < 1),
+    "diffusion.p_uncond": in_range(0, 1),
+    "diffusion.process": one_of(("ddpm", "ve")),
+    "diffusion.sigma_min": above(0),  # below sigma_max: check_config
+    "diffusion.sigma_max": above(0),
+    "data.path": _NONEMPTY,
+    "data.loader": one_of(LOADERS),
+    "data.batch_size": at_least(1),
+    "data.num_workers": at_least(-1),
+    "data.order": one_of(ORDERS),
+    "data.flip": one_of(FLIPS),
+    "data.png_dir": _NONEMPTY,
+    "data.seed": at_least(0),
+    "train.steps": at_least(1),
+    "train.lr": above(0),
+    "train.warmup_steps": at_least(0),
+    "train.weight_decay": at_least(0),
+    "train.betas": each(in_range(0, 1, high_open=True), length=2),
+    "train.grad_clip": at_least(0),
+    "train.ema_decay": in_range(0, 1, high_open=True),
+    "train.precision": one_of(PRECISIONS),
+    "train.compile_mode": one_of(COMPILE_MODES),
+    "train.seed": at_least(0),
+    "train.device": matches("auto, cpu, cuda or cuda:N", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),
+    "train.log_every": at_least(1),
+    "train.ckpt_every": at_least(1),
+    "train.keep_ckpts": at_least(0),
+    "train.sample_every": at_least(0),
+    "train.sample_n": at_least(1),
+    "train.sample_steps": at_least(1),
+    "train.eval_every": at_least(0),
+    "train.eval_n": at_least(1),
+    "train.out_dir": _NONEMPTY,
+    "train.desc": matches("a string without '/' (it becomes part of a folder name)", lambda v: "/" not in v),
+}
 
-def _from_dict(typ, d: dict):
-    # JSON has no tuples: restore them where the field's default is a tuple, so a saved config round-trips equal.
-    kwargs = {}
-    for f in dataclasses.fields(typ):
-        if f.name in d:
-            v = d[f.name]
-            kwargs[f.name] = tuple(v) if isinstance(f.default, tuple) and isinstance(v, list) else v
-    return typ(**kwargs)
+
+def field_types(typ) -> dict:
+    """{field name: annotated type} of a config dataclass (string annotations resolved)."""
+    return typing.get_type_hints(typ)
 
 
-def _parse_value(text: str):
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else None
+
+
+def check_field(section: str, f: dataclasses.Field, typ, value):
+    """`value` (text or a Python/JSON value) as the field's type, range-checked; BadValue otherwise."""
+    return coerce(f"{section}.{f.name}", value, typ, RULES.get(f"{section}.{f.name}"), _default(f))
+
+
+def check_config(cfg: "RunConfig") -> "RunConfig":
+    """Every field parsed to its type and range-checked, then the rules that join fields; returns cfg."""
+    for section, typ in _SECTIONS.items():
+        obj = getattr(cfg, section)
+        hints = field_types(typ)
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, check_field(section, f, hints[f.name], getattr(obj, f.name)))
+    # Rules across fields: the sections' own validation ("image_size=31 must be ..." -> "model.image_size=31 ..."),
+    # then those that join two sections.
+    for section in ("model", "data"):
+        try:
+            getattr(cfg, section).validate()
+        except ValueError as e:
+            msg = str(e)
+            raise BadValue(msg if msg.startswith(f"{section}.") else f"{section}.{msg}" if re.match(r"\w+=", msg)
+                           else f"{section}: {msg}") from None
+    d = cfg.diffusion
+    if d.schedule == "linear" and d.beta_start > d.beta_end:
+        raise BadValue(f"diffusion.beta_start={d.beta_start}: expected at most diffusion.beta_end={d.beta_end}")
+    if d.process == "ve" and d.sigma_min >= d.sigma_max:
+        raise BadValue(f"diffusion.sigma_min={d.sigma_min}: expected below diffusion.sigma_max={d.sigma_max}")
+    if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
+        raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
+                       f"{d.timesteps}")
+    return cfg
+
+
+def _from_dict(section: str, typ, d: dict):
+    known = {f.name for f in dataclasses.fields(typ)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise BadValue(f"{section} has no field(s) {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}")
+    return typ(**d)  # types and ranges: check_config
 
 
 def apply_override(cfg: RunConfig, item: str) -> None:
+    """One `section.key=value` (or unambiguous `key=value`) parsed and checked; check_config joins the fields."""
     if "=" not in item:
-        raise ValueError(f"override {item!r} is not of the form key=value (e.g. data.batch_size=512)")
+        raise BadValue(f"override {item!r} is not of the form key=value (e.g. data.batch_size=512)")
     key, text = item.split("=", 1)
     key = key.strip().lstrip("-").replace("-", "_")
     if "." in key:
         section, name = key.split(".", 1)
         if section not in _SECTIONS:
-            raise ValueError(f"unknown config section {section!r} in {item!r}; sections: {', '.join(_SECTIONS)}")
+            raise BadValue(f"unknown config section {section!r} in {item!r}; sections: {', '.join(_SECTIONS)}")
     else:
         owners = [s for s, typ in _SECTIONS.items() if name_in(typ, key)]
         if len(owners) != 1:
             hint = "no section has it" if not owners else f"it is in {', '.join(owners)}: write section.{key}"
-            raise ValueError(f"unknown or ambiguous config key {key!r} ({hint})")
+            raise BadValue(f"unknown or ambiguous config key {key!r} ({hint})")
         section, name = owners[0], key
     obj = getattr(cfg, section)
     if not name_in(type(obj), name):
         valid = ", ".join(f.name for f in dataclasses.fields(obj))
-        raise ValueError(f"{section} has no field {name!r}; valid fields: {valid}")
-    value = _parse_value(text)
-    current = getattr(obj, name)
-    if isinstance(current, bool) and isinstance(value, str):
-        raise ValueError(f"{section}.{name} expects True/False, got {text!r}")
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(current, tuple) and isinstance(value, list):
-        value = tuple(value)
-    if isinstance(current, str) and not isinstance(value, str):
-        value = text  # e.g. desc=123 stays the string "123"
-    setattr(obj, name, value)
+        raise BadValue(f"{section} has no field {name!r}; valid fields: {valid}")
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
+    setattr(obj, name, check_field(section, f, field_types(type(obj))[name], text))
 
 
 def name_in(typ, name: str) -> bool:
@@ -129,8 +220,8 @@ def name_in(typ, name: str) -> bool:
 
 def load_config(preset: str, overrides: list[str] = ()) -> RunConfig:
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        raise BadValue(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     cfg = RunConfig(preset=preset, model=dataclasses.replace(PRESETS[preset]))
     for item in overrides:
         apply_override(cfg, item)
-    return cfg
+    return check_config(cfg)

@@ -20,7 +20,7 @@ import csv
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +36,18 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 _MAKE_DATASET_HINT = "create it with `make dataset` (or `python -m tools.make_dataset --help`)"
 
 
+def default_workers() -> int:
+    return max(1, min(8, cpu_count() or 1))
+
+
 @dataclass
 class DataConfig:
     path: str = "data/cifar10_train_raw.beton"  # train .beton (fields 'image', 'label'); read by all but torch-files
     loader: str = "ffcv"          # ffcv | torch-files | torch-memory | gpu
     batch_size: int = 128         # images per batch (per rank when distributed)
-    num_workers: int = 8          # FFCV: decode threads (<1 = all cores, FFCV's rule); torch: processes (0 = main)
+    # FFCV: decode threads (<1 = all cores, FFCV's rule); torch: processes (0 = main). Default: 8, or this
+    # process's cores if fewer (more threads than numba may start would only be capped, with a warning).
+    num_workers: int = field(default_factory=lambda: default_workers())
     order: str = "random"         # random | quasi_random (FFCV page-local shuffle; plain random elsewhere) | sequential
     os_cache: bool = True         # FFCV: page cache via mmap (True) or FFCV's own process cache (False)
     flip: str = "gpu"             # gpu: prepare_batch flips on the device | cpu: flipped inside the loader | none
@@ -111,6 +117,33 @@ def _image_size(reader) -> tuple[int, int]:
 def check_beton(path) -> None:
     """FileNotFoundError / ValueError saying what is wrong with `path` and how to fix it; None when usable."""
     _image_size(_open_beton(path))
+
+
+def check_dataset(cfg: DataConfig, image_shape: tuple[int, int, int], world_size: int = 1) -> None:
+    """Before anything is built or written: the data `cfg` reads exists, its images are `image_shape` (C, H, W) as
+    the model is built for, and each rank's share holds a batch. FileNotFoundError / ValueError otherwise."""
+    if cfg.loader == "torch-files":
+        dataset = _PNGDataset(cfg.png_dir)
+        where, num_images, shape = f"PNG folder {cfg.png_dir}", len(dataset), dataset.image_shape
+    else:
+        reader = _open_beton(cfg.path)
+        where, num_images, shape = cfg.path, int(reader.num_samples), (3, *_image_size(reader))
+    if shape != tuple(image_shape):
+        (c, h, w), (mc, mh, mw) = shape, image_shape
+        fix = (f"set model.image_size={h}" if h == w else "the model needs square images: resize them") + \
+              " or use data of the model's size"
+        raise ValueError(f"{where} holds {h}x{w} images with {c} channels, but the model is built for {mh}x{mw} "
+                         f"with {mc} (model.image_size={mh}, model.in_channels={mc}); {fix}")
+    _check_batches_fit(cfg, num_images, world_size)
+
+
+def _check_batches_fit(cfg: DataConfig, num_images: int, world_size: int) -> None:
+    if num_images < world_size:
+        raise ValueError(f"{num_images} images cannot be shared by {world_size} ranks; use more data or fewer ranks")
+    if cfg.drop_last and num_images // world_size < cfg.batch_size:
+        raise ValueError(f"{cfg.loader} loader: data.batch_size={cfg.batch_size} exceeds the "
+                         f"{num_images // world_size} images per rank with drop_last=True; "
+                         "lower data.batch_size or set data.drop_last=False")
 
 
 def dataset_info(path) -> dict:
@@ -427,10 +460,7 @@ def make_loader(cfg: DataConfig, device, *, rank: int = 0, world_size: int = 1) 
     else:
         dataset = _PNGDataset(cfg.png_dir)
         loader = _TorchBatches(cfg, device, rank, world_size, dataset, dataset.image_shape)
-    if len(loader) == 0:
-        raise ValueError(f"{cfg.loader} loader: batch_size {cfg.batch_size} exceeds the "
-                         f"{loader.num_images // world_size} images per rank with drop_last=True; "
-                         "lower data.batch_size or set data.drop_last=False")
+    _check_batches_fit(cfg, loader.num_images, world_size)
     return loader
 
 

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ffcv_ddpm.env import umask
+
 
 @dataclass
 class DiffusionConfig:
@@ -232,6 +234,7 @@ def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int | None = 
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".grid-", suffix=".png")
+    os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; the grid is as readable as the run's other files
     try:
         with os.fdopen(fd, "wb") as f:
             pil.save(f, format="PNG")

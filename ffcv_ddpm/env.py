@@ -56,6 +56,18 @@ def cpu_count() -> int | None:
     return os.cpu_count()
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask reads only by setting, racing other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def _cuda() -> dict:
     import torch
 

@@ -8,12 +8,12 @@ Every run writes runs/<id>-<preset>[-desc]/: config.json, environment.json, stat
 samples-*.png and ckpt-*.pt (atomic, newest K kept).
 """
 
-import argparse
 import json
 import math
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ffcv_ddpm.checkpoint import load_latest, save_checkpoint
-from ffcv_ddpm.config import RunConfig, apply_override, load_config
-from ffcv_ddpm.data import check_beton, dataset_info, make_loader, prepare_batch
+from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
+from ffcv_ddpm.data import check_dataset, dataset_info, make_loader, prepare_batch
 from ffcv_ddpm.diffusion import GaussianDiffusion, save_grid
 from ffcv_ddpm.ema import EMA
 from ffcv_ddpm.env import environment
@@ -46,6 +47,14 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 class TrainingError(Exception):
     """A fault the user should read as a message, not a traceback (bad input, NaN loss, out of memory)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops the run at once (during start-up, or a second one); main exits 128 + signum."""
+
+    def __init__(self, signum: int, when: str):
+        super().__init__(f"{signal.Signals(signum).name} {when}")
+        self.signum = signum
 
 
 @dataclass
@@ -209,6 +218,19 @@ def new_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def drop_stats_after(path: Path, step: int) -> None:
+    """On resume: stats.jsonl keeps only the lines up to the checkpoint's step, so it stays one history (the lines
+    a killed run logged after its last checkpoint are logged again by the resumed one)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+
+
 def write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
@@ -229,15 +251,25 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT set a flag the loop checks between steps; a second signal stops at once."""
+    """SIGTERM/SIGINT, by phase of the run.
+
+    start-up: nothing to save yet, so the signal stops at once (Interrupted). running: the first signal sets a flag
+    the loop checks between steps (checkpoint, exit 0); a second stops at once. stopping (the final checkpoint is
+    being written, or the run is complete): further signals are ignored, so what is under way completes.
+    """
 
     def __init__(self):
         self.signal = None
+        self.phase = "start-up"
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
+        if self.phase == "stopping":
+            return
+        if self.phase == "start-up":
+            raise Interrupted(signum, "during start-up, before step 1")
         if self.signal is not None:
-            raise KeyboardInterrupt
+            raise Interrupted(signum, f"after {self.signal}: stopped at once")
         self.signal = signal.Signals(signum).name
 
     def restore(self):
@@ -245,10 +277,17 @@ class StopRequest:
             signal.signal(s, h)
 
 
-def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
+def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None) -> Path:
+    """Runs `cfg`; returns the run folder. `stop`: the caller's signal handling (else one is set up for the call).
+
+    Everything that can be checked is checked before the run folder exists; a new folder whose run stops before
+    its first stats line or checkpoint is removed again, and the message says so.
+    """
     # ---- set-up ---------------------------------------------------------------------------------------------
+    check_config(cfg)
     device = resolve_device(cfg.train.device, ddp)
-    check_beton(cfg.data.path)  # before any model is built or compiled
+    # The data against the model, before any model is built or compiled or any folder made.
+    check_dataset(cfg.data, (cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size), ddp.world_size)
     if cfg.train.compile and device.type != "cuda" and ddp.main:
         print("train: torch.compile is used on CUDA only; running eagerly on CPU")
     cfg.train.ckpt_every = math.ceil(cfg.train.ckpt_every / cfg.train.log_every) * cfg.train.log_every
@@ -256,19 +295,50 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
     # Sampling and scoring run on rank 0 only, at log intervals; a missing judge or weights file fails here.
     evaluator = (Evaluator(cfg, device, AMP_DTYPES[cfg.train.precision])
                  if cfg.train.eval_every > 0 and ddp.main else None)
+    own_stop = stop is None
+    stop = stop or StopRequest()
     run_dir = None
-    if ddp.main:
-        run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
-        print(f"train: run folder {run_dir}, {ddp.world_size} process(es)\n{cfg.summary()}")
-        write_json(run_dir / "config.json", cfg.to_dict())
-        write_json(run_dir / "environment.json", {**environment(), "world_size": ddp.world_size,
-                                                  "multicast_env": {k: os.environ.get(k) for k in NO_MULTICAST},
-                                                  "dataset": dataset_info(cfg.data.path)})
-    if ddp.world_size > 1:
-        shared = [str(run_dir) if run_dir else None]
-        dist.broadcast_object_list(shared, src=0)
-        run_dir = Path(shared[0])
+    try:
+        if ddp.main:
+            run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
+            print(f"train: run folder {run_dir}, {ddp.world_size} process(es)\n{cfg.summary()}")
+            write_json(run_dir / "config.json", cfg.to_dict())
+            dataset = (dataset_info(cfg.data.path) if cfg.data.loader != "torch-files"
+                       else {"png_dir": cfg.data.png_dir})
+            write_json(run_dir / "environment.json", {**environment(), "world_size": ddp.world_size,
+                                                      "multicast_env": {k: os.environ.get(k) for k in NO_MULTICAST},
+                                                      "dataset": dataset})
+        if ddp.world_size > 1:
+            shared = [str(run_dir) if run_dir else None]
+            dist.broadcast_object_list(shared, src=0)
+            run_dir = Path(shared[0])
+        return _run(cfg, ddp, device, run_dir, stop, evaluator)
+    except BaseException as e:
+        if ddp.main and run_dir is not None:
+            note = _after_failure(run_dir, fresh=not cfg.train.resume)
+            if isinstance(e, Interrupted):
+                e.args = (f"{e.args[0]}; {note}",)
+            else:
+                print(f"train: {note}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        if own_stop:
+            stop.restore()
 
+
+def _after_failure(run_dir: Path, fresh: bool) -> str:
+    """Removes a new run folder that holds nothing to keep; says what is left."""
+    ckpts = list_checkpoints(run_dir)
+    if fresh and not ckpts and not (run_dir / "stats.jsonl").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return f"removed the run folder {run_dir}: the run stopped before its first stats line or checkpoint"
+    if not ckpts:
+        return f"{run_dir} has no checkpoint; a new run starts from step 0"
+    return f"continue with --resume {run_dir} (newest checkpoint: step {int(ckpts[-1].stem.split('-')[1])})"
+
+
+def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "StopRequest",
+         evaluator: "Evaluator | None") -> Path:
     # ---- data -----------------------------------------------------------------------------------------------
     loader = make_loader(cfg.data, device, rank=ddp.rank, world_size=ddp.world_size)
     steps_per_epoch = len(loader)
@@ -297,6 +367,8 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
             log(ddp, f"train: resumed from {path} at step {start_step}")
         else:
             log(ddp, f"train: {run_dir} has no checkpoint yet; starting at step 0")
+        if ddp.main:
+            drop_stats_after(run_dir / "stats.jsonl", start_step)
 
     def checkpoint(step: int) -> None:
         if ddp.world_size > 1:
@@ -322,7 +394,6 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
             epoch += 1
 
     # ---- loop -----------------------------------------------------------------------------------------------
-    stop = StopRequest()
     timer = StepTimer(device)
     loss_sum = torch.zeros((), device=device)
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
@@ -338,6 +409,7 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
     t_start, window = time.perf_counter(), 0
     step = start_step
+    stop.phase = "running"
     try:
         while step < cfg.train.steps:
             timer.start()
@@ -371,8 +443,11 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
             bad, stop_now = int(flags[0]), bool(flags[1])
             if bad >= 0:
                 # Checkpoints are written only after this check, so every one on disk predates the bad step.
-                raise TrainingError(f"non-finite loss at step {bad}; stopping. The checkpoints in {run_dir} are "
-                                    f"all from before it; lower train.lr or check the data")
+                ckpts = list_checkpoints(run_dir)
+                there = (f"the newest checkpoint in {run_dir}, {ckpts[-1].name}, is from before it" if ckpts
+                         else f"no checkpoint was written before it (train.ckpt_every={cfg.train.ckpt_every})")
+                raise TrainingError(f"non-finite loss at step {bad}; stopping: {there}. Lower train.lr or check "
+                                    f"the data")
             stats = {
                 "step": step, "loss": float(loss_sum) / window, "lr": lr_at(step - 1, cfg.train),
                 "img_per_s": window * global_batch / (sum(iter_ms) / 1e3),
@@ -392,6 +467,8 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
             window = 0
 
             # ---- checkpoint, sample ----------------------------------------------------------------------------
+            if stop_now:
+                stop.phase = "stopping"  # a further signal must not cut the checkpoint-and-exit short
             if step % cfg.train.ckpt_every == 0 or step == cfg.train.steps or stop_now:
                 checkpoint(step)
             if ddp.main and cfg.train.sample_every and (step % cfg.train.sample_every == 0
@@ -400,9 +477,9 @@ def train(cfg: RunConfig, ddp: Dist = Dist()) -> Path:
             if stop_now:
                 log(ddp, f"\ntrain: {stop.signal or 'stop'} received; checkpoint written at step {step}, exiting")
                 break
+        stop.phase = "stopping"  # complete: what follows is bookkeeping
     finally:
         data.close()  # ends the loader's epoch iterator (and its prefetch thread) before the process moves on
-        stop.restore()
         telemetry.stop()
         if progress is not None:
             progress.close()
@@ -456,9 +533,9 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
 
 
 def parse_args(argv: list[str]) -> RunConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
-                                       "data.batch_size=256 precision=fp32 compile=False")
+    p = Parser(prog="python -m ffcv_ddpm.train", description=__doc__.split("\n")[0],
+               epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
+                      "data.batch_size=256 precision=fp32 compile=False")
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
     p.add_argument("--data", help="train .beton file (data.path)")
     p.add_argument("--resume", help="run folder to continue from its newest complete checkpoint")
@@ -475,25 +552,32 @@ def parse_args(argv: list[str]) -> RunConfig:
     else:
         cfg = load_config(args.preset, overrides)
     if args.data:
-        cfg.data.path = args.data
-    return cfg
+        apply_override(cfg, f"data.path={args.data}")
+    return check_config(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
     ddp = Dist()
+    stop = StopRequest()  # from the first moment after the imports: a signal always gets its message
+    rank = lambda: f" (rank {ddp.rank})" if ddp.world_size > 1 else ""  # noqa: E731
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         ddp = init_distributed()
-        train(cfg, ddp)
+        train(cfg, ddp, stop)
     except (TrainingError, ValueError, FileNotFoundError) as e:
-        print(f"train: error{f' (rank {ddp.rank})' if ddp.world_size > 1 else ''}: {e}", file=sys.stderr)
+        print(f"train: error{rank()}: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"train{rank()}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("train: interrupted", file=sys.stderr)
         return 130
     finally:
+        stop.phase = "stopping"  # whatever happened above is complete; the exit must not be cut short
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        stop.restore()
     return 0
 
 

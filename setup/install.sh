@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
 # One-time set-up: system packages FFCV needs to build, a virtualenv, the pinned requirements, FFCV itself.
 # Called by the Makefile when .venv/.installed is missing or older than requirements.txt.
+# APT=always (CI): install the system packages even when present; APT=never: skip that step (you provide them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 FFCV_VERSION=1.0.2
 APT_PACKAGES="pkg-config libopencv-core-dev libopencv-imgproc-dev libturbojpeg0-dev python3-venv"
+
+START=$SECONDS
+STEP=0
+STEP_START=$SECONDS
+# One line as each step starts and how long it took, so the minute of pip is not a minute of silence.
+step() {
+    if [ "$STEP" -gt 0 ]; then echo "setup:       ($((SECONDS - STEP_START)) s)"; fi
+    STEP=$((STEP + 1))
+    STEP_START=$SECONDS
+    echo "setup: [$STEP/5] $*"
+}
 
 have_system_deps() {
     command -v pkg-config >/dev/null &&
@@ -16,8 +28,10 @@ have_system_deps() {
 }
 
 # APT=always (CI) installs them even when present: apt-get is then a quick no-op, and the path is exercised.
-if [ "${APT:-auto}" = always ] || ! have_system_deps; then
-    echo "setup: installing system packages FFCV needs to build: $APT_PACKAGES"
+if [ "${APT:-auto}" = never ]; then
+    step "system packages: skipped (APT=never)"
+elif [ "${APT:-auto}" = always ] || ! have_system_deps; then
+    step "installing the system packages FFCV needs to build (apt-get): $APT_PACKAGES"
     if [ "$(id -u)" = 0 ]; then
         SUDO=""
     elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
@@ -30,17 +44,22 @@ if [ "${APT:-auto}" = always ] || ! have_system_deps; then
     fi
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends $APT_PACKAGES
+else
+    step "system packages: already installed"
 fi
 
-echo "setup: creating $VENV with $($PYTHON --version)"
+step "creating $VENV with $($PYTHON --version 2>&1)"
 $PYTHON -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
+step "installing the pinned requirements (torch, numpy, ...; the longest step, about a minute)"
 $PIP install -q -r requirements.txt
+step "building FFCV $FFCV_VERSION and installing this project"
 # setup/opencv-shim stands in for the opencv4.pc that only the full libopencv-dev ships (see the files there).
 PKG_CONFIG_PATH="$PWD/setup/opencv-shim${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}" \
     $PIP install -q --no-deps "ffcv==$FFCV_VERSION"
 $PIP install -q --no-deps -e .
+step "checking that FFCV and OpenCV load"
 
 # Fail here, not in the first test, if FFCV cannot load or the desktop OpenCV crept in.
 "$VENV/bin/python" - <<'PY'
@@ -55,3 +74,5 @@ print(f"setup: ffcv {md.version('ffcv')}, opencv-python-headless {cv2.__version_
       f"torch {md.version('torch')}, numpy {md.version('numpy')} - ok")
 PY
 touch "$VENV/.installed"
+echo "setup:       ($((SECONDS - STEP_START)) s)"
+echo "setup: done in $((SECONDS - START)) s"

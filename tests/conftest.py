@@ -174,15 +174,15 @@ class IndexedArrays:
         return self.images[i], int(self.labels[i])
 
 
-def write_beton(path: Path, n: int, seed: int = 0) -> Path:
-    """A raw .beton of n 32x32 images, written straight through FFCV (no tools/, no manifest)."""
+def write_beton(path: Path, n: int, seed: int = 0, height: int = 32, width: int = 32) -> Path:
+    """A raw .beton of n height x width images, written straight through FFCV (no tools/, no manifest)."""
     from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
 
     rng = np.random.default_rng(seed)
     # Smooth colour ramps plus noise: structured, never all zeros.
-    ramp = np.linspace(0, 200, 32, dtype=np.float32)[None, :, None, None]
-    images = (ramp + rng.integers(0, 56, (n, 32, 32, 3))).astype(np.uint8)
+    ramp = np.linspace(0, 200, height, dtype=np.float32)[None, :, None, None]
+    images = (ramp + rng.integers(0, 56, (n, height, width, 3))).astype(np.uint8)
     labels = rng.integers(0, 10, n)
     DatasetWriter(str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()},
                   num_workers=1).from_indexed_dataset(IndexedArrays(images, labels))

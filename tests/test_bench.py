@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench import BETON, STACK, TABLES, merge, quick_rows, row_overrides, table_rows
-from benchmarks.report import add_metrics, render_markdown, write_reports
+from benchmarks.report import add_metrics, render_markdown, terminal_table, write_reports
 from ffcv_ddpm.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,6 +116,25 @@ def test_report_renders_markdown_and_png(tmp_path):
     assert "6.1%" in on_gpu  # 60 TFLOP/s of 989.4
 
 
+def test_terminal_table_has_every_row_aligned():
+    lines = terminal_table(add_metrics(_fake_result(None))).strip().splitlines()
+    assert lines[0] == "annotated-small" and lines[1].split()[:2] == ["row", "batch"]
+    assert "10,000" in lines[3] and "n/a (no CUDA)" in lines[3] and lines[4].endswith("FAILED: out of memory")
+    assert len({line.index("img/s") if "img/s" in line else None for line in lines[1:2]}) == 1
+    assert lines[2].index("5,000") + len("5,000") == lines[3].index("10,000") + len("10,000")  # right-aligned
+
+
+def test_local_cpu_results_are_ignored_by_git_and_gpu_results_are_not():
+    """`make bench` on a CPU writes benchmarks/results/cpu/: it must not dirty the checkout (issue 17)."""
+    def ignored(path):
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0
+
+    if subprocess.run(["git", "rev-parse"], cwd=REPO, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    assert ignored("benchmarks/results/cpu/quick.json") and ignored("benchmarks/results/cpu/profile-tiny/trace.json.gz")
+    assert not ignored("benchmarks/results/h200/ddpm.json") and not ignored("benchmarks/results/h100/ddpm.json")
+
+
 def test_report_cli_rejects_a_foreign_file(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
@@ -136,6 +155,8 @@ def test_quick_table_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = proc.stdout.splitlines()[:3]
     assert any("SYNTHETIC" in line for line in first), first  # said up front, not buried
+    table = proc.stdout.rsplit("\ntiny\n", 1)[1].splitlines()  # printed at the end, not only written to files
+    assert table[0].split()[:2] == ["row", "batch"] and table[1].startswith("baseline (fp32"), proc.stdout[-2000:]
     result = json.loads((out / "quick.json").read_text())
     assert result["dataset"]["synthetic"] is True and result["dataset_built_now"] is True
     assert [(r["preset"], r["name"]) for r in result["rows"]] == [

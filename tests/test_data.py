@@ -218,9 +218,19 @@ def test_bad_configs_are_rejected_with_the_field_named(data, tmp_path):
     cfg.batch_size = 0  # set after __init__, as config overrides do: make_loader validates again
     with pytest.raises(ValueError, match="batch_size"):
         make_loader(cfg, CPU)
-    with pytest.raises(ValueError, match="batch_size 101 exceeds"):
+    with pytest.raises(ValueError, match="batch_size=101 exceeds"):
         make_loader(config(data[0], "torch-files", batch_size=101, drop_last=True), CPU)
     with pytest.raises(ValueError, match="torch.distributed"):
         make_loader(config(data[0], "ffcv"), CPU, rank=1, world_size=2)
     with pytest.raises(FileNotFoundError, match="PNG folder"):
         make_loader(DataConfig(loader="torch-files", png_dir=str(tmp_path / "nope")), CPU)
+
+
+def test_default_workers_fit_the_machine(monkeypatch):
+    """8 decode threads on a 2-core machine would only be capped by numba, with a warning on every run."""
+    import ffcv_ddpm.data as data_mod
+
+    monkeypatch.setattr(data_mod, "cpu_count", lambda: 2)
+    assert data_mod.DataConfig().num_workers == 2
+    monkeypatch.setattr(data_mod, "cpu_count", lambda: 64)
+    assert data_mod.DataConfig().num_workers == 8

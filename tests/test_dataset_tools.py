@@ -23,8 +23,9 @@ from PIL import Image
 import tools.ffcv_writer
 import tools.make_dataset
 from conftest import SMALL_TEST, SMALL_TRAIN, make_cifar_tarball, read_beton, write_png_folder
-from tools.atomic import remove_stale_partials
-from tools.cifar10 import CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic
+from tools.atomic import SHM_DIR, remove_stale_partials
+from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, CLASSES, DatasetError, download, load_png_dir, load_synthetic,
+                           load_tarball)
 from tools.make_dataset import BETON_FILES, MANIFEST, main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +67,13 @@ def tarball_case(tmp_path_factory):
             "--workers", "2"]
     assert main(args) == 0
     return data, tarball, out, args
+
+
+def test_a_tarball_that_is_not_the_official_file_gets_a_warning(tarball_case, capsys):
+    load_tarball(tarball_case[1])
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    assert hashlib.md5(tarball_case[1].read_bytes()).hexdigest() in warning and f"not the official CIFAR-10 " \
+        f"tarball's {CIFAR10_MD5}" in warning
 
 
 def test_tarball_manifest_records_input_counts_and_files(tarball_case):
@@ -307,7 +315,7 @@ def test_offline_download_is_one_clear_message(tmp_path):
     assert proc.returncode != 0
     err = proc.stderr.strip()
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
-    assert url in err and "CIFAR=" in err and "SOURCE=synthetic" in err
+    assert url in err and "CIFAR=" in err and "SOURCE=synthetic" in err and "PNG_DIR=" in err
     assert list((tmp_path / "data").iterdir()) == []
 
 
@@ -396,6 +404,19 @@ def test_bad_png_folder_names_what_is_wrong(png_root, case, message):
     assert message in str(err.value)
     if case == "missing_row":
         assert str(train / "40.png") in str(err.value)  # names the file that has no label
+
+
+@pytest.mark.parametrize("case", ["no folders", "no pngs"])
+def test_empty_png_folder_is_one_line_without_a_progress_fragment(tmp_path, capsys, case):
+    root = tmp_path / "kaggle"
+    (root / "train").mkdir(parents=True)
+    if case == "no pngs":
+        (root / "trainLabels.csv").write_text("id,label\n")
+    else:
+        (root / "train").rmdir()
+    assert main(["--source", "png", "--png-dir", str(root), "--out", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("make_dataset: error: ") and err.count("\n") == 1 and "\r" not in err, repr(err)
 
 
 def test_bad_png_folder_through_the_cli(png_root, tmp_path, capsys):
@@ -528,15 +549,72 @@ def test_kill_mid_write_leaves_no_beton_and_next_run_cleans_up(tmp_path, capsys)
 @pytest.mark.parametrize("how", ["kill", "ctrl-c"])
 def test_stopped_mid_write_cleans_up_itself(tmp_path, how):
     proc = _start_big_conversion(tmp_path)
+    segments = _wait_for_segments(proc)  # before the signal: on a loaded machine it could come before the mapping
     if how == "kill":
         proc.send_signal(signal.SIGTERM)  # plain `kill <pid>`: the CLI alone
     else:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the CLI and its workers
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)  # to EOF: also what multiprocessing's resource tracker writes there
     assert proc.returncode == 128 + (signal.SIGTERM if how == "kill" else signal.SIGINT), err
     assert "interrupted" in err and "Traceback" not in err
+    assert "leaked" not in err, err  # "resource_tracker: There appear to be 1 leaked shared_memory objects"
     assert betons(tmp_path) == [] and partials(tmp_path) == []
     assert _group_ends(proc.pid) == [], "writer workers outlived the stopped CLI"
+    assert [s for s in segments if (SHM_DIR / s).exists()] == []
+
+
+def _wait_for_segments(proc: subprocess.Popen, timeout: float = 60) -> list[str]:
+    """Names of the shared-memory segments the writer process has mapped (its FFCV metadata; not multiprocessing's
+    semaphores, which are unlinked as soon as they are made), once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        names = sorted({line.split("/dev/shm/", 1)[1].split()[0] for line in maps.splitlines()
+                        if "/dev/shm/" in line and "(deleted)" not in line and "/dev/shm/sem." not in line})
+        if names:
+            return names
+        time.sleep(0.01)
+    raise AssertionError("the writer mapped no shared memory")
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs Linux /dev/shm")
+def test_kill9_of_the_group_leaves_a_segment_the_next_run_removes(tmp_path, capsys):
+    proc = _start_big_conversion(tmp_path)
+    segments = _wait_for_segments(proc)
+    os.killpg(proc.pid, signal.SIGKILL)  # the CLI, its workers and multiprocessing's resource tracker
+    proc.wait(timeout=60)
+    proc.stderr.close()
+    assert _group_ends(proc.pid) == []
+    assert all((SHM_DIR / s).exists() for s in segments)  # nothing could unlink it
+    assert main(SMALL + ["--out", str(tmp_path)]) == 0
+    assert "shared-memory segment(s) left by a killed run" in capsys.readouterr().out
+    assert [s for s in segments if (SHM_DIR / s).exists()] == []
+
+
+_WRITER = """
+import sys, time
+from pathlib import Path
+from tools.atomic import partial_path
+partial_path(Path(sys.argv[1]) / "x.beton").write_bytes(b"x")
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_partials_of_a_killed_writer_are_stale_before_it_is_reaped(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.kill()
+    stat = Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # dead, not reaped: its pid still answers kill 0
+        time.sleep(0.01)
+    try:
+        (partial,) = partials(tmp_path)
+        assert remove_stale_partials(tmp_path) == [tmp_path / partial]
+        assert list(tmp_path.iterdir()) == []  # its lock file is gone too
+    finally:
+        proc.wait()
 
 
 def test_stale_partials_of_live_processes_are_kept(tmp_path):

@@ -30,10 +30,10 @@ TINY = ["--preset", "tiny", "--batch", "16", "--log-every", "5", "--smooth", "2"
 
 
 def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_dataset, tmp_path, capsys):
-    # The control: GroupNorm computed as scale and shift instead of F.group_norm, fp32 like the reference. --ref
+    # The control: nn.GroupNorm instead of the default scale-and-shift GroupNorm, fp32 like the reference. --ref
     # train.compile=False reaches the reference and the control, not the candidate (compile is ignored on CPU).
     args = ["--data", str(small_dataset), *TINY, "--steps", "20", "--out", str(tmp_path),
-            "--ref", "train.compile=False", "--control", "model.norm_impl=scale-shift"]
+            "--ref", "train.compile=False", "--control", "model.norm_impl=torch"]
     rc = numerics.main([*args, "--tol", "0.5"])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -47,15 +47,15 @@ def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_datas
     configs = {leg: r[leg]["config"] for leg in ("reference", "candidate", "control")}
     assert [c["train"]["precision"] for c in configs.values()] == ["fp32", "bf16", "fp32"]
     assert [c["train"]["compile"] for c in configs.values()] == [False, True, False]
-    assert [c["model"]["norm_impl"] for c in configs.values()] == ["torch", "torch", "scale-shift"]
-    assert r["control"]["overrides"] == ["train.compile=False", "model.norm_impl=scale-shift"]
+    assert [c["model"]["norm_impl"] for c in configs.values()] == ["scale-shift", "scale-shift", "torch"]
+    assert r["control"]["overrides"] == ["train.compile=False", "model.norm_impl=torch"]
     # The control's check is the same statistic on its own curve; fp32 against fp32 deviates less than bf16 does.
     assert r["control_check"] == numerics.check(ref, ctl, tol=0.5, skip=0.05, smooth=2)
     floor, dev = r["control_check"]["max_abs_smoothed"], r["check"]["max_abs_smoothed"]
     assert floor < dev and r["noise_floor"] == {"candidate": dev, "control": floor, "exceeds": True,
                                                 "ratio": dev / floor if floor else None}
     md = (tmp_path / "numerics-bf16.md").read_text()
-    assert "within tolerance" in md and "EXCEEDS the noise floor" in md and "model.norm_impl=scale-shift" in md
+    assert "within tolerance" in md and "EXCEEDS the noise floor" in md and "model.norm_impl=torch" in md
     assert "exceeds the noise floor" in printed
     assert (tmp_path / "numerics-bf16.png").stat().st_size > 10_000
 

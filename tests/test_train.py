@@ -1,6 +1,7 @@
 """The trainer on CPU with the tiny preset: run folder, loss going down, bit-exact resume, kill -9, SIGTERM, NaN."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import torch
 from conftest import REPO, host_syncs, write_beton
 from ffcv_ddpm import train as train_mod
 from ffcv_ddpm.checkpoint import list_checkpoints
-from ffcv_ddpm.config import RunConfig, load_config
+from ffcv_ddpm.checks import BadValue
+from ffcv_ddpm.config import PRECISIONS, RunConfig, check_config, load_config
 
 @pytest.fixture(scope="module")
 def beton(tmp_path_factory) -> Path:
@@ -61,6 +63,8 @@ def test_run_folder_contents(beton, tmp_path):
         assert np.isfinite(s["loss"]) and s["img_per_s"] > 0 and 0 <= s["data_wait_share"] <= 1
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
     assert (run_dir / "samples-00000008.png").stat().st_size > 0
+    mode = lambda name: (run_dir / name).stat().st_mode & 0o777  # noqa: E731
+    assert mode("samples-00000008.png") == mode("config.json") == mode("stats.jsonl")  # not 0600 (mkstemp's)
     ckpt = torch.load(run_dir / "ckpt-00000008.pt", weights_only=False)
     assert ckpt["step"] == 8 and not any(k.startswith("_orig_mod") for k in ckpt["model"])
 
@@ -204,3 +208,133 @@ def test_largest_fitting_batch_reports_what_fits():
     assert seen == [64, 32, 16]
     assert train_mod.largest_fitting_batch(lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError()),
                                            torch.device("cpu"), 8, 32) is None
+
+
+# ---- first use and bad input (issue 17) -------------------------------------------------------------------------
+
+def test_a_config_changed_in_code_is_checked_by_train():
+    cfg = load_config("tiny", ["train.device=cpu"])
+    cfg.train.log_every = 0
+    with pytest.raises(BadValue, match="train.log_every=0"):
+        train_mod.train(cfg)
+    cfg.train.log_every = 1
+    assert check_config(cfg) is cfg
+
+
+def test_precisions_are_the_configs():
+    assert tuple(train_mod.AMP_DTYPES) == PRECISIONS
+
+
+def _main(tmp_path, capsys, beton, *overrides):
+    """train.main with the tiny CPU settings; (exit code, stderr lines, run folders left)."""
+    out = tmp_path / "runs"
+    argv = ["--preset", "tiny", "--data", str(beton), "data.batch_size=8", "data.num_workers=1", "train.device=cpu",
+            "train.precision=fp32", "train.progress=False", "train.sample_every=0", "train.steps=2",
+            "train.log_every=1", f"train.out_dir={out}", *overrides]
+    rc = train_mod.main(argv)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return rc, err, sorted(out.glob("*")) if out.exists() else []
+
+
+@pytest.fixture(scope="module")
+def odd_betons(tmp_path_factory):
+    d = tmp_path_factory.mktemp("odd")
+    return {(h, w): write_beton(d / f"{h}x{w}.beton", 8, height=h, width=w) for h, w in ((64, 64), (32, 48), (31, 31))}
+
+
+@pytest.mark.parametrize("shape,overrides", [((64, 64), ()), ((32, 48), ()), ((31, 31), ()),
+                                             ((32, 32), ("model.image_size=64",))])
+def test_image_size_must_match_the_model(shape, overrides, odd_betons, beton, tmp_path, capsys):
+    data = beton if shape == (32, 32) else odd_betons[shape]
+    rc, err, left = _main(tmp_path, capsys, data, *overrides)
+    assert rc == 2 and len(err) == 1, err
+    h, w = shape
+    model = 64 if overrides else 32
+    assert f"holds {h}x{w} images" in err[0] and f"built for {model}x{model}" in err[0], err[0]
+    assert left == []
+
+
+@pytest.mark.parametrize("override,words", [
+    ("train.steps=abc", "train.steps=abc: expected an integer >= 1"),
+    ("train.lr=abc", "train.lr=abc: expected a number > 0"),
+    ("train.log_every=0", "train.log_every=0: expected an integer >= 1"),
+    ("train.ckpt_every=0", "train.ckpt_every=0: expected an integer >= 1"),
+    ("train.precision=fp8", "train.precision=fp8: expected one of fp32, tf32, bf16, fp16"),
+    ("data.batch_size=0", "data.batch_size=0: expected an integer >= 1"),
+    ("data.batch_size=128", "data.batch_size=128 exceeds the 64 images per rank"),
+])
+def test_bad_input_is_one_line_and_leaves_no_run_folder(override, words, beton, tmp_path, capsys):
+    rc, err, left = _main(tmp_path, capsys, beton, override)
+    assert rc == 2 and len(err) == 1 and words in err[0], err
+    assert left == []
+
+
+def test_nan_loss_without_a_checkpoint_says_there_is_none(beton, tmp_path, monkeypatch):
+    real_loss = train_mod.GaussianDiffusion.loss
+    monkeypatch.setattr(train_mod.GaussianDiffusion, "loss",
+                        lambda self, *a, **k: real_loss(self, *a, **k) * float("nan"))
+    cfg = tiny_cfg(beton, tmp_path, "train.log_every=2", "train.ckpt_every=4")
+    with pytest.raises(train_mod.TrainingError) as e:
+        train_mod.train(cfg)
+    assert "non-finite loss at step 0" in str(e.value) and "no checkpoint was written before it" in str(e.value)
+    assert not list(tmp_path.glob("0000*"))  # nothing to keep: the new folder is gone
+
+
+def test_resume_keeps_one_stats_history(beton, tmp_path):
+    """A kill after the stats line of step 6 but before the checkpoint of step 8: the resumed run logs 6 and 8
+    again, and stats.jsonl must not hold them twice."""
+    run_dir = train_mod.train(tiny_cfg(beton, tmp_path))
+    list_checkpoints(run_dir)[-1].unlink()  # back to the state of a kill between two checkpoints
+    lines = (run_dir / "stats.jsonl").read_text().splitlines()
+    (run_dir / "stats.jsonl").write_text("\n".join(lines[:3]) + "\n")  # steps 2, 4, 6
+    train_mod.train(tiny_cfg(beton, tmp_path, f"train.resume={run_dir}"))
+    assert [s["step"] for s in read_stats(run_dir)] == [2, 4, 6, 8]
+
+
+# Run in a child: signals sent to itself at chosen moments, so the test does not depend on timing.
+_SIGNAL_SCRIPT = """
+import os, signal, sys
+from ffcv_ddpm import train as t
+when = sys.argv[1]
+real_build, real_save, real_loss = t.build, t.save_checkpoint, t.GaussianDiffusion.loss
+calls = {"loss": 0}
+def build(*a, **k):  # start-up: the run folder exists, no step has run
+    if when == "start-up":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_build(*a, **k)
+def loss(self, *a, **k):
+    calls["loss"] += 1
+    if when == "twice" and calls["loss"] == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: checkpoint and exit after this step
+    return real_loss(self, *a, **k)
+def save(*a, **k):
+    if when == "twice":
+        os.kill(os.getpid(), signal.SIGTERM)  # the second, while that checkpoint is being written
+    return real_save(*a, **k)
+t.build, t.save_checkpoint, t.GaussianDiffusion.loss = build, save, loss
+sys.exit(t.main(sys.argv[2:]))
+"""
+
+
+def _signal_run(when, beton, out):
+    argv = ["--preset", "tiny", "--data", str(beton), "data.batch_size=8", "data.num_workers=1", "train.device=cpu",
+            "train.precision=fp32", "train.progress=False", "train.sample_every=0", "train.steps=100",
+            "train.log_every=50", "train.ckpt_every=50", f"train.out_dir={out}"]
+    return subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, when, *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_sigterm_during_startup_says_so_and_removes_the_run_folder(beton, tmp_path):
+    proc = _signal_run("start-up", beton, tmp_path)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "SIGTERM during start-up, before step 1" in err[0] and "removed the run folder" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_second_sigterm_during_the_checkpoint_lets_it_complete(beton, tmp_path):
+    proc = _signal_run("twice", beton, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SIGTERM received; checkpoint written at step 3" in proc.stdout
+    (ckpt,) = list_checkpoints(next(tmp_path.glob("00000-*")))
+    assert torch.load(ckpt, weights_only=False)["step"] == 3

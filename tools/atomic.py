@@ -2,27 +2,90 @@
 
 Every output is first written under a temp name beside its final name (".<name>.partial-<pid>": same folder, so the
 rename is atomic), fsynced, then renamed. Temp names of this process are registered, so Ctrl-C or `kill` removes them
-before exiting; `kill -9` cannot, so the next run removes temp names whose process is gone.
+before exiting; `kill -9` cannot, so the next run removes temp names whose process is gone. "Gone" is decided by a
+lock the writing process holds (".writer-<pid>.lock" in the same folder, flock'ed until it and its workers exit), not
+by its pid: a killed process that is not reaped yet still has a pid, but the kernel has released its locks.
+Shared-memory segments are handled the same way: named ffcv_ddpm_<pid>_<hex> and locked while in use, so a run can
+recognise and remove those a killed run left in /dev/shm.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
+import secrets
 import shutil
 import signal
 import time
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 PARTIAL_TAG = ".partial-"
+SHM_PREFIX = "ffcv_ddpm_"  # shared-memory segments of this project: /dev/shm/ffcv_ddpm_<pid>_<hex>
+SHM_DIR = Path("/dev/shm")
 _pending: set[Path] = set()  # this process's temp outputs, not yet renamed into place or removed
 _children: set[int] = set()  # worker processes that may still (re)open those outputs
+_locks: dict[Path, int] = {}  # lock file -> fd, held while this process (or a worker it forked) lives
+_segments: dict[str, shared_memory.SharedMemory | None] = {}  # ours, by name (None: being created)
 
 
 def partial_path(final: Path) -> Path:
-    """Temp name for `final` in the same folder, tagged with our pid (not registered: see Staged for that)."""
+    """Temp name for `final` in the same folder, tagged with our pid (not registered: see Staged for that).
+    Takes this process's writer lock in that folder first, so the next run can tell whether we still live."""
+    _hold_lock(final.parent / _lock_name(os.getpid()))
     return final.with_name(f".{final.name}{PARTIAL_TAG}{os.getpid()}")
+
+
+def _lock_name(pid: int) -> str:
+    return f".writer-{pid}.lock"
+
+
+def _hold_lock(path: Path) -> None:
+    if path in _locks or not path.parent.is_dir():
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return  # an unwritable folder: the caller's own write reports it
+    fcntl.flock(fd, fcntl.LOCK_EX)  # inherited by forked workers: held until the last of them exits
+    _locks[path] = fd
+
+
+def _locked_by_another(path: Path) -> bool | None:
+    """True if a live process holds the lock on `path`, False if none does, None if there is no such file (or it
+    is not ours to open: then nothing is removed on its account)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases the lock if we took it
+
+
+def release_locks() -> None:
+    """When this process has finished writing (at exit at the latest; forked workers leave with os._exit, so never
+    from them) and when it is stopped by a signal."""
+    for path in list(_locks):
+        _release_lock(path)
+
+
+def _release_lock(path: Path) -> None:
+    fd = _locks.pop(path, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+            os.close(fd)
+
+
+atexit.register(release_locks)
 
 
 def remove_path(p: Path) -> None:
@@ -33,8 +96,6 @@ def remove_path(p: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # a leftover tagged with our own pid came from an earlier process (or an earlier call): stale
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -44,14 +105,63 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _writer_alive(folder: Path, pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # not one of our registered outputs (the caller checked): an earlier process with our pid
+    locked = _locked_by_another(folder / _lock_name(pid))
+    return _pid_alive(pid) if locked is None else locked  # no lock file: a writer that took none (older version)
+
+
 def remove_stale_partials(folder: Path) -> list[Path]:
-    """Remove temp files/folders left by killed runs; those of a process still running are kept."""
+    """Remove temp files/folders left by killed runs, and their lock files; those of a live process are kept."""
     removed = []
     for p in folder.glob(f".*{PARTIAL_TAG}*"):
         pid = p.name.rsplit(PARTIAL_TAG, 1)[1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and p not in _pending and not _writer_alive(folder, int(pid)):
             remove_path(p)
             removed.append(p)
+    for lock in folder.glob(".writer-*.lock"):
+        if lock not in _locks and _locked_by_another(lock) is False:
+            lock.unlink(missing_ok=True)
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shared memory
+
+def create_segment(size: int) -> shared_memory.SharedMemory:
+    """A shared-memory segment named as this project's and locked while this process (or a worker it forked) lives.
+    Free it with release_segment; Ctrl-C/kill unlink it (abort_cleanly); after kill -9, remove_stale_segments."""
+    name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+    _segments[name] = None  # known before it exists: a signal while it is being made still removes it
+    # SharedMemory would start multiprocessing's resource tracker (a process: tens of ms) after the segment exists;
+    # started first, the moment the segment exists but is not registered here shrinks to nothing.
+    resource_tracker.ensure_running()
+    seg = _segments[name] = shared_memory.SharedMemory(name=name, create=True, size=size)
+    _hold_lock(SHM_DIR / seg.name)  # where the segment is a file (Linux): its own lock says whether it is in use
+    return seg
+
+
+def release_segment(seg: shared_memory.SharedMemory) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        seg.unlink()  # first: it also tells multiprocessing's resource tracker, so it reports no leak
+    _segments.pop(seg.name, None)
+    fd = _locks.pop(SHM_DIR / seg.name, None)
+    if fd is not None:
+        os.close(fd)
+    # Stopped mid-write, numpy views of the buffer may still exist and close() refuses (BufferError); the mapping
+    # then goes with the process, and the name is already gone.
+    with contextlib.suppress(BufferError):
+        seg.close()
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink this project's shared-memory segments whose process is gone (left by kill -9)."""
+    removed = []
+    for p in SHM_DIR.glob(f"{SHM_PREFIX}*") if SHM_DIR.is_dir() else ():
+        if p.name not in _segments and _locked_by_another(p) is False:
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
     return removed
 
 
@@ -89,7 +199,14 @@ class Staged:
             _pending.discard(tmp)
         for folder in {final.parent for _, final in self.pending}:
             fsync_path(folder)  # so that the renames themselves survive a power cut
+        self._done()
+
+    def _done(self) -> None:
+        # A folder where this process has no temp output left needs no lock: a results folder keeps no lock file.
+        folders = {final.parent for _, final in self.pending}
         self.pending.clear()
+        for folder in folders - {tmp.parent for tmp in _pending}:
+            _release_lock(folder / _lock_name(os.getpid()))
 
     def __enter__(self):
         return self
@@ -98,7 +215,7 @@ class Staged:
         for tmp, _ in self.pending:
             remove_path(tmp)
             _pending.discard(tmp)
-        self.pending.clear()
+        self._done()
 
 
 def write_json(path: Path, obj: dict) -> None:
@@ -165,6 +282,13 @@ def abort_cleanly(message: str):
                 for p in list(_pending):
                     remove_path(p)
                 time.sleep(0.04)
+            for name, seg in list(_segments.items()):
+                with contextlib.suppress(Exception):
+                    if seg is None:
+                        (SHM_DIR / name).unlink(missing_ok=True)
+                    else:
+                        release_segment(seg)
+            release_locks()
             os.write(2, f"\n{message}\n".encode())
         os._exit(128 + signum)
 

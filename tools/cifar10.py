@@ -11,6 +11,7 @@ import hashlib
 import http.client
 import json
 import pickle
+import sys
 import tarfile
 import urllib.error
 import urllib.request
@@ -99,7 +100,8 @@ def file_digests(path: Path, desc: str | None = None) -> dict:
 
 def offline_message(url: str, reason: str) -> str:
     return (f"could not download CIFAR-10 from {url} ({reason}). Alternatives: a local copy of the tarball "
-            f"(make dataset CIFAR=/path/to/{TARBALL_NAME}), or synthetic data (make dataset SOURCE=synthetic).")
+            f"(make dataset CIFAR=/path/to/{TARBALL_NAME}), a PNG folder in the Kaggle layout (make dataset "
+            f"PNG_DIR=/path/to/folder), or synthetic data (make dataset SOURCE=synthetic).")
 
 
 def download(dest: Path, url: str = CIFAR10_URL, md5: str = CIFAR10_MD5, timeout: float = 30.0) -> Path:
@@ -206,6 +208,9 @@ def load_tarball(path: Path) -> ImageDataset:
     train = Split(np.concatenate([batches[n].images for n in TRAIN_BATCHES]),
                   np.concatenate([batches[n].labels for n in TRAIN_BATCHES]))
     info = {"path": str(path), **digests, "official_md5": digests["md5"] == CIFAR10_MD5}
+    if not info["official_md5"]:
+        print(f"WARNING: {path} has MD5 {digests['md5']}, not the official CIFAR-10 tarball's {CIFAR10_MD5}; it is "
+              "used as given and the manifest records official_md5: false", file=sys.stderr)
     return ImageDataset(train, batches[TEST_BATCH], source="tarball", info=info)
 
 
@@ -313,9 +318,21 @@ def _parse_holdout(holdout: str | float | int, n: int, where: Path) -> int:
     return count
 
 
+def _png_layout(root: Path) -> tuple[tuple, tuple | None]:
+    """(files, labels) of train/ and of test/ (None if absent); DatasetError if the layout is not Kaggle's."""
+    if not root.is_dir():
+        raise DatasetError(f"PNG folder {root} does not exist")
+    train = _list_png_split(root, "train")
+    if train is None:
+        raise DatasetError(f"PNG folder {root} has no train/ + trainLabels.csv (expected the Kaggle layout: "
+                           f"train/1.png ... train/N.png and trainLabels.csv with the header 'id,label')")
+    return train, _list_png_split(root, "test")
+
+
 def png_fingerprint(root: Path) -> str:
     """SHA-256 over every labels file and PNG of the layout (names and bytes), in a fixed order."""
     root = Path(root)
+    _png_layout(root)  # a wrong layout is one error line, before any progress bar starts
     h = hashlib.sha256()
     paths = sorted(p for p in root.glob("*Labels.csv")) + sorted(
         (p for split in ("train", "test") if (root / split).is_dir() for p in (root / split).glob("*.png")),
@@ -329,13 +346,7 @@ def load_png_dir(root: Path, holdout: str | float | int = 0.2, workers: int = 1)
     """Read a Kaggle-layout PNG folder. Without test/ + testLabels.csv (the real Kaggle set has no test labels), the
     test split is the last `holdout` train images by id: a fraction in (0, 1) or a count (0.2 of 50,000 = 10,000)."""
     root = Path(root)
-    if not root.is_dir():
-        raise DatasetError(f"PNG folder {root} does not exist")
-    train = _list_png_split(root, "train")
-    if train is None:
-        raise DatasetError(f"PNG folder {root} has no train/ + trainLabels.csv (expected the Kaggle layout: "
-                           f"train/1.png ... train/N.png and trainLabels.csv with the header 'id,label')")
-    test = _list_png_split(root, "test")
+    train, test = _png_layout(root)
     files = train[0] + (test[0] if test else [])
     images = np.concatenate(_parallel_chunks(_read_pngs, files, workers, desc=f"decode {root.name}"))
     n_train = len(train[0])

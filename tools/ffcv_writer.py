@@ -10,12 +10,13 @@ import queue
 import time
 from pathlib import Path
 
+import ffcv.writer
 from ffcv.fields import IntField, RGBImageField
 from ffcv.memory_allocator import MemoryAllocator
 from ffcv.writer import DatasetWriter
 from tqdm import tqdm
 
-from tools.atomic import track_children, untrack_children, worker_init
+from tools.atomic import create_segment, release_segment, track_children, untrack_children, worker_init
 from tools.cifar10 import Split
 
 
@@ -45,6 +46,15 @@ def _drain(q) -> None:
         pass
 
 
+class _NamedSegments:
+    """Stands in for multiprocessing.shared_memory inside FFCV's DatasetWriter.prepare."""
+
+    @staticmethod
+    def SharedMemory(create: bool, size: int):  # noqa: N802 (the name FFCV calls)
+        assert create
+        return create_segment(size)
+
+
 class _Writer(DatasetWriter):
     """FFCV 1.0.2's DatasetWriter, with the worker loop made safe to fail.
 
@@ -56,6 +66,16 @@ class _Writer(DatasetWriter):
     def __init__(self, fname: str, fields: dict, desc: str, num_workers: int, page_size: int):
         super().__init__(fname, fields, page_size=page_size, num_workers=num_workers)
         self.desc = desc
+
+    def prepare(self):
+        # FFCV creates its metadata segment with a random psm_* name, which a later run cannot tell from anyone
+        # else's after kill -9; ours is named and locked as this project's (tools.atomic.create_segment).
+        real = ffcv.writer.shared_memory
+        ffcv.writer.shared_memory = _NamedSegments
+        try:
+            super().prepare()
+        finally:
+            ffcv.writer.shared_memory = real
 
     def _write_common(self, num_samples, queue_content, work_fn, extra_worker_args):
         ctx = multiprocessing.get_context("fork")  # workers share the arrays with the parent instead of copying them
@@ -100,8 +120,7 @@ class _Writer(DatasetWriter):
                 # exit, blocked forever on a full pipe: read it back here.
                 _drain(work)
                 work.cancel_join_thread()
-            self.metadata_sm.close()
-            self.metadata_sm.unlink()
+            release_segment(self.metadata_sm)
 
     @staticmethod
     def _check_workers(procs) -> None:

@@ -29,7 +29,9 @@ import threading
 import time
 from pathlib import Path
 
-from tools.atomic import Staged, abort_cleanly, partial_path, remove_stale_partials, write_json
+from ffcv_ddpm.checks import Parser, at_least, in_range, matches, option
+from tools.atomic import (Staged, abort_cleanly, partial_path, release_locks, remove_stale_partials,
+                          remove_stale_segments, write_json)
 from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, ImageDataset, DatasetError, export_png_dir,
                            load_source, png_fingerprint, synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
 from tools.digits import (DIGITS_PREPROCESS, DIGITS_SPLIT, MNIST_PREPROCESS, digits_fingerprint, load_digits,
@@ -64,33 +66,38 @@ def default_workers() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+def _holdout(text: str) -> str:
+    """--png-holdout, checked but kept as the text given (the manifest records it)."""
+    option(float, matches("a fraction in (0, 1) or a whole count >= 1",
+                          lambda v: 0 < v < 1 or (v >= 1 and v == int(v))))(text)
+    return text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.make_dataset", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m tools.make_dataset", description=__doc__.split("\n\n")[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--source", choices=SOURCES, default="download", help="where the images come from")
     p.add_argument("--out", type=Path, help="folder for the .beton files and manifest (default: data, or "
                                             "data/digits and data/mnist for those sources)")
-    p.add_argument("--jpeg-quality", type=int, default=90, help="JPEG quality (1-100) of the *_jpg.beton files")
+    p.add_argument("--jpeg-quality", type=option(int, in_range(1, 100)), default=90,
+                   help="JPEG quality (1-100) of the *_jpg.beton files")
     p.add_argument("--tarball", type=Path, help=f"local {TARBALL_NAME} (--source tarball)")
     p.add_argument("--png-dir", type=Path, help="Kaggle-layout PNG folder (--source png)")
     p.add_argument("--mnist-dir", type=Path, help="folder of MNIST's four IDX files, plain or .gz (--source mnist)")
-    p.add_argument("--png-holdout", default="0.2",
+    p.add_argument("--png-holdout", type=_holdout, default="0.2",
                    help="PNG folder without test/ + testLabels.csv: test = the last N train images (a count) or "
                         "this fraction of them (0.2 of Kaggle's 50,000 = 10,000)")
-    p.add_argument("--num-synthetic", type=int, default=50_000, help="synthetic train images")
-    p.add_argument("--num-synthetic-test", type=int, default=10_000, help="synthetic test images")
-    p.add_argument("--seed", type=int, default=0, help="synthetic data seed")
+    p.add_argument("--num-synthetic", type=option(int, at_least(1)), default=50_000, help="synthetic train images")
+    p.add_argument("--num-synthetic-test", type=option(int, at_least(1)), default=10_000, help="synthetic test images")
+    p.add_argument("--seed", type=option(int, at_least(0)), default=0, help="synthetic data seed")
     p.add_argument("--export-png", type=Path, metavar="DIR",
                    help="also write the images in the Kaggle PNG layout (train/1.png ... + trainLabels.csv, "
                         "test/ + testLabels.csv) for the PyTorch-DataLoader baseline")
-    p.add_argument("--workers", type=int, default=default_workers(), help="processes for decoding and writing")
+    p.add_argument("--workers", type=option(int, at_least(1)), default=default_workers(),
+                   help="processes for decoding and writing")
     p.add_argument("--force", action="store_true", help="rebuild even if the manifest says the files are current")
     p.add_argument("--url", default=CIFAR10_URL, help="download URL (a mirror of the same file: MD5 is checked)")
     args = p.parse_args(argv)
-    if not 1 <= args.jpeg_quality <= 100:
-        p.error(f"--jpeg-quality must be in 1..100, got {args.jpeg_quality}")
-    if args.workers < 1:
-        p.error(f"--workers must be at least 1, got {args.workers}")
     if args.tarball is not None and args.source != "tarball":
         p.error(f"--tarball (CIFAR=) is only read with --source tarball, not {args.source}")
     if args.png_dir is not None and args.source != "png":
@@ -279,6 +286,8 @@ def run(args) -> int:
             raise DatasetError("--export-png must differ from --png-dir (the export replaces its folder)")
     if stale:
         print(f"removed {len(stale)} partial file(s) left by an interrupted run: {', '.join(p.name for p in stale)}")
+    if segments := remove_stale_segments():
+        print(f"removed {len(segments)} shared-memory segment(s) left by a killed run: {', '.join(segments)}")
     t0 = time.perf_counter()
     wanted = wanted_state(args, input_fingerprint(args))
     files = beton_files(dataset_name(args.source))
@@ -322,6 +331,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # raised by code rather than a signal: the `with` blocks have removed the temp files
         print("make_dataset: interrupted - temp files removed, no .beton was left half-written", file=sys.stderr)
         return 130
+    finally:
+        release_locks()
 
 
 if __name__ == "__main__":

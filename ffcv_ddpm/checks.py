@@ -1,0 +1,228 @@
+"""User values, parsed and range-checked by one set of rules: config fields and command-line options alike.
+
+    value = coerce("train.steps", "abc", int, at_least(1))   # BadValue: train.steps=abc: expected an integer >= 1
+    p = Parser(prog="python -m benchmarks.x")                  # argparse, but a bad option is one line, exit 2
+    p.add_argument("--iters", type=option(int, at_least(1)))
+
+Every failure is one line that names the field (or option), the value given and what is allowed. No torch import:
+tools/ and the CLIs' argument parsing use this before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import sys
+import types
+import typing
+from typing import Any, Callable
+
+
+class BadValue(ValueError):
+    """One line: which field or option, the value given, and what is allowed."""
+
+
+class Rule:
+    """What a value must satisfy: `ok(value)`, and `allowed`, the words a user reads after the type."""
+
+    def __init__(self, allowed: str | Callable[[], str], ok: Callable[[Any], bool], *, replaces_type: bool = False):
+        self._allowed, self.ok = allowed, ok
+        self.replaces_type = replaces_type  # "one of a, b" says it all: no "a string" before it
+
+    @property
+    def allowed(self) -> str:
+        return self._allowed() if callable(self._allowed) else self._allowed
+
+
+def at_least(low) -> Rule:
+    return Rule(f">= {low}", lambda v: v >= low)
+
+
+def above(low) -> Rule:
+    return Rule(f"> {low}", lambda v: v > low)
+
+
+def in_range(low, high, *, high_open: bool = False) -> Rule:
+    return Rule(f"in [{low}, {high}{')' if high_open else ']'}",
+                lambda v: low <= v < high if high_open else low <= v <= high)
+
+
+def one_of(choices) -> Rule:
+    """`choices`: a tuple, or a function returning one (read when checking, so a module's own list stays the truth)."""
+    get = choices if callable(choices) else (lambda: choices)
+    return Rule(lambda: "one of " + ", ".join(map(str, get())), lambda v: v in get(), replaces_type=True)
+
+
+def each(rule: Rule | None = None, *, length: int | None = None, nonempty: bool = False) -> Rule:
+    """A rule for a whole tuple: its length, and `rule` for every element."""
+    words = ([f"of length {length}"] if length is not None else ["non-empty"] if nonempty else [])
+    words += [f"each {rule.allowed}"] if rule else []
+    return Rule(", ".join(words), lambda t: (length is None or len(t) == length) and (not nonempty or len(t) > 0)
+                and (rule is None or all(rule.ok(v) for v in t)))
+
+
+def matches(description: str, predicate: Callable[[Any], bool]) -> Rule:
+    """A rule whose description says everything, type included: 'a non-empty string', 'auto, cpu or cuda:N'."""
+    return Rule(description, lambda v: bool(predicate(v)), replaces_type=True)
+
+
+# ---- types -----------------------------------------------------------------------------------------------------
+
+_KIND = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}
+
+
+def describe(typ, rule: Rule | None = None) -> str:
+    """'an integer >= 1', 'a tuple of integers, non-empty, each >= 1', 'one of a, b', 'None or an integer >= 1'."""
+    inner = _optional(typ)
+    if inner is not None:
+        return "None or " + describe(inner, rule)
+    if rule is not None and rule.replaces_type:
+        return rule.allowed
+    if _is_tuple(typ):
+        elem = {int: "integers", float: "numbers", bool: "booleans", str: "strings"}.get(_element_type(typ), "values")
+        kind = f"a tuple of {elem}"
+        return kind + (f", {rule.allowed}" if rule and rule.allowed else "")
+    return _KIND.get(typ, getattr(typ, "__name__", str(typ))) + (f" {rule.allowed}" if rule else "")
+
+
+def _optional(typ):
+    """T for `T | None` (or Optional[T]), else None."""
+    if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(typ)) == 2:
+            return args[0]
+    return None
+
+
+def _is_tuple(typ) -> bool:
+    return typ is tuple or typing.get_origin(typ) is tuple
+
+
+def _element_type(typ, default=None):
+    args = typing.get_args(typ)
+    if args:
+        return args[0]
+    # A bare `tuple` annotation: the element type of its default, e.g. betas (0.9, 0.999) -> float.
+    return type(default[0]) if default else float
+
+
+def _parse_scalar(value, typ):
+    """The value as `typ`, or raise TypeError. Strings (command-line text) are parsed; other values are checked."""
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError
+    if isinstance(value, str):
+        text = value.strip()
+        if typ is bool:
+            lowered = text.lower()
+            if lowered in ("true", "1", "yes"):
+                return True
+            if lowered in ("false", "0", "no"):
+                return False
+            raise TypeError
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            try:
+                value = float(text)  # 'nan', 'inf': rejected below with a clear message
+            except ValueError:
+                raise TypeError from None
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if isinstance(value, bool):  # True is an int to Python, never to a user
+        raise TypeError
+    if typ is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():  # 1e5 steps
+            return int(value)
+        raise TypeError
+    if typ is float:
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            return float(value)
+        raise TypeError
+    if isinstance(value, typ):
+        return value
+    raise TypeError
+
+
+def parse(value, typ, default=None):
+    """`value` (command-line text, JSON or Python) as the annotated type `typ`; TypeError if it is not one."""
+    inner = _optional(typ)
+    if inner is not None:
+        if value is None or (isinstance(value, str) and value.strip() in ("None", "none", "null")):
+            return None
+        return parse(value, inner, default)
+    if _is_tuple(typ):
+        if isinstance(value, str):
+            try:
+                value = ast.literal_eval(value.strip())
+            except (ValueError, SyntaxError):
+                raise TypeError from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = (value,)  # model.attn_resolutions=16
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        elem = _element_type(typ, default)
+        return tuple(_parse_scalar(v, elem) for v in value)
+    return _parse_scalar(value, typ)
+
+
+def coerce(name: str, value, typ, rule: Rule | None = None, default=None):
+    """`value` parsed as `typ` and checked against `rule`; BadValue('name=value: expected ...') otherwise."""
+    try:
+        parsed = parse(value, typ, default)
+        if parsed is not None and rule is not None and not rule.ok(parsed):
+            raise TypeError
+    except TypeError:
+        shown = value if isinstance(value, str) else repr(value)
+        raise BadValue(f"{name}={shown}: expected {describe(typ, rule)}") from None
+    return parsed
+
+
+# ---- command lines -----------------------------------------------------------------------------------------------
+
+def option(typ, rule: Rule | None = None) -> Callable[[str], Any]:
+    """An argparse `type=` that parses and range-checks, e.g. option(int, at_least(1))."""
+
+    def convert(text: str):
+        try:
+            return coerce("", text, typ, rule)
+        except BadValue:
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {describe(typ, rule)}") from None
+
+    convert.__name__ = getattr(typ, "__name__", "value")  # argparse names the type in some messages
+    return convert
+
+
+def int_list(rule: Rule | None = None) -> Callable[[str], list[int]]:
+    """Comma-separated integers ('1,2,4'), each checked against `rule`."""
+    expected = "comma-separated integers" + (f" {rule.allowed}" if rule else "")
+
+    def convert(text: str) -> list[int]:
+        try:
+            values = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            values = []
+        if not values or (rule is not None and not all(rule.ok(v) for v in values)):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {expected}")
+        return values
+
+    return convert
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line ('prog: error: ... (see --help)') and exit 2, not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def fail(prog: str, message: str, code: int = 2) -> int:
+    """Print the one-line error every CLI ends bad input with; returns the exit code."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return code
