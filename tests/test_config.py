@@ -28,6 +28,7 @@ from ffcv_ddpm.config import _SECTIONS, RULES, RunConfig, field_types, load_conf
     ("model.dropout=1", "model.dropout=1: expected a number in [0, 1)"),
     ("model.norm_impl=x", "model.norm_impl=x: expected one of torch, scale-shift"),
     ("model.image_size=31", "model.image_size=31 must be divisible by"),
+    ("model.depthwise_separable=maybe", "model.depthwise_separable=maybe: expected True or False"),
     ("diffusion.timesteps=0", "diffusion.timesteps=0: expected an integer >= 1"),
     ("diffusion.beta_start=0.5", "diffusion.beta_start=0.5: expected at most diffusion.beta_end=0.02"),
 ])
@@ -35,6 +36,11 @@ def test_bad_values_are_one_clear_line(override, message):
     with pytest.raises(BadValue) as e:
         load_config("tiny", [override])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_depthwise_separable_needs_dense_conv_groups():
+    with pytest.raises(BadValue, match="model.depthwise_separable=True with conv_groups=2: .* set conv_groups=1"):
+        load_config("tiny", ["model.depthwise_separable=True", "model.conv_groups=2"])
 
 
 def test_values_parse_to_the_field_type():
