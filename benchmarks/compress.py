@@ -60,37 +60,50 @@ import torch
 from torch import nn
 
 from benchmarks.compress_report import write_report
+from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, matches, one_of, option
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 10  # training steps left out of a step-time median (cuDNN's algorithm search, the allocator)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.compress", description=__doc__.split("\n\n")[0])
+    from ffcv_ddpm.unet import PRESETS
+
+    count, positive = option(int, at_least(1)), option(float, above(0))
+    p = Parser(prog="python -m benchmarks.compress", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (without RUN_DIR)")
     p.add_argument("--out", type=Path, help="report folder (default benchmarks/results/<card>/compress)")
     p.add_argument("--work", type=Path, default=Path("runs"), help="where trained runs and the judge go")
     p.add_argument("--judge", type=Path, help="a saved digits judge (default: the run's, or trained here)")
-    p.add_argument("--preset", default="digits", help="model preset trained without RUN_DIR")
-    p.add_argument("--steps", type=int, default=1500, help="dense training steps (without RUN_DIR)")
-    p.add_argument("--train-batch", type=int, default=256, help="training batch (without RUN_DIR)")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (without RUN_DIR)")
-    p.add_argument("--ema", type=float, default=0.998, help="EMA decay (without RUN_DIR)")
-    p.add_argument("--judge-steps", type=int, default=2000, help="judge training steps (when trained here)")
-    p.add_argument("--scratch-steps", type=int, help="steps of the grouped/separable models (default: the dense run's)")
-    p.add_argument("--ratios", default="0.3,0.5,0.7,0.9", help="pruning ratios, comma-separated")
-    p.add_argument("--ft-steps", type=int, default=100, help="fine-tuning steps after pruning")
-    p.add_argument("--ft-lr", type=float, default=1e-4, help="fine-tuning learning rate (constant)")
-    p.add_argument("--ft-ema", type=float, default=0.99, help="EMA decay over the fine-tuning steps")
-    p.add_argument("--time-steps", type=int, default=30,
+    p.add_argument("--preset", default="digits", type=option(str, one_of(lambda: tuple(PRESETS))),
+                   help="model preset trained without RUN_DIR")
+    p.add_argument("--steps", type=count, default=1500, help="dense training steps (without RUN_DIR)")
+    p.add_argument("--train-batch", type=count, default=256, help="training batch (without RUN_DIR)")
+    p.add_argument("--lr", type=positive, default=5e-4, help="peak learning rate (without RUN_DIR)")
+    p.add_argument("--ema", type=option(float, in_range(0, 1, high_open=True)), default=0.998,
+                   help="EMA decay (without RUN_DIR)")
+    p.add_argument("--judge-steps", type=count, default=2000, help="judge training steps (when trained here)")
+    p.add_argument("--scratch-steps", type=count, help="steps of the grouped/separable models (default: the dense run's)")
+    p.add_argument("--ratios", type=_ratios, default=[0.3, 0.5, 0.7, 0.9],
+                   help="pruning ratios (the share removed), comma-separated (default 0.3,0.5,0.7,0.9)")
+    p.add_argument("--ft-steps", type=option(int, at_least(0)), default=100,
+                   help="fine-tuning steps after pruning (0: no fine-tuned rows)")
+    p.add_argument("--ft-lr", type=positive, default=1e-4, help="fine-tuning learning rate (constant)")
+    p.add_argument("--ft-ema", type=option(float, in_range(0, 1, high_open=True)), default=0.99,
+                   help="EMA decay over the fine-tuning steps")
+    p.add_argument("--time-steps", type=count, default=30,
                    help="steps that time the training step of the dense and from-scratch models")
-    p.add_argument("--ddim-steps", type=int, default=50, help="DDIM steps of every sampling call")
-    p.add_argument("--batch", type=int, default=256, help="images per sampling call")
-    p.add_argument("--reps", type=int, default=3, help="sampling calls per row (the first is not timed)")
-    p.add_argument("--guidance", type=float, default=0.0, help="guidance weight w (0: one forward per step)")
-    p.add_argument("--speed-preset", default="ddpm-cifar10", help="preset for speed/size-only rows ('' = none)")
-    p.add_argument("--budget-s", type=float, default=420, help="no row starts that would end after this (s)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ddim-steps", type=count, default=50, help="DDIM steps of every sampling call")
+    p.add_argument("--batch", type=count, default=256, help="images per sampling call")
+    p.add_argument("--reps", type=count, default=3, help="sampling calls per row (the first is not timed)")
+    p.add_argument("--guidance", type=option(float, at_least(0)), default=0.0,
+                   help="guidance weight w (0: one forward per step)")
+    p.add_argument("--speed-preset", default="ddpm-cifar10", type=option(str, matches(
+                   f"a preset ({', '.join(PRESETS)}) or '' (none)", lambda v: v in ("", *PRESETS))),
+                   help="preset for speed/size-only rows ('' = none)")
+    p.add_argument("--budget-s", type=option(float, at_least(0)), default=420,
+                   help="no row starts that would end after this (s)")
+    p.add_argument("--seed", type=option(int, at_least(0)), default=0)
     p.add_argument("positional", nargs="*", metavar="[RUN_DIR] [key=value ...]",
                    help="a run folder to study (default: train the digits model), then trainer overrides, "
                         "e.g. train.device=cpu diffusion.timesteps=20")
@@ -101,16 +114,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.run_dir = Path(folders[0]) if folders else None
     args.overrides = [a for a in args.positional if "=" in a]
     del args.positional
-    args.ratios = [float(r) for r in args.ratios.split(",")]
-    from ffcv_ddpm.unet import PRESETS
-
-    if args.speed_preset and args.speed_preset not in PRESETS:
-        p.error(f"--speed-preset {args.speed_preset!r}: use one of {', '.join(PRESETS)} or '' (none)")
-    if not all(0 < r < 1 for r in args.ratios):
-        p.error(f"--ratios {args.ratios}: each must be between 0 and 1 (the share removed)")
-    if args.reps < 1 or args.batch < 1 or args.ft_steps < 0:
-        p.error("--reps and --batch must be >= 1, --ft-steps >= 0 (0: no fine-tuned rows)")
     return args
+
+
+def _ratios(text: str) -> list[float]:
+    try:
+        ratios = [float(t) for t in text.split(",")]
+    except ValueError:
+        ratios = []
+    if not ratios or not all(0 < r < 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected comma-separated numbers in (0, 1)")
+    return ratios
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -503,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args, argv, t_start)
     except (TrainingError, ValueError, FileNotFoundError) as e:
-        print(f"compress: error: {e}", file=sys.stderr)
-        return 2
+        return fail("compress", str(e))
     return 0
 
 

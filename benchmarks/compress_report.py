@@ -7,11 +7,11 @@ Pure rendering: benchmarks.compress measures and calls write_report after every 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from ffcv_ddpm.checks import Parser, fail
 from tools.atomic import Staged, write_json
 
 FAMILIES = ("reference", "int8", "unstructured", "structured", "architecture")
@@ -199,15 +199,15 @@ def write_report(result: dict, out: Path, draw: bool = True) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Re-render a compress.json as compress.md + the plots beside it.")
+    p = Parser(prog="python -m benchmarks.compress_report",
+               description="Re-render a compress.json as compress.md + the plots beside it.")
     p.add_argument("json", type=Path)
     args = p.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())
         render_markdown(result)
     except (OSError, ValueError, KeyError) as e:
-        print(f"compress_report: error: {args.json} is not a benchmarks.compress result ({e})", file=sys.stderr)
-        return 2
+        return fail("compress_report", f"{args.json} is not a benchmarks.compress result ({e})")
     write_report(result, args.json.parent)
     print(f"compress_report: wrote compress.md and the plots in {args.json.parent}")
     return 0

@@ -91,3 +91,13 @@ def test_bad_run_dir_is_one_error_line(tmp_path, capsys):
     assert compress.main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "compress: error:" in err and "no config.json" in err
+
+
+@pytest.mark.parametrize("args, message", [(["--ratios", "0.5,1"], "--ratios: invalid value '0.5,1'"),
+                                           (["--speed-preset", "big"], "--speed-preset: invalid value 'big'"),
+                                           (["a", "b"], "one RUN_DIR at most")])
+def test_bad_options_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        compress.main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
