@@ -285,7 +285,7 @@ def variants(study: Study) -> list[Variant]:
     from ffcv_ddpm import compress
     from ffcv_ddpm.unet import PRESETS
 
-    a, dense, main = study.args, study.dense, study.cfg.preset
+    a, dense, studied = study.args, study.dense, study.cfg.preset
     pct = lambda r: f"{r:.0%}"  # noqa: E731
 
     def conversions(name: str, model: nn.Module, shape, quality: bool) -> list[Variant]:
@@ -316,11 +316,11 @@ def variants(study: Study) -> list[Variant]:
 
     shape, ratios = study.cfg.model, a.ratios
     prunings = [(m, s, r) for m in compress.PRUNE_METHODS for s in compress.PRUNE_SCOPES for r in ratios]
-    rows = conversions(main, dense, shape, True)
-    rows += [unstructured(main, dense, m, s, r, shape) for m, s, r in prunings]
-    rows += [structured(main, dense, r, shape) for r in ratios]
+    rows = conversions(studied, dense, shape, True)
+    rows += [unstructured(studied, dense, m, s, r, shape) for m, s, r in prunings]
+    rows += [structured(studied, dense, r, shape) for r in ratios]
     steps = a.scratch_steps or study.cfg.train.steps
-    rows += [Variant(main, "architecture", name, lambda o=o: train_scratch(study, o, steps),
+    rows += [Variant(studied, "architecture", name, lambda o=o: train_scratch(study, o, steps),
                      shape=dataclasses.replace(shape, **o), extra={"override": o, "scratch_steps": steps})
              for name, o in ARCHITECTURES]
     if a.speed_preset:
@@ -335,8 +335,8 @@ def variants(study: Study) -> list[Variant]:
                          shape=dataclasses.replace(scfg, **o), quality=False, extra={"override": o})
                  for name, o in ARCHITECTURES]
     if a.ft_steps:  # fine-tuned last: the most rows, each the cheapest to lose
-        rows += [structured(main, dense, r, shape, fine_tune=True) for r in ratios]
-        rows += [unstructured(main, dense, m, s, r, shape, fine_tune=True) for m, s, r in prunings]
+        rows += [structured(studied, dense, r, shape, fine_tune=True) for r in ratios]
+        rows += [unstructured(studied, dense, m, s, r, shape, fine_tune=True) for m, s, r in prunings]
     return rows
 
 
@@ -437,10 +437,9 @@ def run(args, argv: list[str], t_start: float) -> dict:
         torchao_version = None
     study = Study(args, device, cfg, dense, diffusion, AMP_DTYPES[cfg.train.precision] if device.type == "cuda"
                   else None)
-    main = cfg.preset
     result = {"command": "python -m benchmarks.compress " + " ".join(argv), "device": card or "CPU",
               "environment": {**environment(), "torchao": torchao_version}, "budget_s": args.budget_s,
-              "complete": False, "model": main, "dense": {**dense_info, "config": cfg.to_dict()},
+              "complete": False, "model": cfg.preset, "dense": {**dense_info, "config": cfg.to_dict()},
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "rows": []}
 
@@ -485,7 +484,7 @@ def run(args, argv: list[str], t_start: float) -> dict:
             elif "scratch_steps" in v.extra:  # trained from scratch: its step timed like the dense model's
                 row["train_step_ms"] = step_ms(fine_tune(copy.deepcopy(model), cfg, diffusion, study.data,
                                                          args.time_steps, args.ft_lr, args.ft_ema, args.seed)[1])
-            elif v.model == main and v.name == "dense (baseline)":
+            elif v.model == cfg.preset and v.name == "dense (baseline)":
                 row["train_step_ms"] = dense_step_ms
             # Measured as deployed: pruning masks baked into the weights, no per-call mask multiply.
             row.update(measure(study, v, compress.make_permanent(model)))
