@@ -170,7 +170,7 @@ def _sdpa_backend(model, cfg, device) -> str:
     """Which attention kernel the row's forward runs: read off the aten op names of one small profiled forward."""
     import torch
 
-    from ffcv_ddpm.train import AMP_DTYPES
+    from ffcv_ddpm.step import AMP_DTYPES
 
     if cfg.model.attn_impl != "sdpa":
         return "math (explicit matmul-softmax)"
@@ -206,7 +206,7 @@ def run_row(spec: dict) -> dict:
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.data import endless, make_loader
     from ffcv_ddpm.timing import StepTimer, sync
-    from ffcv_ddpm.train import build
+    from ffcv_ddpm.step import build
 
     cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -286,7 +286,7 @@ def probe_batch(spec: dict) -> dict:
     import torch
 
     from ffcv_ddpm.config import load_config
-    from ffcv_ddpm.train import build
+    from ffcv_ddpm.step import build
 
     cfg = load_config(spec["preset"], [*spec["overrides"], "train.compile=False"])
     device = torch.device("cuda")

@@ -64,7 +64,7 @@ def score(args: argparse.Namespace, device: torch.device) -> dict:
     ref = fid.reference_stats(args.ref, inception, tag, args.batch, args.max_ref)
     t_ref = time.perf_counter()
     if args.run is not None:
-        from ffcv_ddpm.train import AMP_DTYPES
+        from ffcv_ddpm.step import AMP_DTYPES
 
         cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw)
 
@@ -123,7 +123,7 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.train import TrainingError, resolve_device
+    from ffcv_ddpm.step import TrainingError, resolve_device
 
     try:
         device = resolve_device(args.device)

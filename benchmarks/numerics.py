@@ -44,7 +44,8 @@ from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
-from ffcv_ddpm.train import TrainingError, resolve_device, train, write_json
+from ffcv_ddpm.step import TrainingError, resolve_device
+from ffcv_ddpm.train import train, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_TAIL_LINES = 40  # of a failed leg's log, printed before the error line

@@ -698,7 +698,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     from ffcv_ddpm.env import environment
     from ffcv_ddpm.telemetry import plot_telemetry
     from ffcv_ddpm.timing import sync
-    from ffcv_ddpm.train import TrainingError, build, resolve_device
+    from ffcv_ddpm.step import TrainingError, build, resolve_device
 
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
     try:

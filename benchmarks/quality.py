@@ -113,7 +113,8 @@ def run(args, argv: list[str], t_start: float) -> dict:
     from ffcv_ddpm import quality
     from ffcv_ddpm.env import environment
     from ffcv_ddpm.evaluate import class_labels, generate, load_run
-    from ffcv_ddpm.train import AMP_DTYPES, resolve_device, train
+    from ffcv_ddpm.step import AMP_DTYPES, resolve_device
+    from ffcv_ddpm.train import train
     from ffcv_ddpm.unet import build_model, count_params
 
     built = ensure_digits(args.data)
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.train import TrainingError
+    from ffcv_ddpm.step import TrainingError
 
     try:
         result = run(args, argv, t_start)

@@ -42,7 +42,8 @@ from ffcv_ddpm.env import environment
 from ffcv_ddpm.sde import load_for_sampling
 from ffcv_ddpm.sde_sampling import SamplerOptions, sample
 from ffcv_ddpm.timing import StepTimer
-from ffcv_ddpm.train import AMP_DTYPES, TrainingError, resolve_device, set_precision, train
+from ffcv_ddpm.step import AMP_DTYPES, TrainingError, resolve_device, set_precision
+from ffcv_ddpm.train import train
 
 # The small conditional model both processes train (on top of the ddpm-cifar10 preset); overrides after it win.
 MODEL = ("model.base_channels=32", "model.channel_mult=(1, 2, 2)", "model.num_res_blocks=2", "model.norm_groups=8",

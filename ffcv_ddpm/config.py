@@ -20,7 +20,7 @@ from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
 from ffcv_ddpm.diffusion import DiffusionConfig
 from ffcv_ddpm.unet import PRESETS, ModelConfig
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of train.AMP_DTYPES
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -38,7 +38,7 @@ class TrainConfig:
     compile: bool = True                 # torch.compile the model (forward + backward); ignored on CPU
     compile_mode: str = "default"        # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
-    force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (see train.build)
+    force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (see step.build)
     cudnn_benchmark: bool = False        # cuDNN times its algorithms for each conv shape at the first step instead of guessing
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     device: str = "auto"                 # auto (cuda if available) | cuda | cuda:N | cpu
