@@ -7,7 +7,7 @@
 
 A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule. For each row a child process builds the
 trainer and loader, runs the first step (compilation: reported as seconds to first step, not timed), `--warmup`
-more steps, then times `--iters` steps with StepTimer: CUDA events per iteration, the wait for the next batch inside
+more steps, then times `--iters` steps with timing.timed_steps: CUDA events per iteration, the wait for the next batch inside
 each iteration, one sync at the end. Results (raw per-iteration times, environment, full configs, dataset source)
 go to benchmarks/results/<card>/<table>.json, with the Markdown table and PNG chart beside it (benchmarks.report).
 
@@ -205,8 +205,8 @@ def run_row(spec: dict) -> dict:
 
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.data import endless, make_loader
-    from ffcv_ddpm.timing import StepTimer, sync
     from ffcv_ddpm.step import build
+    from ffcv_ddpm.timing import timed_steps, untimed_steps
 
     cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,33 +224,23 @@ def run_row(spec: dict) -> dict:
     lr = cfg.train.lr
     data = endless(loader)
 
+    def step(batch, _i):
+        return trainer.step(*batch, lr)
+
+    def fetch():
+        return next(data)
+
     # The first step compiles (when compile=True) and autotunes: reported on its own, never timed with the rest.
-    t0 = time.perf_counter()
-    images, labels = next(data)
-    trainer.step(images, labels, lr)
-    sync(device)
-    first_step_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(spec["warmup"]):
-        images, labels = next(data)
-        trainer.step(images, labels, lr)
-    sync(device)
-    warmup_s = time.perf_counter() - t0
+    first_step_s = untimed_steps(step, fetch, 1, device)
+    warmup_s = untimed_steps(step, fetch, spec["warmup"], device)
 
     cuda = device.type == "cuda"
     peak_incl_warmup = torch.cuda.max_memory_allocated(device) if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    timer = StepTimer(device)
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(spec["iters"]):
-        timer.start()  # before asking for the batch: a late loader shows up as a longer iteration
-        images, labels = next(data)
-        timer.data_ready()
-        loss_sum += trainer.step(images, labels, lr)
-    timer.stop()
-    iter_ms, wait_ms = timer.read()  # the one sync of the timed region
-    mean_loss = float(loss_sum) / spec["iters"]
+    timed = timed_steps(step, fetch, spec["iters"], device)
+    iter_ms, wait_ms = timed.iter_ms, timed.wait_ms
+    mean_loss = float(timed.loss_sum) / spec["iters"]
     if not torch.isfinite(torch.tensor(mean_loss)):
         raise RuntimeError(f"non-finite training loss ({mean_loss}) during the timed iterations")
     return {

@@ -26,15 +26,16 @@ FUSED_PLANS = ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), (2048, 32768
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
+    """Median ms of `iters` calls after `warmup` (timing.timed_steps: CUDA events, one sync)."""
+    from ffcv_ddpm.timing import timed_steps
+
     for _ in range(warmup):
         fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    for i in range(iters):
-        starts[i].record()
-        fn()
-    starts[-1].record()
-    starts[-1].synchronize()
-    return sorted(starts[i].elapsed_time(starts[i + 1]) for i in range(iters))[iters // 2]
+
+    def call(_batch, _i):
+        fn()  # returns None: nothing for timed_steps to sum
+
+    return sorted(timed_steps(call, lambda: None, iters, "cuda").iter_ms)[iters // 2]
 
 
 def bench_one(impl: str, shape: tuple, iters: int, warmup: int, plan: tuple | None = None) -> dict:

@@ -8,7 +8,7 @@ One process: build the trainer and loader (as benchmarks.bench does), run `--war
 none of it is profiled), then torch.profiler over `--steps` steady-state iterations (schedule: 1 wait, 1 warm-up,
 `--steps` active; CPU + CUDA activities, no shapes or stacks). Then the telemetry run: `--telemetry-rounds` rounds
 of `--telemetry-steps` steps without and with GpuTelemetry sampling, alternating which goes first, each timed
-with CUDA events (StepTimer): the ratio of the two is the sampler's overhead, the sampled blocks give J/img.
+with CUDA events (timing.timed_steps): the ratio of the two is the sampler's overhead, the sampled blocks give J/img.
 
 Writes to benchmarks/results/<card>/profile-<preset>/ (or --out):
 - trace.json.gz      Chrome/Perfetto trace of the active steps (open in ui.perfetto.dev or chrome://tracing)
@@ -35,7 +35,6 @@ import json
 import re
 import shutil
 import sys
-import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -504,23 +503,15 @@ def profile_steps(trainer, data, lr: float, steps: int, device):
 
 
 def timed_block(trainer, data, lr: float, steps: int, device) -> list[float]:
-    """Per-iteration ms of `steps` training iterations (StepTimer: CUDA events, data wait inside, one sync)."""
+    """Per-iteration ms of `steps` training iterations (timing.timed_steps: CUDA events, data wait inside, one sync)."""
     import torch
 
-    from ffcv_ddpm.timing import StepTimer
+    from ffcv_ddpm.timing import timed_steps
 
-    timer = StepTimer(device)
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(steps):
-        timer.start()
-        images, labels = next(data)
-        timer.data_ready()
-        loss_sum += trainer.step(images, labels, lr)
-    timer.stop()
-    iter_ms, _ = timer.read()
-    if not torch.isfinite(loss_sum):
+    timed = timed_steps(lambda batch, _i: trainer.step(*batch, lr), lambda: next(data), steps, device)
+    if not torch.isfinite(timed.loss_sum):
         raise ProfileError("non-finite training loss during the telemetry run")
-    return iter_ms
+    return timed.iter_ms
 
 
 def telemetry_run(trainer, data, lr: float, device, batch: int, steps: int, rounds: int, path: Path,
@@ -697,8 +688,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     from ffcv_ddpm.data import endless, make_loader
     from ffcv_ddpm.env import environment
     from ffcv_ddpm.telemetry import plot_telemetry
-    from ffcv_ddpm.timing import sync
     from ffcv_ddpm.step import TrainingError, build, resolve_device
+    from ffcv_ddpm.timing import untimed_steps
 
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
     try:
@@ -729,12 +720,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     trainer = build(cfg, device)
     data = endless(loader)
     lr = cfg.train.lr
-    t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):  # at least one: the compiling step must never be profiled
-        images, labels = next(data)
-        trainer.step(images, labels, lr)
-    sync(device)
-    warmup_s = time.perf_counter() - t0
+    # At least one: the compiling step must never be profiled.
+    warmup_s = untimed_steps(lambda batch, _i: trainer.step(*batch, lr), lambda: next(data), max(1, warmup), device)
     print(f"profile: {max(1, warmup)} warm-up steps in {warmup_s:.1f} s; profiling {steps} steps", flush=True)
 
     if cuda:

@@ -41,7 +41,7 @@ from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.sde import load_for_sampling
 from ffcv_ddpm.sde_sampling import SamplerOptions, sample
-from ffcv_ddpm.timing import StepTimer
+from ffcv_ddpm.timing import timed_call
 from ffcv_ddpm.step import AMP_DTYPES, TrainingError, resolve_device, set_precision
 from ffcv_ddpm.train import train
 
@@ -158,15 +158,13 @@ def run(args, argv: list[str]) -> Path:
     def draw(proc: str, row: dict) -> tuple[torch.Tensor, int, float]:
         process, model = models[proc]
         opts = dataclasses.replace(options, rtol=row["tol"], atol=row["tol"]) if row["tol"] else options
-        timer = StepTimer(device)
-        timer.start()
-        timer.data_ready()
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            images, nfe = sample(process, model, args.n, sampler=row["sampler"], steps=row["steps"], options=opts,
-                                 seed=args.seed, y=labels, guidance_scale=args.guidance, device=device,
-                                 shape=(3, 32, 32))
-        timer.stop()
-        (ms,), _ = timer.read()
+        def run():
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                return sample(process, model, args.n, sampler=row["sampler"], steps=row["steps"], options=opts,
+                              seed=args.seed, y=labels, guidance_scale=args.guidance, device=device,
+                              shape=(3, 32, 32))
+
+        (images, nfe), ms = timed_call(run, device)
         return images, nfe, ms / 1e3
 
     for proc in models:  # cuDNN and allocator warm-up at the rows' batch size, untimed

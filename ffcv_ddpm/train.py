@@ -33,7 +33,7 @@ from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import Evaluator
 from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, resolve_device
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
-from ffcv_ddpm.timing import StepTimer
+from ffcv_ddpm.timing import timed_steps
 
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
 # symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
@@ -273,8 +273,6 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             epoch += 1
 
     # ---- loop -----------------------------------------------------------------------------------------------
-    timer = StepTimer(device)
-    loss_sum = torch.zeros((), device=device)
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -286,34 +284,35 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     # NVML reads the whole GPU, so one sampler per rank's GPU would be right; rank 0 samples its own GPU only.
     telemetry = GpuTelemetry(run_dir / "telemetry.jsonl", device_index=device.index or 0,
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
-    t_start, window = time.perf_counter(), 0
+    t_start = time.perf_counter()
     step = start_step
+
+    def one_step(batch, i: int) -> torch.Tensor:
+        try:
+            return t.step(*batch, lr_at(step + i, cfg.train))
+        except torch.cuda.OutOfMemoryError:
+            if step + i > start_step:
+                raise
+            raise TrainingError(oom_message(cfg, device, t)) from None
+
+    def after_step(i: int, loss: torch.Tensor) -> bool:
+        nonlocal first_bad
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step + i, first_bad)
+        if progress is not None:
+            progress.update()
+        # One process stops at once on a signal; ranks of a process group agree on it at the next interval.
+        return stop.signal is not None and ddp.world_size == 1
+
     stop.phase = "running"
     try:
         while step < cfg.train.steps:
-            timer.start()
-            images, labels = next(data)
-            timer.data_ready()
-            try:
-                loss = t.step(images, labels, lr_at(step, cfg.train))
-            except torch.cuda.OutOfMemoryError:
-                if step > start_step:
-                    raise
-                raise TrainingError(oom_message(cfg, device, t)) from None
-            loss_sum += loss
-            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
-            step += 1
-            window += 1
-            if progress is not None:
-                progress.update()
-            # One process stops at once on a signal; ranks of a process group agree on it at the next interval.
-            stop_now = stop.signal is not None and ddp.world_size == 1
-            if step % cfg.train.log_every and step < cfg.train.steps and not stop_now:
-                continue
+            # ---- one log interval of timed steps (timing.timed_steps: CUDA events, one sync at its end) ----------
+            interval = timed_steps(one_step, lambda: next(data), min(cfg.train.log_every - step % cfg.train.log_every,
+                                                                     cfg.train.steps - step), device, after_step)
+            window, loss_sum, iter_ms, wait_ms = interval.steps, interval.loss_sum, interval.iter_ms, interval.wait_ms
+            step += window
 
             # ---- log interval: the only host-device syncs ------------------------------------------------------
-            timer.stop()
-            iter_ms, wait_ms = timer.read()
             flags = torch.stack([first_bad, torch.tensor(int(stop.signal is not None), device=device)])
             if ddp.world_size > 1:
                 dist.all_reduce(loss_sum)
@@ -342,8 +341,6 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                     f.write(json.dumps(stats) + "\n")
             if progress is not None:
                 progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}")
-            loss_sum.zero_()
-            window = 0
 
             # ---- checkpoint, sample ----------------------------------------------------------------------------
             if stop_now:
