@@ -22,15 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench import BETON, BenchError, ensure_dataset
+from benchmarks.common import REPO, BenchError, ensure_dataset, results_dir, write_json
 from benchmarks.flops import train_flops_per_image
-from benchmarks.peaks import card_slug, lookup_peak
+from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.train import NO_MULTICAST
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def run_point(args, beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
@@ -145,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             return fail("bench-ddp", "no CUDA GPU; use --device cpu (gloo) for a functional check")
         if max(counts) > have:
             return fail("bench-ddp", f"--gpus asks for {max(counts)} GPUs but this machine has {have}")
-    beton = args.data / BETON
     try:
-        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+        beton, built = ensure_dataset(args.data, num_synthetic=50_000)
     except BenchError as e:
         return fail("bench-ddp", str(e))
     device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
@@ -158,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
               "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
               "points": {m: [] for m in modes}}
-    out = (args.out or REPO / "benchmarks" / "results" / card_slug(device_name)) / "ddp.json"
+    out = (args.out or results_dir(device_name)) / "ddp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for mode in modes:
         for n in counts:
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  f"{point['data_wait_share']:.2%}"]
             print(f"bench-ddp: {mode} batch, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
             add_metrics(result)
-            out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            write_json(out, result, indent=2)
     render(result, out)
     print(f"bench-ddp: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     return 0 if all("error" not in p for pts in result["points"].values() for p in pts) else 1

@@ -24,13 +24,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peaks import card_slug
+from benchmarks.common import results_dir, write_json
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import class_labels, generate, load_run
-from tools.atomic import Staged, write_json
-
-REPO = Path(__file__).resolve().parent.parent
+from tools.atomic import Staged
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -132,11 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fid: error: {e}", file=sys.stderr)
         return 2
     result["command"] = "python -m benchmarks.fid " + " ".join(argv)
-    out = args.out or REPO / "benchmarks" / "results" / card_slug(
-        result["device"] if device.type == "cuda" else None)
+    out = args.out or results_dir(result["device"] if device.type == "cuda" else None)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"fid-{result['name']}.json"
-    write_json(json_path, result)
+    write_json(json_path, result, indent=2)
     with Staged() as staged:
         staged.path(json_path.with_suffix(".md")).write_text(render(result))
         staged.commit()

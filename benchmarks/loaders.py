@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peaks import card_slug
+from benchmarks.common import results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
@@ -278,7 +277,7 @@ def plot(result: dict, path: Path) -> None:
 def write_outputs(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "loaders.json", out / "loaders.md", out / "loaders.png"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    write_json(paths[0], result, indent=2)
     paths[1].write_text(render_markdown(result))
     plot(result, paths[2])
     return paths
@@ -298,8 +297,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: torch's message for a bad --device
         return fail("loaders", str(e))
     result = run(args, device)
-    out = args.out or Path("benchmarks/results") / card_slug(
-        torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    out = args.out or results_dir(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     for path in write_outputs(result, out):
         print(f"loaders: wrote {path}")
     measured = [r["img_s_median"] for r in result["rows"] if "skipped" not in r]

@@ -11,11 +11,12 @@ x and dout read and dx written backward (5 passes of bf16), whatever the impleme
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks.common import write_json
 
 # (N, C, H, W, dropout, add): the ddpm-cifar10 sites at batch 1024 (32x32 at 128 and 384 channels, 16x16 at 256,
 # 8x8 at 512), with the residual block's second norm (time-embedding add + dropout) and its first (plain).
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for impl, plan in runs:
             row = bench_one(impl, shape, args.iters, args.warmup, plan)
             result["rows"].append(row)
-            (args.out / "norm_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+            write_json(args.out / "norm_bench.json", result)
             print(f"norm_bench: {impl:12s} {str(plan or ''):12s} {str(shape):32s} fwd {row['fwd_ms']:7.3f} ms  fwd+bwd "
                   f"{row['fwd_bwd_ms']:7.3f} ms  {row['gb_per_s_at_min_bytes']:6.0f} GB/s at the minimum bytes",
                   flush=True)

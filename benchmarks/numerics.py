@@ -38,16 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench import BETON, BenchError, ensure_dataset
-from benchmarks.peaks import card_slug
+from benchmarks.common import REPO, BenchError, ensure_dataset, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.step import TrainingError, resolve_device
-from ffcv_ddpm.train import train, write_json
+from ffcv_ddpm.train import train
 
-REPO = Path(__file__).resolve().parent.parent
 LOG_TAIL_LINES = 40  # of a failed leg's log, printed before the error line
 
 
@@ -300,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         print(f"numerics: error: {e}", file=sys.stderr)
         return 2
-    out = (args.out or REPO / "benchmarks" / "results" / card_slug(result["device"]))
+    out = args.out or results_dir(result["device"])
     out = out / f"numerics-{result['candidate']['precision']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, result)  # atomic: a cut-off run leaves no half-written JSON
+    write_json(out, result, indent=2)  # atomic: a cut-off run leaves no half-written JSON
     render(result, out)
     c, nf = result["check"], result["noise_floor"]
     floor = ""
@@ -331,8 +329,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     if args.control:
         legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
     cfg = load_config(args.preset, common)
-    beton = args.data / BETON  # built only once the config is known to be good
-    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+    beton, built = ensure_dataset(args.data, num_synthetic=50_000)  # only once the config is known to be good
     device = resolve_device(cfg.train.device)
     import torch
 

@@ -41,7 +41,6 @@ import torch
 
 from benchmarks.quality_report import best_row, write_report
 
-REPO = Path(__file__).resolve().parent.parent
 TRAIN, TEST = "digits_train_raw.beton", "digits_test_raw.beton"
 
 
@@ -124,10 +123,10 @@ def run(args, argv: list[str], t_start: float) -> dict:
     cfg = train_config(args, train_beton, test_beton, judge_path)
     device = resolve_device(cfg.train.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    from benchmarks.peaks import card_slug
+    from benchmarks.common import results_dir
     from ffcv_ddpm.data import dataset_info
 
-    out = args.out or REPO / "benchmarks" / "results" / card_slug(card) / "quality-digits"
+    out = args.out or results_dir(card) / "quality-digits"
     info = dataset_info(train_beton)
     manifest = info.pop("manifest") or {}
     result = {

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.atomic import Staged, write_json
+from benchmarks.common import write_json
+from tools.atomic import Staged
 
 GRID_COLUMNS = 8  # samples per class in each grid
 TARGET_ACC = 0.90  # issue 14: conditional accuracy at the best setting
@@ -177,7 +178,7 @@ def plot_grids(images: dict, path: Path) -> None:
 def write_report(result: dict, out: Path, images: dict | None = None) -> None:
     """quality.json and quality.md; with `images` also quality.png and samples.png (all written atomically)."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "quality.json", result)
+    write_json(out / "quality.json", result, indent=2)
     with Staged() as staged:
         staged.path(out / "quality.md").write_text(render_markdown(result))
         staged.commit()

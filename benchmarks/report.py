@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import md_table
 from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser
 
@@ -191,11 +192,6 @@ def _row_cells(row: dict, measured: bool) -> list[str]:
     return cells
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def published_lines(result: dict) -> list[str]:
     """The published A100 table beside a recount with the FLOPs and peaks used here."""
     f = result.get("flops", {}).get(PUBLISHED["preset"])
@@ -219,7 +215,7 @@ def published_lines(result: dict) -> list[str]:
             "because cuDNN used TF32 for fp32 convolutions by default).",
             "",
         ]
-    return lines + _table(header, rows)
+    return lines + md_table(header, rows)
 
 
 def _groups(result: dict) -> dict[str, list[dict]]:
@@ -256,7 +252,7 @@ def render_markdown(result: dict) -> str:
     lines = [f"# Training-step benchmark: {result['table']} table on {result.get('card', '?')}", ""]
     lines += _header(result) + [""]
     for group, rows in _groups(result).items():
-        lines += [f"## {group}", ""] + _table(columns, [_row_cells(r, measured) for r in rows]) + [""]
+        lines += [f"## {group}", ""] + md_table(columns, [_row_cells(r, measured) for r in rows]) + [""]
         lines += [f"Overrides per row (on top of `load_config({rows[0]['preset']!r})`):", ""]
         lines += [f"- {r['name']}: `{' '.join(r['overrides'])}`" for r in rows] + [""]
     if result.get("sampling"):
@@ -267,7 +263,7 @@ def render_markdown(result: dict) -> str:
              _num(s["tflops"]) if s.get("tflops") is not None else "-"]
             for s in result["sampling"]
         ]
-        lines += _table(["model", "sampler", "precision", "steps", "images", "seconds", "img/s", "TFLOP/s"],
+        lines += md_table(["model", "sampler", "precision", "steps", "images", "seconds", "img/s", "TFLOP/s"],
                         srows) + [""]
     lines += published_lines(result) + [""]
     return "\n".join(lines)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench import BETON, STACK, TABLES, merge, quick_rows, row_overrides, table_rows
+from benchmarks.common import BETON
+from benchmarks.rows import STACK, TABLES, merge, quick_rows, row_overrides, table_rows
 from benchmarks.report import add_metrics, render_markdown, terminal_table, write_reports
 from ffcv_ddpm.config import load_config
 

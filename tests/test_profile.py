@@ -11,7 +11,8 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval, Kernel
 
 from benchmarks import profile
-from benchmarks.profile import CLASSES, analyse, classify, telemetry_run
+from benchmarks.profile import telemetry_run
+from benchmarks.profile_analysis import CLASSES, analyse, classify, top_ops_lines
 
 # Kernel and op names as torch.profiler reports them on H100/A100 runs (cuDNN 9, FlashAttention-2, inductor).
 NAMES = {
@@ -229,7 +230,7 @@ def test_copies_are_filed_under_the_op_that_asked_for_them():
                                                        ("ProfilerStep*", "aten::to")]
     assert [r["calls_per_step"] for r in rows] == [2, 1]
     assert [r["ms_per_step"] for r in rows] == [pytest.approx(0.4), pytest.approx(0.05)]
-    lines = "\n".join(profile.top_ops_lines(analyse(events)))
+    lines = "\n".join(top_ops_lines(analyse(events)))
     assert "Where the copies come from" in lines and "`aten::convolution_backward` | `aten::contiguous` | 2" in lines
 
 
