@@ -3,7 +3,7 @@
     python -m benchmarks.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
     python -m benchmarks.numerics --data data --precision fp16  # fp16 + GradScaler instead
     python -m benchmarks.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
-    python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 --batch 16 train.device=cpu
+    python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu
 
 Runs of the trainer (ffcv_ddpm.train, everything else as configured) on the same data with the same seed, called
 legs: the reference in true fp32 (TF32 off) and the candidate precision. The same seed gives both the same batches,
@@ -268,12 +268,15 @@ def render(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = Parser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
+    p = Parser(prog="python -m benchmarks.numerics", doc=__doc__, overrides=True,
+               epilog="The overrides (anywhere but right after --ref or --control) go to every leg; data.batch_size "
+                      "is the preset's (128) unless given.")
+    p.add_argument("--data", type=Path, default=Path("data"),
+                   help="dataset folder (`make dataset`; a synthetic one is built there if it has none) or a train "
+                        ".beton file")
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
-    p.add_argument("--batch", type=option(int, at_least(1)), default=128, help="images per step (every leg)")
-    p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg")
+    p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg (train.steps)")
     p.add_argument("--log-every", type=option(int, at_least(1)), default=20,
                    help="steps per logged loss (its mean over the interval)")
     p.add_argument("--tol", type=option(float, at_least(0)), default=0.05,
@@ -290,8 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare finished runs instead of training: REFERENCE CANDIDATE [CONTROL] run folders "
                         "(config.json + stats.jsonl), on their common logged steps")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
-    p.add_argument("overrides", nargs="*", help="trainer overrides for every leg, e.g. model.norm_impl=scale-shift")
-    args = p.parse_intermixed_args(argv)  # common overrides may come before, between or after the options
+    args, args.overrides = p.parse_with_overrides(argv)
     try:
         command = "python -m benchmarks.numerics " + " ".join(argv)
         result = from_runs(args, command) if args.from_runs else measure(args, command)
@@ -323,7 +325,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
             raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
                              "candidate; the reference and control are fp32)")
-    common = [f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
+    common = [f"train.steps={args.steps}", f"train.log_every={args.log_every}",
               f"train.ckpt_every={args.steps}", "train.sample_every=0", "train.progress=False", *args.overrides]
     legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
     if args.control:
@@ -348,7 +350,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     compare = {leg: check(curves["reference"], curves[leg], args.tol, args.skip, args.smooth)
                for leg in ("candidate", "control") if leg in curves}
     result = {
-        "preset": args.preset, "device": name or "CPU", "batch_size": args.batch,
+        "preset": args.preset, "device": name or "CPU", "batch_size": cfg.data.batch_size,
         "steps": args.steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
         "environment": environment(), "config": cfg.to_dict(), "common_overrides": args.overrides,
         "parallel": args.parallel,

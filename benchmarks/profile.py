@@ -2,12 +2,13 @@
 
     python -m benchmarks.profile --preset ddpm-cifar10 --data data                       # bf16 + compile (defaults)
     python -m benchmarks.profile --preset ddpm-cifar10 --data data train.compile=False --out /tmp/eager
-    python -m benchmarks.profile --preset tiny --data data data.batch_size=16 --steps 2   # CPU: CPU activities only
+    python -m benchmarks.profile --preset tiny --data data data.batch_size=16 --iters 2   # CPU: CPU activities only
+    python -m benchmarks.profile --from-trace benchmarks/results/h200/profile-ddpm-cifar10/trace.json.gz   # no GPU
 
 One process: build the trainer and loader (as benchmarks.bench does), run `--warmup` steps (the first compiles;
-none of it is profiled), then torch.profiler over `--steps` steady-state iterations (schedule: 1 wait, 1 warm-up,
-`--steps` active; CPU + CUDA activities, no shapes or stacks). Then the telemetry run: `--telemetry-rounds` rounds
-of `--telemetry-steps` steps without and with GpuTelemetry sampling, alternating which goes first, each timed
+none of it is profiled), then torch.profiler over `--iters` steady-state iterations (schedule: 1 wait, 1 warm-up,
+`--iters` active; CPU + CUDA activities, no shapes or stacks). Then the telemetry run: `--telemetry-rounds` rounds
+of `--telemetry-iters` iterations without and with GpuTelemetry sampling, alternating which goes first, each timed
 with CUDA events (timing.timed_steps): the ratio of the two is the sampler's overhead, the sampled blocks give J/img.
 
 Writes to benchmarks/results/<card>/profile-<preset>/ (or --out):
@@ -38,7 +39,7 @@ from benchmarks.profile_analysis import (DATA_MARK, TraceError, analyse, class_l
                                          reanalyse, top_ops_lines)
 from ffcv_ddpm.checks import Parser
 
-TRACE_LIMIT_MB = 15  # above this a trace is awkward to commit and slow to open: fewer --steps
+TRACE_LIMIT_MB = 15  # above this a trace is awkward to commit and slow to open: fewer --iters
 
 
 def profile_steps(trainer, data, lr: float, steps: int, device):
@@ -163,14 +164,12 @@ def telemetry_lines(t: dict) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = Parser(prog="python -m benchmarks.profile", description=__doc__.split("\n\n")[0],
-               epilog="Any other key=value overrides a config field, e.g. data.batch_size=256 "
-                      "train.compile=False (see ffcv_ddpm.config).")
+    p = Parser(prog="python -m benchmarks.profile", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
     p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`) or a .beton")
-    p.add_argument("--steps", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
+    p.add_argument("--iters", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
     p.add_argument("--warmup", type=int, help="iterations before profiling, the first compiles (default: 20 / 3)")
-    p.add_argument("--telemetry-steps", type=int, help="iterations per telemetry block (default: 100 / 2)")
+    p.add_argument("--telemetry-iters", type=int, help="iterations per telemetry block (default: 100 / 2)")
     p.add_argument("--telemetry-rounds", type=int, help="rounds of (unsampled, sampled) blocks (default: 3 / 1)")
     p.add_argument("--interval", type=float, default=0.1, help="seconds between NVML samples")
     p.add_argument("--top", type=int, default=10, help="rows in the top-ops tables")
@@ -180,11 +179,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--from-trace", type=Path, metavar="TRACE",
                    help="run nothing: analyse a saved trace.json.gz again and write reanalysis.md/.json beside it "
                         "(or under --out)")
-    args, rest = p.parse_known_args(argv)
-    bad = [r for r in rest if "=" not in r]
-    if bad:
-        p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are key=value)")
-    return args, [r.lstrip("-") for r in rest]
+    return p.parse_with_overrides(argv)
 
 
 def main(argv: list[str] | None = None, source_factory=None) -> int:
@@ -220,12 +215,12 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     except TrainingError as e:
         raise BenchError(str(e)) from None
     cuda = device.type == "cuda"
-    steps = args.steps if args.steps is not None else (10 if cuda else 2)
+    steps = args.iters if args.iters is not None else (10 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (20 if cuda else 3)
-    tsteps = args.telemetry_steps if args.telemetry_steps is not None else (100 if cuda else 2)
+    tsteps = args.telemetry_iters if args.telemetry_iters is not None else (100 if cuda else 2)
     rounds = args.telemetry_rounds if args.telemetry_rounds is not None else (3 if cuda else 1)
     if steps < 1 or warmup < 0 or tsteps < 1 or rounds < 1 or args.top < 1 or args.interval <= 0:
-        raise BenchError("--steps, --telemetry-steps, --telemetry-rounds and --top must be >= 1, --warmup >= 0 "
+        raise BenchError("--iters, --telemetry-iters, --telemetry-rounds and --top must be >= 1, --warmup >= 0 "
                            f"and --interval > 0 (got {steps}, {tsteps}, {rounds}, {args.top}, {warmup}, "
                            f"{args.interval})")
     beton, built = ensure_dataset(args.data, args.num_synthetic or (50_000 if cuda else 1024))
@@ -321,7 +316,7 @@ def _export_trace(prof, path: Path) -> None:
     raw.unlink()
     mb = path.stat().st_size / 2**20
     if mb > TRACE_LIMIT_MB:
-        print(f"profile: WARNING: {path} is {mb:.1f} MB (> {TRACE_LIMIT_MB} MB): rerun with fewer --steps "
+        print(f"profile: WARNING: {path} is {mb:.1f} MB (> {TRACE_LIMIT_MB} MB): rerun with fewer --iters "
               "before committing it", flush=True)
 
 

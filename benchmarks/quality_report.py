@@ -7,7 +7,6 @@ Pure rendering: benchmarks.quality measures and calls write_report after every p
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import write_json
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
 from tools.atomic import Staged
 
 GRID_COLUMNS = 8  # samples per class in each grid
@@ -189,8 +189,8 @@ def write_report(result: dict, out: Path, images: dict | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Re-render a quality.json as quality.md + quality.png beside it.")
-    p.add_argument("json", type=Path)
+    p = Parser(prog="python -m benchmarks.quality_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p.add_argument("json", type=Path, help="a quality.json written by benchmarks.quality")
     args = p.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())

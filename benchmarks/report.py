@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.common import md_table
 from benchmarks.peaks import lookup_peak
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
 
 # The published A100 table (small UNet; torchinfo mult-adds x 2 x 3, attention counted as zero; the fp32 rows are
 # divided by the FP32 peak 19.5 although PyTorch lets cuDNN run fp32 convolutions on TF32 tensor cores by default).
@@ -312,8 +312,7 @@ def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.report",
-               description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
+    p = Parser(prog="python -m benchmarks.report", doc=__doc__, epilog=SINGLE_FILE_HELP)
     p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
     args = p.parse_args(argv)
     try:

@@ -1,7 +1,7 @@
 """The parent side of a benchmark table: each row in a fresh process (benchmarks.jobs), the JSON rewritten after each.
 
     add_options(parser)                                      # the options bench and sweeps share
-    rc = run_table(rows, "quick", args, overrides, argv)      # rows from benchmarks.rows; writes JSON, .md, .png
+    rc, path = run_table(rows, "quick", args, overrides, argv)   # rows from benchmarks.rows; writes JSON, .md, .png
 
 Why a fresh process per row: every row then starts from the same state -- an empty CUDA caching allocator (so peak
 memory and "largest batch that fits" are the row's own), no compiled graphs or autotuning caches from earlier rows,
@@ -39,8 +39,6 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         f"DATA/{PNG_TRAIN} exists, else torch-memory (a DataLoader over arrays in RAM)")
     p.add_argument("--max-batch", type=option(int, at_least(1)), default=4096,
                    help="cap for the 'largest batch that fits' rows")
-    p.add_argument("--batch", type=option(int, at_least(1)),
-                   help="run every row at this batch (no probing; for subsets and CPUs)")
     p.add_argument("--mem-fraction", type=option(float, matches("a number in (0, 1]", lambda v: 0 < v <= 1)),
                    default=0.9, help="GPU memory share a probed batch may use")
     p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
@@ -71,6 +69,29 @@ def baseline_loader(args: argparse.Namespace) -> tuple[str, ...]:
     if args.baseline_loader == "torch-files" or (args.baseline_loader == "auto" and png_dir.is_dir()):
         return ("data.loader=torch-files", f"data.png_dir={png_dir}")
     return ("data.loader=torch-memory",)
+
+
+def fixed_batch(overrides: list[str]) -> tuple[int | None, list[str]]:
+    """data.batch_size=N among the command's overrides: every row runs at N (no probing); the rest apply as given."""
+    batch, rest = None, []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in ("data.batch_size", "batch_size"):
+            batch = int(value)  # its range is checked by check_overrides first
+        else:
+            rest.append(item)
+    return batch, rest
+
+
+def check_overrides(rows: list[Row], overrides: list[str]) -> None:
+    """The command's KEY=VALUE overrides on every row's config: a bad one is one line before anything runs."""
+    from ffcv_ddpm.config import load_config
+
+    for row in rows:
+        try:
+            load_config(row.preset, [*row.overrides, *overrides])
+        except ValueError as e:
+            raise BenchError(str(e)) from None
 
 
 def spawn(kind: str, spec: dict, timeout: float) -> dict:
@@ -109,10 +130,10 @@ def _summary_line(raw: dict, flops: dict, device_name: str | None) -> str:
             f"{m['tflops']:.3g} TFLOP/s, MFU {mfu}, first step {raw['first_step_s']:.1f} s")
 
 
-def run_table(rows: list[Row], table: str, args: argparse.Namespace, argv: list[str],
+def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: list[str], argv: list[str],
               command: str = "benchmarks.bench", name: str | None = None) -> tuple[int, Path]:
-    """Runs `rows` (each in its own process) and writes <out>/<name or table>.json, .md, .png; returns (exit
-    status: 1 if every row failed, the JSON's path)."""
+    """Runs `rows` (each in its own process, the command's `overrides` after each row's) and writes
+    <out>/<name or table>.json, .md, .png; returns (exit status: 1 if every row failed, the JSON's path)."""
     from benchmarks.report import add_metrics, terminal_table, write_reports
     from ffcv_ddpm.data import dataset_info
 
@@ -120,6 +141,8 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, argv: list[
     iters = args.iters or (50 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
     loader = baseline_loader(args)
+    check_overrides(rows, overrides)
+    batch_fixed, overrides = fixed_batch(overrides)
 
     # ---- first lines: what runs, on what, with which data --------------------------------------------------------
     env, gpu = environment(cuda)
@@ -165,7 +188,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, argv: list[
         "dataset_built_now": built,
         "settings": {"iters": iters, "warmup": warmup, "max_batch": args.max_batch,
                      "mem_fraction": args.mem_fraction, "batch_ladder": list(BATCH_LADDER),
-                     "baseline_loader": loader[0].split("=")[1]},
+                     "baseline_loader": loader[0].split("=")[1], "overrides": overrides},
         "flops": flops,
         "measured_peaks": None,
         "rows": [],
@@ -187,12 +210,12 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, argv: list[
     resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
     cap = min(args.max_batch, dataset["num_images"])
     for i, row in enumerate(rows, 1):
-        row_over = row_overrides(row, data_overrides, data_dir)
+        row_over = [*row_overrides(row, data_overrides, data_dir), *overrides]
         entry = {"name": row.name, "group": row.preset, "preset": row.preset, "baseline": row.baseline,
                  "overrides": row_over, "batch_rule": row.batch, "status": None, "raw": None}
         batch_note, probe, why = None, None, None
-        if args.batch:
-            batch, batch_note = args.batch, "fixed by --batch"
+        if batch_fixed:
+            batch, batch_note = batch_fixed, "fixed by data.batch_size"
         elif isinstance(row.batch, int):
             batch = min(row.batch, dataset["num_images"])
         elif row.batch == "max" and cuda:
@@ -203,10 +226,11 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, argv: list[
             batch_note = (f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory "
                           f"(eager probe, cap {cap})")
         elif row.batch == "max":
-            batch, why = None, "the largest-batch probe needs CUDA; pass --batch N"
+            batch, why = None, "the largest-batch probe needs CUDA; pass data.batch_size=N"
         else:
             batch = resolved.get((row.preset, row.batch))
-            why = f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass --batch N"
+            why = (f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass "
+                   "data.batch_size=N")
         print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {row.name} (batch {batch})", flush=True)
         if batch is None:
             entry.update(status="failed", error=why)

@@ -1,6 +1,7 @@
 """Sample quality vs steps for the score-SDE samplers: a VE-SDE model and a DDPM model trained on the digits.
 
     python -m benchmarks.sde_quality --data data/digits --out benchmarks/results/h100/sde-quality
+    python -m benchmarks.sde_quality --data data/digits --out /tmp/sq --steps 200 data.batch_size=64 train.device=cpu
 
 Budget: the whole command, both trainings included, is planned for about 7 minutes on one H100/H200: the digits
 judge (ffcv_ddpm.quality, ~20 s unless --judge names a saved one), two class-conditional models of the small
@@ -35,6 +36,7 @@ import torch
 
 from benchmarks.sde_quality_report import render
 from ffcv_ddpm.checkpoint import list_checkpoints
+from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info, read_beton
 from ffcv_ddpm.diffusion import save_grid
@@ -84,11 +86,9 @@ def plan_rows(args, timesteps: int) -> list[dict]:
     return [row for _, row in sorted(ranked, key=lambda rr: (rr[0], rr[1]["guess"]))]
 
 
-def base_config(args, train_beton: Path) -> RunConfig:
-    cfg = load_config(args.preset, [*MODEL, *TRAIN, f"train.steps={args.steps}", f"train.ckpt_every={args.steps}",
-                                    *args.overrides])
-    cfg.data.path = str(train_beton)
-    return cfg
+def base_config(args) -> RunConfig:
+    return load_config(args.preset, [*MODEL, *TRAIN, f"train.steps={args.steps}", f"train.ckpt_every={args.steps}",
+                                     *args.overrides])
 
 
 def train_model(base: RunConfig, process: str, runs: Path) -> tuple[Path, dict]:
@@ -109,8 +109,9 @@ def train_model(base: RunConfig, process: str, runs: Path) -> tuple[Path, dict]:
 def run(args, argv: list[str]) -> Path:
     start = time.perf_counter()
     quality = importlib.import_module("ffcv_ddpm.quality")  # issue 14's judge; imported here, where it is needed
+    base = base_config(args)  # a bad override stops here, before the data is looked for
     train_beton, test_beton = find_betons(args.data)
-    base = base_config(args, train_beton)
+    base.data.path = str(train_beton)
     device = resolve_device(base.train.device)
     train_x, train_y = read_beton(train_beton)
     test_x, test_y = read_beton(test_beton)
@@ -202,11 +203,11 @@ def ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sde_quality", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m benchmarks.sde_quality", doc=__doc__, overrides=True,
+               epilog="The overrides go to both models' trainers, after MODEL and TRAIN (sde_quality.py).")
     p.add_argument("--data", type=Path, required=True, help="folder with *_train_raw.beton and *_test_raw.beton")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON, Markdown and PNGs")
-    p.add_argument("--steps", type=int, default=4000, help="training steps per model")
+    p.add_argument("--steps", type=int, default=4000, help="training steps per model (train.steps)")
     p.add_argument("--n", type=int, default=1000, help="samples per row")
     p.add_argument("--ddim-steps", type=ints, default=[10, 20, 50, 100])
     p.add_argument("--em-steps", type=ints, default=[20, 50, 100, 250])
@@ -223,8 +224,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=400.0, help="rows that would end later than this are not run")
     p.add_argument("--preset", default="ddpm-cifar10", help="preset the MODEL overrides start from")
     p.add_argument("--runs", type=Path, help="keep the two training runs here (default: a temporary folder)")
-    p.add_argument("overrides", nargs="*", help="trainer overrides for both models, after MODEL and TRAIN")
-    args = p.parse_args(argv)
+    args, args.overrides = p.parse_with_overrides(argv)
     if args.n < 10:
         p.error(f"--n {args.n}: need at least 10 samples (one per class)")
     return args

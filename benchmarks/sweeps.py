@@ -25,7 +25,7 @@ from typing import Callable
 
 from benchmarks.common import BenchError
 from benchmarks.rows import BASELINE, STACK, Row, merge, resolve_rows
-from benchmarks.runner import add_options, baseline_loader, cuda_available, run_table
+from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.unet import PRESETS
 
@@ -140,19 +140,20 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------------- command
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = Parser(prog="python -m benchmarks.sweeps", description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = Parser(prog="python -m benchmarks.sweeps", doc=__doc__, overrides=True,
+               epilog="The overrides apply to every row, after the swept setting.")
     p.add_argument("--sweep", default="all", help=f"comma-separated: {', '.join(SWEEPS)}, or all")
     p.add_argument("--preset", choices=list(PRESETS),
                    help="model preset (default: ddpm-cifar10 with CUDA, tiny without)")
     p.add_argument("--list", action="store_true", help="print each sweep's rows and their overrides and exit")
     add_options(p)
-    return p.parse_args(argv)
+    return p.parse_with_overrides(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args, overrides = parse_args(argv)
     names = list(SWEEPS) if args.sweep == "all" else [s.strip() for s in args.sweep.split(",") if s.strip()]
     unknown = [n for n in names if n not in SWEEPS]
     if unknown or not names:
@@ -168,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
             table = f"sweep-{name}"
             rows = resolve_rows(SWEEPS[name].rows(preset, loader, cuda), args.rows)
             if args.list:
+                check_overrides(rows, overrides)
                 print(f"{table} ({preset}):")
                 for i, row in enumerate(rows, 1):
-                    print(f"{i:2d}. {row.name}  (batch: {row.batch})\n    {' '.join(row.overrides)}")
+                    print(f"{i:2d}. {row.name}  (batch: {row.batch})\n    {' '.join([*row.overrides, *overrides])}")
                 continue
             print(f"\nsweeps: {table} ({preset})", flush=True)
             stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
-            code, json_path = run_table(rows, table, args, argv, command="benchmarks.sweeps", name=stem)
+            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.sweeps", name=stem)
             rc = max(rc, code)
             result = json.loads(json_path.read_text())
             png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))

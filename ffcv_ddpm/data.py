@@ -146,6 +146,19 @@ def _check_batches_fit(cfg: DataConfig, num_images: int, world_size: int) -> Non
                          "lower data.batch_size or set data.drop_last=False")
 
 
+def train_beton(data) -> str:
+    """--data as every command takes it: a .beton file, or a dataset folder holding one *_train_raw.beton (what
+    tools.make_dataset writes: cifar10_, digits_ or mnist_train_raw.beton)."""
+    data = Path(data)
+    if data.suffix == ".beton" or not data.is_dir():
+        return os.fspath(data)
+    found = sorted(data.glob("*_train_raw.beton"))
+    if len(found) != 1:
+        raise ValueError(f"--data {data}: expected one *_train_raw.beton in that folder, found "
+                         f"{', '.join(p.name for p in found) or 'none'}; {_MAKE_DATASET_HINT}, or give the .beton")
+    return os.fspath(found[0])
+
+
 def dataset_info(path) -> dict:
     """What a result should record about its data: counts, image size, and the manifest's source/synthetic flag.
 

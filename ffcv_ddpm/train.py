@@ -1,6 +1,6 @@
 """Train a diffusion model (DDPM, or a VE-SDE with diffusion.process=ve) on an FFCV .beton, one readable function.
 
-    python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data/cifar10_train_raw.beton data.batch_size=256
+    python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data data.batch_size=256   # data/cifar10_train_raw.beton
     python -m ffcv_ddpm.train --resume runs/00003-ddpm-cifar10        # continue from the newest complete checkpoint
     torchrun --nproc_per_node 4 -m ffcv_ddpm.train --preset ddpm-cifar10 --data ...   # DDP, batch_size per GPU
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
-from ffcv_ddpm.data import check_dataset, dataset_info, make_loader
+from ffcv_ddpm.data import check_dataset, dataset_info, make_loader, train_beton
 from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import Evaluator
@@ -409,14 +409,11 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
 
 
 def parse_args(argv: list[str]) -> RunConfig:
-    p = Parser(prog="python -m ffcv_ddpm.train", description=__doc__.split("\n")[0],
-               epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
-                      "data.batch_size=256 precision=fp32 compile=False")
+    p = Parser(prog="python -m ffcv_ddpm.train", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
-    p.add_argument("--data", help="train .beton file (data.path)")
+    p.add_argument("--data", help="dataset folder (its one *_train_raw.beton) or a train .beton file (data.path)")
     p.add_argument("--resume", help="run folder to continue from its newest complete checkpoint")
-    args, rest = p.parse_known_args(argv)
-    overrides = [r.lstrip("-") for r in rest]
+    args, overrides = p.parse_with_overrides(argv)
     if args.resume:
         saved = Path(args.resume) / "config.json"
         if not saved.is_file():
@@ -428,7 +425,7 @@ def parse_args(argv: list[str]) -> RunConfig:
     else:
         cfg = load_config(args.preset, overrides)
     if args.data:
-        apply_override(cfg, f"data.path={args.data}")
+        apply_override(cfg, f"data.path={train_beton(args.data)}")
     return check_config(cfg)
 
 

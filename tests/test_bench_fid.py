@@ -25,8 +25,9 @@ def run_dir(small_dataset, tmp_path_factory):
 
 def test_fid_of_a_run_on_synthetic_data(small_dataset, small_dataset_arrays, run_dir, tmp_path, capsys):
     ref = small_dataset / "cifar10_test_raw.beton"
-    common = ["--ref", str(ref), "--max-ref", "10", "--random-inception", "0", "--batch", "5", "--out", str(tmp_path)]
-    assert fid_cli.main([*common, "--run", str(run_dir), "--n", "10", "--steps", "2"]) == 0
+    common = ["--data", str(ref), "--max-ref", "10", "--random-inception", "0", "--sample-batch", "5", "--out",
+              str(tmp_path)]
+    assert fid_cli.main([*common, "--run", str(run_dir), "--n", "10", "--sample-steps", "2"]) == 0
     result = json.loads((tmp_path / f"fid-{run_dir.name}-ddim.json").read_text())
     assert result["fid"] > 0 and result["network"] == "random-inception-seed0"
     assert result["samples"] == {"run": str(run_dir), "step": 2, "weights": "EMA", "sampler": "ddim", "steps": 2,
@@ -50,7 +51,7 @@ def test_fid_of_a_run_on_synthetic_data(small_dataset, small_dataset_arrays, run
 
 def test_missing_weights_is_one_line(small_dataset, run_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    rc = fid_cli.main(["--ref", str(small_dataset / "cifar10_test_raw.beton"), "--run", str(run_dir),
+    rc = fid_cli.main(["--data", str(small_dataset / "cifar10_test_raw.beton"), "--run", str(run_dir),
                        "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("fid: error: Inception weights ")

@@ -10,7 +10,7 @@ from benchmarks import quality
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOY = ["--preset", "tiny", "--steps", "2", "--batch", "16", "--judge-steps", "5", "--n-per-class", "1",
+TOY = ["--preset", "tiny", "--steps", "2", "data.batch_size=16", "--judge-steps", "5", "--n-per-class", "1",
        "--guidance", "0,2", "--ddim-steps", "2,1", "--sample-batch", "20", "model.num_classes=10",
        "diffusion.timesteps=4", "train.device=cpu", "train.compile=False", "train.precision=fp32"]
 

@@ -306,7 +306,7 @@ def test_profile_command_on_the_tiny_preset(small_dataset, tmp_path, capsys):
     # model.norm_impl=torch: nn.GroupNorm's ops say "group_norm"; the scale-shift default is var_mean + elementwise
     # ops, which no name marks as a normalization on the CPU.
     rc = profile.main(["--preset", "tiny", "--data", str(small_dataset), "data.batch_size=8", "data.loader=gpu",
-                       "train.precision=fp32", "model.norm_impl=torch", "--steps", "2", "--warmup", "2", "--telemetry-steps", "2",
+                       "train.precision=fp32", "model.norm_impl=torch", "--iters", "2", "--warmup", "2", "--telemetry-iters", "2",
                        "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
@@ -348,8 +348,8 @@ def test_profile_cli_errors(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert profile.main(["--preset", "tiny", "data.batch_sise=4"]) == 2
     assert "no field 'batch_sise'" in capsys.readouterr().err
-    assert profile.main(["--preset", "tiny", "--steps", "0", "--data", str(tmp_path / "x.beton")]) == 2
-    assert "--steps" in capsys.readouterr().err
+    assert profile.main(["--preset", "tiny", "--iters", "0", "--data", str(tmp_path / "x.beton")]) == 2
+    assert "--iters" in capsys.readouterr().err
     assert profile.main(["--from-trace", str(tmp_path / "none.json.gz")]) == 2
     assert "no such file" in capsys.readouterr().err
     (tmp_path / "bad.json.gz").write_bytes(gzip.compress(b"{not json"))
