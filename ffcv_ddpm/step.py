@@ -130,11 +130,10 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     if cfg.train.compile and device.type == "cuda":
         import torch._inductor.config as inductor_config
 
-        # Inductor's channels_last heuristic is off for these UNets' training graphs: forcing it is a measured
-        # switch (benchmarks/NOTES.md, "Notes moved from the code").
+        # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
         inductor_config.force_layout_optimization = cfg.train.force_layout_opt
         # The DDP wrapper is compiled, so dynamo splits the graph at bucket boundaries (all-reduce overlaps
-        # backward). dynamic=False: batches have one size (drop_last); see NOTES.md for the recompile it avoids.
+        # backward). dynamic=False: batches have one size (drop_last); a dynamic recompile once failed (NOTES.md).
         net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
                             dynamic=False)
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).

@@ -457,12 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     rc = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and backend() == "gloo":
-        # On gloo, DDP keeps the process group alive past destroy_process_group (torch 2.13), so its worker threads
-        # are never joined. A worker that drops a finished collective's tensors while the interpreter shuts down
-        # takes the GIL from a dying interpreter and aborts the whole rank ("terminate called without an active
-        # exception"; backtrace from a 2-rank CPU run on CI: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork ->
-        # THPVariable_dealloc -> take_gil -> pthread_exit). Everything this run owns is closed and written by now,
-        # so the rank leaves without the interpreter shutdown.
+        # gloo's unjoined worker threads can abort a rank during interpreter shutdown (benchmarks/NOTES.md, moved
+        # from the code); everything this run owns is closed and written by now, so the rank skips that shutdown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)
