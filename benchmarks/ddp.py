@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, BenchError, ensure_dataset, results_dir, write_json
+from benchmarks.common import REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from benchmarks.flops import train_flops_per_image
 from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
@@ -71,7 +71,7 @@ def add_metrics(result: dict) -> None:
 
 def render(result: dict, out: Path) -> None:
     lines = [f"# DDP scaling: {result['preset']} on {result['device_name'] or 'CPU (gloo)'}", "",
-             f"- commit {result['environment'].get('commit')}, torch {result['environment'].get('torch')}, "
+             f"- commit {commit_text(result['environment'], 40)}, torch {result['environment'].get('torch')}, "
              f"{result['environment'].get('date_utc')}; command: `{result['command']}`",
              f"- data: {result['dataset']} ; {result['flops_per_image'] / 1e9:.2f} GFLOP/img fwd+bwd; peak "
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]

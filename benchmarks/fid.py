@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import results_dir, write_json
+from benchmarks.common import commit_text, results_dir, write_json
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import class_labels, generate, load_run
@@ -114,7 +114,7 @@ def render(result: dict) -> str:
             if "run" in s else f"{s['n']} images of {s['images']}")
     lines = [f"# FID: {result['name']}", "",
              f"**FID {result['fid']:.3f}**: {what} against {r['n']} images of {r['path']}", "",
-             f"- network: {result['network']}; device {result['device']}; commit {env.get('commit')}, "
+             f"- network: {result['network']}; device {result['device']}; commit {commit_text(env, 40)}, "
              f"torch {env.get('torch')}, {env.get('date_utc')}",
              f"- command: `{result['command']}`",
              f"- seconds: reference statistics {result['seconds']['reference']:.1f} "

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import results_dir, write_json
+from benchmarks.common import commit_text, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
@@ -253,7 +253,7 @@ def render_markdown(result: dict) -> str:
         f"(source {data['source']}, {synthetic}); batch {s['batch_size']}, drop_last; "
         f"{s['epochs']} steady-state epoch(s) after the first",
         f"- torch {env['torch']}, CUDA {env['cuda']}, ffcv {env['ffcv']}, {env['cpu_count']} CPU cores, "
-        f"commit {(env['commit'] or 'unknown')[:12]}{' (dirty)' if env['dirty'] else ''}, {env['date_utc']}",
+        f"commit {commit_text(env, 12)}, {env['date_utc']}",
         f"- command: `{result['command']}`",
         "",
         "## Steady-state images/s (median over epochs after the first)",

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, BenchError, ensure_dataset, results_dir, write_json
+from benchmarks.common import REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
@@ -205,7 +205,7 @@ def render(result: dict, out: Path) -> None:
     verdict = "within" if c["ok"] else "OUTSIDE"
     lines = [f"# Numerics: {result['preset']}, {cand['precision']} vs {ref['precision']} "
              f"on {result['device']}", "",
-             f"- commit {env.get('commit')}, torch {env.get('torch')}, {env.get('date_utc')}; "
+             f"- commit {commit_text(env, 40)}, torch {env.get('torch')}, {env.get('date_utc')}; "
              f"command: `{result['command']}`",
              f"- data: {result['dataset']}; batch {result['batch_size']}, {result['steps']} steps, "
              f"loss logged every {result['log_every']} steps (mean over the interval), seed {result['seed']}",

@@ -34,7 +34,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from benchmarks.common import BenchError, ensure_dataset, results_dir, write_json
+from benchmarks.common import BenchError, commit_text, ensure_dataset, results_dir, write_json
 from benchmarks.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                          reanalyse, top_ops_lines)
 from ffcv_ddpm.checks import Parser
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     # ---- write ---------------------------------------------------------------------------------------------------
     env = environment()
     title = (f"{args.preset}, batch {cfg.data.batch_size}, {cfg.train.precision}, compile={cfg.train.compile and cuda}"
-             f" - {device_name or 'CPU'} - torch {env['torch']} - {(env.get('commit') or 'no git')[:10]}")
+             f" - {device_name or 'CPU'} - torch {env['torch']} - {commit_text(env)}")
     files = {"trace": trace.name, "top_ops": "top_ops.md", "op_classes": "op_classes.md", "summary": "summary.json"}
     if tjsonl.is_file():
         plot_telemetry(tjsonl, out / "telemetry.png", title=title)
@@ -322,7 +322,6 @@ def _export_trace(prof, path: Path) -> None:
 
 def _header(s: dict) -> list[str]:
     env, a, cfg = s["environment"], s["profile"], s["config"]
-    commit = (env.get("commit") or "unknown")[:10] + (" (dirty)" if env.get("dirty") else "")
     ds = s["dataset"]
     step = (f"GPU step span {a['gpu']['span_ms_per_step']:.2f} ms, kernels busy {a['gpu']['busy_ms_per_step']:.2f} "
             f"ms ({100 * (1 - a['gpu']['idle_share']):.0f}%); CPU {a['cpu_step_ms']:.2f} ms per step"
@@ -330,7 +329,7 @@ def _header(s: dict) -> list[str]:
     unprof = s["telemetry"]["ms_per_step_off"]
     return [
         f"- Device: {s['device_name'] or 'CPU only'}; torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-        f"cuDNN {env.get('cudnn')}, Python {env.get('python')}; commit {commit}, {env.get('date_utc')}",
+        f"cuDNN {env.get('cudnn')}, Python {env.get('python')}; commit {commit_text(env)}, {env.get('date_utc')}",
         f"- Command: `{' '.join(s['command'])}`",
         f"- Config: preset {cfg['preset']}, batch {cfg['data']['batch_size']}, {cfg['train']['precision']}, "
         f"compile={cfg['train']['compile'] and bool(s['device_name'])}, attention {cfg['model']['attn_impl']}, "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import write_json
+from benchmarks.common import commit_text, write_json
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
 from tools.atomic import Staged
 
@@ -44,7 +44,7 @@ def render_markdown(result: dict) -> str:
     env, ds = result["environment"], result["dataset"]
     lines = [f"# Sample quality on the digits: class-conditional DDPM with classifier-free guidance "
              f"({result['device']})", "",
-             f"- commit {env.get('commit')}{' (dirty)' if env.get('dirty') else ''}, torch {env.get('torch')}, "
+             f"- commit {commit_text(env, 40)}, torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, {env.get('date_utc')}; command: `{result['command']}`",
              f"- data: {ds['path']} (scikit-learn's UCI digits, {ds.get('counts')}; split: {ds.get('split')}; "
              f"{ds.get('preprocess')}){'; built by this run' if ds.get('built_now') else ''}",
@@ -133,7 +133,7 @@ def plot(result: dict, path: Path) -> None:
             tw = ax_tr.twinx()
             tw.plot([s["step"] for s in evals], [100 * s["cond_acc"] for s in evals], "s-", color="C3")
             tw.set_ylabel("cond. accuracy during training (%, EMA, w=0)", color="C3")
-    fig.suptitle(f"digits, {result['device']}, commit {(result['environment'].get('commit') or '?')[:10]}",
+    fig.suptitle(f"digits, {result['device']}, commit {commit_text(result['environment'])}",
                  fontsize=9)
     fig.tight_layout()
     with Staged() as staged:

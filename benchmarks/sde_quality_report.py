@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.common import commit_text
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 from tools.atomic import Staged
 
@@ -25,7 +26,7 @@ def markdown(result: dict) -> str:
     ds = result["dataset"]
     lines = [
         f"# Sample quality vs steps: VE-SDE and DDPM on {ds.get('source') or 'unknown'} data, {result['device']}", "",
-        f"- Commit {(env.get('commit') or 'unknown')[:10]}{' (dirty)' if env.get('dirty') else ''}, "
+        f"- Commit {commit_text(env)}, "
         f"{env.get('date_utc')}; torch {env.get('torch')}, CUDA {env.get('cuda')}; command: `{result['command']}`",
         f"- Data: {ds['path']} ({ds['num_images']} train images"
         + (", SYNTHETIC: the numbers mean nothing" if ds.get("synthetic") else "") + f"); reference set for FD: "

@@ -10,8 +10,9 @@ runs its tables: every row in a fresh process, warm-up, CUDA-event timing with t
 (<name>-curve.png): x = the swept setting, y = images/s, with peak memory or the data-wait share beneath.
 It takes bench's run options (--iters, --warmup, --row-timeout, --baseline-loader, ...).
 
-Every row starts from the full stack of bench's table (bf16, compile, SDPA, channels_last, fused AdamW, GPU-resident
-data with GPU flips) and changes only the swept setting, so each curve isolates one knob.
+Every row starts from the trainer's defaults (`load_config(preset)`: bf16, compile, SDPA, channels_last, fused AdamW,
+the FFCV loader, GPU flips, the default GroupNorm) and changes only the swept setting, so each curve isolates one
+knob of what `make train` runs; the reports say so. The command's KEY=VALUE overrides apply to every row.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.common import BenchError
-from benchmarks.rows import BASELINE, STACK, Row, merge, resolve_rows
+from benchmarks.common import BenchError, commit_text
+from benchmarks.rows import Row, merge, resolve_rows
 from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.unet import PRESETS
 
-# The last row of bench's stack: everything on. Sweeps vary one setting of it.
-FULL = merge(BASELINE, *(added for _, added, _ in STACK))
+# Where every sweep row starts: the trainer's defaults, no override (not bench's stack, which carries switches that
+# are still being measured).
+DEFAULTS: tuple[str, ...] = ()
+NOTE = ("Every row starts from the trainer's defaults (load_config(preset), no override) and changes only the swept "
+        "setting.")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class Sweep:
 
 def batch_rows(preset: str, _loader, cuda: bool) -> list[Row]:
     sizes = (64, 128, 256, 512, 1024, 2048) if cuda else (4, 8)
-    return [Row(f"batch {b}", preset, FULL, b, baseline=i == 0) for i, b in enumerate(sizes)]
+    return [Row(f"batch {b}", preset, DEFAULTS, b, baseline=i == 0) for i, b in enumerate(sizes)]
 
 
 def amp_compile_rows(preset: str, _loader, cuda: bool) -> list[Row]:
@@ -55,7 +59,7 @@ def amp_compile_rows(preset: str, _loader, cuda: bool) -> list[Row]:
     for compile_ in ((False, True) if cuda else (False,)):
         for p in precisions:
             name = f"{p}, {'compile' if compile_ else 'eager'}"
-            rows.append(Row(name, preset, merge(FULL, (f"train.precision={p}", f"train.compile={compile_}")),
+            rows.append(Row(name, preset, merge(DEFAULTS, (f"train.precision={p}", f"train.compile={compile_}")),
                             256 if cuda else 8, baseline=not rows))
     return rows
 
@@ -68,7 +72,7 @@ def worker_rows(preset: str, loader: tuple[str, ...], cuda: bool) -> list[Row]:
     rows = []
     for kind, extra in (("ffcv", ("data.loader=ffcv",)), (name, loader)):
         for w in counts[kind]:
-            overrides = merge(FULL, extra, ("data.flip=cpu", f"data.num_workers={w}"))
+            overrides = merge(DEFAULTS, extra, ("data.flip=cpu", f"data.num_workers={w}"))
             rows.append(Row(f"{kind}, {w} workers", preset, overrides, 256 if cuda else 8, baseline=not rows))
     return rows
 
@@ -127,7 +131,7 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
     env = result["environment"]
     preset = result["rows"][0]["preset"] if result["rows"] else "?"
     title = (f"{result['table']} ({preset}) - {result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "
-             f"{(env.get('commit') or 'no git')[:10]}")
+             f"{commit_text(env)}")
     if failed:
         title += "\nnot plotted (failed): " + ", ".join(failed)
     fig.suptitle(title, fontsize=9)
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"\nsweeps: {table} ({preset})", flush=True)
             stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
-            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.sweeps", name=stem)
+            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.sweeps", name=stem,
+                                        note=NOTE)
             rc = max(rc, code)
             result = json.loads(json_path.read_text())
             png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))

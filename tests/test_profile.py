@@ -365,12 +365,11 @@ def _keys(overrides):
 
 
 @pytest.mark.parametrize("cuda", [True, False])
-def test_sweep_rows_change_only_the_swept_setting(cuda):
-    from benchmarks.sweeps import FULL, SWEEPS
+def test_sweep_rows_start_from_the_trainer_defaults_and_change_only_the_swept_setting(cuda):
+    from benchmarks.sweeps import DEFAULTS, NOTE, SWEEPS
     from ffcv_ddpm.config import load_config
 
-    full = _keys(FULL)
-    assert (full["train.precision"], full["train.compile"], full["data.loader"]) == ("bf16", "True", "gpu")
+    assert DEFAULTS == () and "trainer's defaults" in NOTE
     swept = {"batch": set(), "amp-compile": {"train.precision", "train.compile"},
              "workers": {"data.loader", "data.flip", "data.num_workers"}}
     for name, sweep in SWEEPS.items():
@@ -379,8 +378,7 @@ def test_sweep_rows_change_only_the_swept_setting(cuda):
         assert len({r.name for r in rows}) == len(rows) and all(isinstance(r.batch, int) for r in rows)
         for row in rows:
             load_config(row.preset, list(row.overrides))
-            changed = {k for k, v in _keys(row.overrides).items() if full.get(k) != v}
-            assert changed <= swept[name], (row.name, changed)
+            assert set(_keys(row.overrides)) <= swept[name], (row.name, row.overrides)
     if not cuda:  # what a CPU cannot run is not in its rows
         assert all("fp16" not in r.name for r in SWEEPS["amp-compile"].rows("tiny", ("data.loader=x",), False))
 
@@ -425,4 +423,6 @@ def test_sweeps_command_runs_a_row_through_bench(small_dataset, tmp_path, capsys
     row = result["rows"][0]
     assert row["status"] == "ok" and row["raw"]["batch_size"] == row["config"]["data"]["batch_size"]
     assert row["metrics"]["img_per_s"] > 0 and row["config"]["train"]["precision"] == "bf16"
-    assert (out / "sweep-batch-tiny-curve.png").stat().st_size > 10_000 and (out / "sweep-batch-tiny.md").is_file()
+    assert row["config"]["data"]["loader"] == "ffcv"  # the trainer's default loader: the sweep starts there...
+    assert "starts from the trainer's defaults" in (out / "sweep-batch-tiny.md").read_text()  # ...and says so
+    assert (out / "sweep-batch-tiny-curve.png").stat().st_size > 10_000
