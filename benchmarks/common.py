@@ -21,6 +21,11 @@ JPEG_BETON = "cifar10_train_jpg.beton"  # the same split, JPEG-encoded
 PNG_TRAIN = Path("png") / "train"  # where `make dataset ... --export-png DATA/png` puts the Kaggle-layout folder
 
 
+# --data of every command that builds a synthetic dataset when there is none (ensure_dataset).
+DATA_HELP = "dataset folder (`make dataset`; a synthetic one is built there if it has none) or a train .beton file"
+DEVICE_HELP = "auto | cpu | cuda | cuda:N (as train.device)"
+
+
 class BenchError(Exception):
     """A user-facing problem (bad arguments, missing data); printed as one line without a traceback."""
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
+from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from benchmarks.flops import train_flops_per_image
 from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
@@ -115,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m benchmarks.ddp", doc=__doc__, overrides=True,
                epilog="The overrides go to every trainer process. data.batch_size (default here 512) is the batch per "
                       "GPU in per-gpu mode and the global batch, split among the processes, in global mode.")
-    p.add_argument("--data", type=Path, default=Path("data"),
-                   help="dataset folder (`make dataset`; a synthetic one is built there if it has none) or a train "
-                        ".beton file")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--gpus", type=int_list(at_least(1)), default="1,2,4", help="process counts (comma-separated)")
     p.add_argument("--mode", choices=("per-gpu", "global", "both"), default="both",

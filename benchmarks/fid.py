@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import commit_text, results_dir, write_json
+from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import class_labels, generate, load_run
@@ -52,7 +52,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weights", type=Path, help=f"the Inception weights file (default: {fid.default_weights_path()})")
     p.add_argument("--random-inception", type=int, metavar="SEED",
                    help="a randomly initialised Inception instead of the weights: tests the path, is NOT FID")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (as train.device)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     args, args.overrides = p.parse_with_overrides(argv)

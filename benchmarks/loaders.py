@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import commit_text, results_dir, write_json
+from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
@@ -109,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"{QUICK['epochs']})")
     p.add_argument("--loaders", help="only variants whose name contains one of these comma-separated words "
                                      "(default: all; quick: " + ", ".join(QUICK_VARIANTS) + ")")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (as train.device)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--quick", action="store_true", help="small defaults for CPU / CI-sized data")
     args, overrides = p.parse_with_overrides(argv)
     try:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
+from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
@@ -271,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m benchmarks.numerics", doc=__doc__, overrides=True,
                epilog="The overrides (anywhere but right after --ref or --control) go to every leg; data.batch_size "
                       "is the preset's (128) unless given.")
-    p.add_argument("--data", type=Path, default=Path("data"),
-                   help="dataset folder (`make dataset`; a synthetic one is built there if it has none) or a train "
-                        ".beton file")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
     p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg (train.steps)")

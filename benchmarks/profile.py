@@ -34,7 +34,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from benchmarks.common import BenchError, commit_text, ensure_dataset, results_dir, write_json
+from benchmarks.common import DATA_HELP, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from benchmarks.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                          reanalyse, top_ops_lines)
 from ffcv_ddpm.checks import Parser
@@ -166,7 +166,7 @@ def telemetry_lines(t: dict) -> list[str]:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = Parser(prog="python -m benchmarks.profile", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
-    p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`) or a .beton")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--iters", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
     p.add_argument("--warmup", type=int, help="iterations before profiling, the first compiles (default: 20 / 3)")
     p.add_argument("--telemetry-iters", type=int, help="iterations per telemetry block (default: 100 / 2)")

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
+from benchmarks.common import DATA_HELP, PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
 from benchmarks.rows import BATCH_LADDER, Row, row_overrides
 from ffcv_ddpm.checks import above, at_least, matches, option
 
@@ -27,9 +27,7 @@ from ffcv_ddpm.checks import above, at_least, matches, option
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of a table run, for every command that runs one (bench, sweeps)."""
     p.add_argument("--rows", help="run only these rows: 1-based indices or name substrings, comma-separated")
-    p.add_argument("--data", type=Path, default=Path("data"),
-                   help="dataset folder (`make dataset`; a synthetic one is built there if it has none) or a train "
-                        ".beton file")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--iters", type=option(int, at_least(1)),
                    help="timed iterations per row, after the warm-up (default: 50 on CUDA, 5 on CPU)")
     p.add_argument("--warmup", type=option(int, at_least(0)),
