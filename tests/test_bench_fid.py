@@ -57,3 +57,12 @@ def test_missing_weights_is_one_line(small_dataset, run_dir, tmp_path, monkeypat
     assert rc == 2 and len(err) == 1 and err[0].startswith("fid: error: Inception weights ")
     assert str(tmp_path / "torch" / "hub" / "checkpoints" / "pt_inception-2015-12-05-6726825d.pth") in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_overrides_change_the_run_config_but_not_its_shape(small_dataset, run_dir, tmp_path, capsys):
+    common = ["--data", str(small_dataset / "cifar10_test_raw.beton"), "--max-ref", "10", "--random-inception", "0",
+              "--sample-batch", "5", "--out", str(tmp_path), "--run", str(run_dir), "--n", "5", "--sample-steps", "1"]
+    assert fid_cli.main([*common, "model.attn_impl=math"]) == 0  # same weights, another attention kernel
+    assert fid_cli.main([*common, "model.base_channels=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit the model" in err[0] and "model.base_channels=64" in err[0]
