@@ -58,7 +58,7 @@ sde-quality: $(SETUP)
 # FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
 # (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache, never downloaded.
 fid: $(SETUP)
-	$(PY) -m benchmarks.fid --ref $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(ARGS)
+	$(PY) -m benchmarks.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(ARGS)
 
 # Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
 # conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality.py.

@@ -2,7 +2,7 @@
 
     python -m benchmarks.ddp --data data                          # ddpm-cifar10, bf16, compile, batch 512 per GPU
     python -m benchmarks.ddp --data data --gpus 1,2 --mode global # global batch fixed instead of per-GPU batch
-    python -m benchmarks.ddp --data data --device cpu --preset tiny --batch 16 --steps 12   # gloo, for CI
+    python -m benchmarks.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
 
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
 FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as FFCV workers. Throughput and data
@@ -22,23 +22,21 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench import BETON, BenchError, ensure_dataset
+from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from benchmarks.flops import train_flops_per_image
-from benchmarks.peaks import card_slug, lookup_peak
+from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.train import NO_MULTICAST
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def run_point(args, beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
+def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
     workers = max(1, (os.cpu_count() or 1) // nproc)
-    overrides = [f"data.batch_size={per_rank_batch}", f"data.num_workers={workers}", f"train.steps={args.steps}",
+    overrides = [f"data.num_workers={workers}", f"train.steps={args.steps}",
                  f"train.log_every={args.log_every}", "train.ckpt_every=1000000000", "train.sample_every=0",
                  "train.progress=False", "train.telemetry=False", f"train.out_dir={out_dir}",
-                 f"train.device={args.device}", *args.overrides]
+                 f"train.device={args.device}", *overrides, f"data.batch_size={per_rank_batch}"]
     if args.device == "cpu":
         overrides += ["train.precision=fp32", "train.compile=False"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -73,7 +71,7 @@ def add_metrics(result: dict) -> None:
 
 def render(result: dict, out: Path) -> None:
     lines = [f"# DDP scaling: {result['preset']} on {result['device_name'] or 'CPU (gloo)'}", "",
-             f"- commit {result['environment'].get('commit')}, torch {result['environment'].get('torch')}, "
+             f"- commit {commit_text(result['environment'], 40)}, torch {result['environment'].get('torch')}, "
              f"{result['environment'].get('date_utc')}; command: `{result['command']}`",
              f"- data: {result['dataset']} ; {result['flops_per_image'] / 1e9:.2f} GFLOP/img fwd+bwd; peak "
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
@@ -114,40 +112,42 @@ def render(result: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.ddp", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
+    p = Parser(prog="python -m benchmarks.ddp", doc=__doc__, overrides=True,
+               epilog="The overrides go to every trainer process. data.batch_size (default here 512) is the batch per "
+                      "GPU in per-gpu mode and the global batch, split among the processes, in global mode.")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--gpus", type=int_list(at_least(1)), default="1,2,4", help="process counts (comma-separated)")
     p.add_argument("--mode", choices=("per-gpu", "global", "both"), default="both",
-                   help="keep the batch per GPU fixed, the global batch fixed (--batch / N per GPU), or both")
-    p.add_argument("--batch", type=option(int, at_least(1)), default=512,
-                   help="batch per GPU (per-gpu mode) / global batch (global)")
-    p.add_argument("--steps", type=option(int, at_least(1)), default=150, help="training steps per point")
+                   help="keep the batch per GPU fixed, the global batch fixed (data.batch_size / N per GPU), or both")
+    p.add_argument("--steps", type=option(int, at_least(1)), default=150, help="training steps per point (train.steps)")
     p.add_argument("--log-every", type=option(int, at_least(1)), default=25, help="steps per stats interval")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda (NCCL) | cpu (gloo)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="cuda",
+                   help="where the ranks run (train.device): cuda (NCCL) | cpu (gloo) | auto (cuda if there is one)")
     p.add_argument("--timeout", type=option(float, above(0)), default=1200, help="seconds per point")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
-    p.add_argument("overrides", nargs="*", help="more trainer overrides, e.g. train.compile_mode=max-autotune")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
     import torch
 
     counts = args.gpus
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     try:  # the trainer's config, checked before any dataset is built or process started
-        cfg = load_config(args.preset, list(args.overrides))
+        cfg = load_config(args.preset, ["data.batch_size=512", *overrides])
     except ValueError as e:
         return fail("bench-ddp", str(e))
-    if args.mode != "per-gpu" and args.batch < max(counts):
-        return fail("bench-ddp", f"--batch {args.batch} is the global batch in --mode {args.mode}: it must be at "
-                                 f"least the largest process count, {max(counts)}")
+    batch = cfg.data.batch_size
+    if args.mode != "per-gpu" and batch < max(counts):
+        return fail("bench-ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
+                                 f"at least the largest process count, {max(counts)}")
     if args.device != "cpu":
         have = torch.cuda.device_count()
         if have == 0:
             return fail("bench-ddp", "no CUDA GPU; use --device cpu (gloo) for a functional check")
         if max(counts) > have:
             return fail("bench-ddp", f"--gpus asks for {max(counts)} GPUs but this machine has {have}")
-    beton = args.data / BETON
     try:
-        built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+        beton, built = ensure_dataset(args.data, num_synthetic=50_000)
     except BenchError as e:
         return fail("bench-ddp", str(e))
     device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
@@ -158,19 +158,19 @@ def main(argv: list[str] | None = None) -> int:
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
               "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
               "points": {m: [] for m in modes}}
-    out = (args.out or REPO / "benchmarks" / "results" / card_slug(device_name)) / "ddp.json"
+    out = (args.out or results_dir(device_name)) / "ddp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for mode in modes:
         for n in counts:
-            per_rank = args.batch if mode == "per-GPU" else args.batch // n
+            per_rank = batch if mode == "per-GPU" else batch // n
             with tempfile.TemporaryDirectory() as tmp:
-                point = run_point(args, beton, n, per_rank, Path(tmp))
+                point = run_point(args, overrides, beton, n, per_rank, Path(tmp))
             result["points"][mode].append(point)
             msg = point.get("error", "").splitlines()[-1:] or [f"{point['img_per_s']:,.0f} img/s, data wait "
                                                                  f"{point['data_wait_share']:.2%}"]
             print(f"bench-ddp: {mode} batch, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
             add_metrics(result)
-            out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+            write_json(out, result, indent=2)
     render(result, out)
     print(f"bench-ddp: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     return 0 if all("error" not in p for pts in result["points"].values() for p in pts) else 1

@@ -1,8 +1,9 @@
 """`make fid`: FID of a trained run's samples (or of an image set) against a dataset, with pytorch-fid's Inception.
 
-    python -m benchmarks.fid --ref data/cifar10_train_raw.beton --run runs/00000-ddpm-cifar10 --n 50000
-    python -m benchmarks.fid --ref data/cifar10_train_raw.beton --run RUN --sampler ddpm --raw   # 1000 steps, no EMA
-    python -m benchmarks.fid --ref data/cifar10_train_raw.beton --images data/cifar10_test_raw.beton
+    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run runs/00000-ddpm-cifar10 --n 50000
+    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run RUN --sampler ddpm --raw   # 1000 steps, no EMA
+    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run RUN train.precision=fp32  # sample in fp32
+    python -m benchmarks.fid --data data/cifar10_train_raw.beton --images data/cifar10_test_raw.beton
     make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
 
 Weights: pt_inception-2015-12-05-6726825d.pth in the torch hub cache ($TORCH_HOME/hub/checkpoints/, where
@@ -24,35 +25,38 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peaks import card_slug
+from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import class_labels, generate, load_run
-from tools.atomic import Staged, write_json
-
-REPO = Path(__file__).resolve().parent.parent
+from ffcv_ddpm.checks import Parser
+from tools.atomic import Staged
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fid", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ref", type=Path, required=True, help="reference .beton or PNG folder (e.g. the train split)")
+    p = Parser(prog="python -m benchmarks.fid", doc=__doc__, overrides=True,
+               epilog="The overrides change the run's config for sampling (e.g. train.precision=fp32, "
+                      "model.attn_impl=math); fields that change the network's shape are refused.")
+    p.add_argument("--data", type=Path, required=True,
+                   help="the reference: one .beton file or a PNG folder (e.g. the train split)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", type=Path, help="run folder: sample from its newest checkpoint")
     what.add_argument("--images", type=Path, help="a .beton or PNG folder to score instead of samples")
     p.add_argument("--n", type=int, default=10_000, help="samples to generate (the published CIFAR-10 FIDs use 50,000)")
     p.add_argument("--sampler", choices=("ddim", "ddpm"), default="ddim", help="ddpm = all T ancestral steps")
-    p.add_argument("--steps", type=int, default=100, help="DDIM steps")
+    p.add_argument("--sample-steps", type=int, default=100, help="DDIM steps (as train.sample_steps)")
     p.add_argument("--guidance", type=float, default=0.0, help="classifier-free guidance weight w (conditional runs)")
     p.add_argument("--raw", action="store_true", help="the raw weights instead of the EMA")
-    p.add_argument("--batch", type=int, default=500, help="images per sampling / Inception batch")
+    p.add_argument("--sample-batch", type=int, default=500, help="images per sampling / Inception batch")
     p.add_argument("--max-ref", type=int, help="use the first N reference images only")
     p.add_argument("--weights", type=Path, help=f"the Inception weights file (default: {fid.default_weights_path()})")
     p.add_argument("--random-inception", type=int, metavar="SEED",
                    help="a randomly initialised Inception instead of the weights: tests the path, is NOT FID")
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
-    return p.parse_args(argv)
+    args, args.overrides = p.parse_with_overrides(argv)
+    return args
 
 
 def score(args: argparse.Namespace, device: torch.device) -> dict:
@@ -61,21 +65,21 @@ def score(args: argparse.Namespace, device: torch.device) -> dict:
     t0 = time.perf_counter()
     inception = fid.load_inception(args.weights, device, random_init_seed=args.random_inception)
     tag = fid.network_tag(args.weights, args.random_inception)
-    ref = fid.reference_stats(args.ref, inception, tag, args.batch, args.max_ref)
+    ref = fid.reference_stats(args.data, inception, tag, args.sample_batch, args.max_ref)
     t_ref = time.perf_counter()
     if args.run is not None:
-        from ffcv_ddpm.train import AMP_DTYPES
+        from ffcv_ddpm.step import AMP_DTYPES
 
-        cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw)
+        cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw, overrides=args.overrides)
 
         labels = class_labels(args.n, cfg.model.num_classes, device)
-        images = generate(model, diffusion, args.n, labels=labels, sampler=args.sampler, steps=args.steps,
-                          guidance=args.guidance, batch=args.batch, seed=args.seed,
+        images = generate(model, diffusion, args.n, labels=labels, sampler=args.sampler, steps=args.sample_steps,
+                          guidance=args.guidance, batch=args.sample_batch, seed=args.seed,
                           amp_dtype=AMP_DTYPES[cfg.train.precision] if device.type == "cuda" else None,
                           shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size),
                           memory_format=torch.channels_last)
-        samples = {"run": str(args.run), "step": step, "weights": "raw" if args.raw else "EMA",
-                   "sampler": args.sampler, "steps": diffusion.num_timesteps if args.sampler == "ddpm" else args.steps,
+        samples = {"run": str(args.run), "step": step, "weights": "raw" if args.raw else "EMA", "sampler": args.sampler,
+                   "steps": diffusion.num_timesteps if args.sampler == "ddpm" else args.sample_steps,
                    "guidance": args.guidance if cfg.model.num_classes else None, "n": args.n, "seed": args.seed}
         name = f"{args.run.name}-{args.sampler}"
     else:
@@ -83,8 +87,8 @@ def score(args: argparse.Namespace, device: torch.device) -> dict:
         samples = {"images": str(args.images), "n": len(images)}
         name = args.images.stem if args.images.is_file() else args.images.name
     t_gen = time.perf_counter()
-    value = fid.fid_of_images(inception, images, ref, args.batch)
-    ref_ds = dataset_info(args.ref) if args.ref.is_file() else {"path": str(args.ref), "synthetic": None}
+    value = fid.fid_of_images(inception, images, ref, args.sample_batch)
+    ref_ds = dataset_info(args.data) if args.data.is_file() else {"path": str(args.data), "synthetic": None}
     notes = []
     if args.random_inception is not None:
         notes.append("randomly initialised Inception (--random-inception): this is NOT FID, it tests the code path")
@@ -94,7 +98,7 @@ def score(args: argparse.Namespace, device: torch.device) -> dict:
         notes.append(f"{samples['n']} samples: FID is biased upwards at small N (published CIFAR-10 FIDs use 50,000)")
     return {
         "name": name, "fid": value, "network": tag, "samples": samples,
-        "reference": {"path": str(args.ref), "n": ref["n"], "content_sha256": ref["content_sha256"],
+        "reference": {"path": str(args.data), "n": ref["n"], "content_sha256": ref["content_sha256"],
                       "stats_cache": ref["cache"], "stats_were_cached": ref["cached"],
                       "synthetic": ref_ds.get("synthetic"), "source": ref_ds.get("source")},
         "seconds": {"reference": t_ref - t0, "samples": t_gen - t_ref, "fid": time.perf_counter() - t_gen},
@@ -110,7 +114,7 @@ def render(result: dict) -> str:
             if "run" in s else f"{s['n']} images of {s['images']}")
     lines = [f"# FID: {result['name']}", "",
              f"**FID {result['fid']:.3f}**: {what} against {r['n']} images of {r['path']}", "",
-             f"- network: {result['network']}; device {result['device']}; commit {env.get('commit')}, "
+             f"- network: {result['network']}; device {result['device']}; commit {commit_text(env, 40)}, "
              f"torch {env.get('torch')}, {env.get('date_utc')}",
              f"- command: `{result['command']}`",
              f"- seconds: reference statistics {result['seconds']['reference']:.1f} "
@@ -123,20 +127,23 @@ def render(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.train import TrainingError, resolve_device
+    from ffcv_ddpm.config import load_config
+    from ffcv_ddpm.step import TrainingError, resolve_device
 
     try:
+        load_config("ddpm-cifar10", args.overrides)  # a bad KEY=VALUE is one line before anything is loaded
+        if args.overrides and args.run is None:
+            raise ValueError("KEY=VALUE overrides change a run's config for sampling: they need --run")
         device = resolve_device(args.device)
         result = score(args, device)
     except (TrainingError, ValueError, FileNotFoundError) as e:  # fid.FIDError is a ValueError
         print(f"fid: error: {e}", file=sys.stderr)
         return 2
     result["command"] = "python -m benchmarks.fid " + " ".join(argv)
-    out = args.out or REPO / "benchmarks" / "results" / card_slug(
-        result["device"] if device.type == "cuda" else None)
+    out = args.out or results_dir(result["device"] if device.type == "cuda" else None)
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / f"fid-{result['name']}.json"
-    write_json(json_path, result)
+    write_json(json_path, result, indent=2)
     with Staged() as staged:
         staged.path(json_path.with_suffix(".md")).write_text(render(result))
         staged.commit()

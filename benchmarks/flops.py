@@ -1,5 +1,8 @@
 """Model FLOPs per image for one training step, counted once per model config.
 
+    python -m benchmarks.flops                                                # every preset, both counts
+    python -m benchmarks.flops --preset ddpm-cifar10 model.base_channels=64   # one config, with overrides
+
 Two counts, side by side:
 - `train_flops_per_image`: torch.utils.flop_counter.FlopCounterMode over a forward and a backward pass, on the meta
   device. Convolutions, linears and attention matmuls are all counted; elementwise ops, norms and softmax are not
@@ -136,14 +139,34 @@ def published_style_flops_per_image(model_cfg: ModelConfig, image_size: int | No
     return dict(_cache[key])
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from ffcv_ddpm.checks import Parser, fail
+    from ffcv_ddpm.config import load_config
     from ffcv_ddpm.unet import PRESETS
 
-    for name, preset in PRESETS.items():
-        ours, pub = train_flops_per_image(preset), published_style_flops_per_image(preset)
+    p = Parser(prog="python -m benchmarks.flops", doc=__doc__, overrides=True,
+               epilog="No --data: FLOPs follow from the model config and the image size alone (meta device).")
+    p.add_argument("--preset", choices=list(PRESETS), help="one preset (default: every preset, no overrides)")
+    args, overrides = p.parse_with_overrides(sys.argv[1:] if argv is None else argv)
+    if overrides and not args.preset:
+        return fail("flops", "KEY=VALUE overrides need --preset (the config they change)")
+    try:
+        configs = ({args.preset: load_config(args.preset, overrides).model} if args.preset
+                   else {name: preset for name, preset in PRESETS.items()})
+    except ValueError as e:
+        return fail("flops", str(e))
+    for name, model in configs.items():
+        ours, pub = train_flops_per_image(model), published_style_flops_per_image(model)
         cats = ", ".join(f"{k} {v / 2e6:.1f}M" for k, v in ours["fwd_by_category"].items())
         print(
             f"{name:16s} params {ours['params'] / 1e6:6.2f}M  fwd {ours['fwd'] / 1e9:7.3f} GFLOP  "
             f"fwd+bwd {ours['fwd_bwd'] / 1e9:7.3f} GFLOP  (fwd MACs: {cats})  "
             f"published-style fwd+bwd {pub['fwd_bwd'] / 1e9:7.3f} GFLOP  ratio {ours['fwd_bwd'] / pub['fwd_bwd']:.2f}x"
         )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Loader alone: images/s each data loader delivers onto the device, over a sweep of worker counts.
 
     python -m benchmarks.loaders --data data                                   # -> benchmarks/results/<card>/
-    python -m benchmarks.loaders --data data --workers 1,4,16 --batch-size 512 --epochs 3 --out DIR
+    python -m benchmarks.loaders --data data --workers 1,4,16 data.batch_size=512 --epochs 3 --out DIR
     python -m benchmarks.loaders --data data --quick                           # CPU / CI-sized data: seconds
 
 Variants (ffcv_ddpm.data loaders). The FFCV baseline is RANDOM order, os_cache on, flip on the device after the
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import statistics
 import sys
@@ -33,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peaks import card_slug
+from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
+from ffcv_ddpm.step import TrainingError, resolve_device
 from ffcv_ddpm.timing import sync
 
 
@@ -67,15 +67,36 @@ VARIANTS = tuple(
     Variant("gpu-resident", "gpu"),
 )
 
-FULL = {"workers": "0,1,2,4,8,16", "batch_size": 512, "epochs": 2}
+FULL = {"workers": "0,1,2,4,8,16", "batch_size": 512, "epochs": 2}  # batch_size: data.batch_size unless given
 # --quick: one row per loader and format, at most one FFCV thread (numba compiles a parallel pipeline much more
 # slowly), so CI-sized data finishes in seconds. Its figures only show that everything runs.
 QUICK = {"workers": "0,1", "batch_size": 64, "epochs": 1}
 QUICK_VARIANTS = ("ffcv-raw", "ffcv-jpg", "torch-memory", "torch-files (PNG)", "gpu-resident")
 
 
+# What each variant sets itself: an override of one of these would turn every row into the same loader.
+VARIANT_FIELDS = ("path", "loader", "order", "os_cache", "flip", "png_dir", "num_workers")
+
+
+def data_overrides(overrides: list[str]) -> dict:
+    """The command's data.* KEY=VALUE overrides as DataConfig fields (parsed and range-checked by the config)."""
+    from ffcv_ddpm.config import load_config
+
+    keys = [item.partition("=")[0] for item in overrides]
+    for key in keys:
+        section, _, name = key.rpartition(".")
+        if section != "data" or name in VARIANT_FIELDS:
+            raise ValueError(f"{key}: this command measures the loader alone and takes data.* overrides other than "
+                             f"{', '.join('data.' + f for f in VARIANT_FIELDS)} (each variant sets those)")
+    data = load_config("tiny", overrides).data
+    return {key.split(".", 1)[1]: getattr(data, key.split(".", 1)[1]) for key in keys}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m benchmarks.loaders", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.loaders", doc=__doc__, overrides=True,
+               epilog=f"Only data.* overrides, applied to every variant: data.batch_size (default "
+                      f"{FULL['batch_size']}; quick {QUICK['batch_size']}), data.seed, data.drop_last, "
+                      "data.pin_memory.")
     p.add_argument("--data", type=Path, default=Path("data"),
                    help="folder with cifar10_train_{raw,jpg}.beton (and manifest.json), from `make dataset`")
     p.add_argument("--png-dir", type=Path,
@@ -83,16 +104,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card or cpu>)")
     p.add_argument("--workers", help=f"comma-separated worker counts (default {FULL['workers']}; quick "
                                      f"{QUICK['workers']}); counts above this machine's cores are skipped")
-    p.add_argument("--batch-size", type=option(int, at_least(1)),
-                   help=f"images per batch (default {FULL['batch_size']}; quick {QUICK['batch_size']})")
     p.add_argument("--epochs", type=option(int, at_least(1)),
                    help=f"steady-state epochs timed after the first (default {FULL['epochs']}; quick "
                         f"{QUICK['epochs']})")
     p.add_argument("--loaders", help="only variants whose name contains one of these comma-separated words "
                                      "(default: all; quick: " + ", ".join(QUICK_VARIANTS) + ")")
-    p.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--quick", action="store_true", help="small defaults for CPU / CI-sized data")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_with_overrides(argv)
+    try:
+        args.data_overrides = data_overrides(overrides)
+    except ValueError as e:
+        p.error(str(e))
+    args.batch_size = args.data_overrides.pop("batch_size", None)
     defaults = QUICK if args.quick else FULL
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -107,9 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def measure(variant: Variant, workers: int | None, args, device: torch.device) -> dict:
     """Setup, first-epoch and steady-state figures of one loader variant at one worker count."""
-    cfg = DataConfig(path=str(args.data / f"cifar10_train_{variant.beton}.beton"), loader=variant.loader,
-                     batch_size=args.batch_size, num_workers=workers or 0, order=variant.order,
-                     os_cache=variant.os_cache, flip=variant.flip, png_dir=str(args.png_dir), seed=0)
+    cfg = DataConfig(**{"seed": 0, **args.data_overrides}, path=str(args.data / f"cifar10_train_{variant.beton}.beton"),
+                     loader=variant.loader, batch_size=args.batch_size, num_workers=workers or 0,
+                     order=variant.order, os_cache=variant.os_cache, flip=variant.flip, png_dir=str(args.png_dir))
     t0 = time.perf_counter()
     loader = make_loader(cfg, device)
     sync(device)
@@ -229,7 +253,7 @@ def render_markdown(result: dict) -> str:
         f"(source {data['source']}, {synthetic}); batch {s['batch_size']}, drop_last; "
         f"{s['epochs']} steady-state epoch(s) after the first",
         f"- torch {env['torch']}, CUDA {env['cuda']}, ffcv {env['ffcv']}, {env['cpu_count']} CPU cores, "
-        f"commit {(env['commit'] or 'unknown')[:12]}{' (dirty)' if env['dirty'] else ''}, {env['date_utc']}",
+        f"commit {commit_text(env, 12)}, {env['date_utc']}",
         f"- command: `{result['command']}`",
         "",
         "## Steady-state images/s (median over epochs after the first)",
@@ -278,7 +302,7 @@ def plot(result: dict, path: Path) -> None:
 def write_outputs(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "loaders.json", out / "loaders.md", out / "loaders.png"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    write_json(paths[0], result, indent=2)
     paths[1].write_text(render_markdown(result))
     plot(result, paths[2])
     return paths
@@ -290,16 +314,12 @@ def main(argv=None) -> int:
         num_images = dataset_info(args.data / "cifar10_train_raw.beton")["num_images"]
         if num_images < args.batch_size:
             raise ValueError(f"{args.data}/cifar10_train_raw.beton holds {num_images} images, fewer than one batch "
-                             f"of {args.batch_size}; lower --batch-size")
-        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
-                              else args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {args.device}: torch sees no CUDA device here")
-    except (FileNotFoundError, ValueError, RuntimeError) as e:  # RuntimeError: torch's message for a bad --device
+                             f"of {args.batch_size}; lower data.batch_size")
+        device = resolve_device(args.device)
+    except (FileNotFoundError, ValueError, RuntimeError, TrainingError) as e:  # RuntimeError: a bad --device
         return fail("loaders", str(e))
     result = run(args, device)
-    out = args.out or Path("benchmarks/results") / card_slug(
-        torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    out = args.out or results_dir(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     for path in write_outputs(result, out):
         print(f"loaders: wrote {path}")
     measured = [r["img_s_median"] for r in result["rows"] if "skipped" not in r]

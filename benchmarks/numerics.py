@@ -3,7 +3,7 @@
     python -m benchmarks.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
     python -m benchmarks.numerics --data data --precision fp16  # fp16 + GradScaler instead
     python -m benchmarks.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
-    python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 --batch 16 train.device=cpu
+    python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu
 
 Runs of the trainer (ffcv_ddpm.train, everything else as configured) on the same data with the same seed, called
 legs: the reference in true fp32 (TF32 off) and the candidate precision. The same seed gives both the same batches,
@@ -38,15 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench import BETON, BenchError, ensure_dataset
-from benchmarks.peaks import card_slug
+from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from ffcv_ddpm.checks import Parser, at_least, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
-from ffcv_ddpm.train import TrainingError, resolve_device, train, write_json
+from ffcv_ddpm.step import TrainingError, resolve_device
+from ffcv_ddpm.train import train
 
-REPO = Path(__file__).resolve().parent.parent
 LOG_TAIL_LINES = 40  # of a failed leg's log, printed before the error line
 
 
@@ -206,7 +205,7 @@ def render(result: dict, out: Path) -> None:
     verdict = "within" if c["ok"] else "OUTSIDE"
     lines = [f"# Numerics: {result['preset']}, {cand['precision']} vs {ref['precision']} "
              f"on {result['device']}", "",
-             f"- commit {env.get('commit')}, torch {env.get('torch')}, {env.get('date_utc')}; "
+             f"- commit {commit_text(env, 40)}, torch {env.get('torch')}, {env.get('date_utc')}; "
              f"command: `{result['command']}`",
              f"- data: {result['dataset']}; batch {result['batch_size']}, {result['steps']} steps, "
              f"loss logged every {result['log_every']} steps (mean over the interval), seed {result['seed']}",
@@ -269,12 +268,13 @@ def render(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = Parser(prog="python -m benchmarks.numerics", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", type=Path, default=Path("data"), help="dataset folder (`make dataset`)")
+    p = Parser(prog="python -m benchmarks.numerics", doc=__doc__, overrides=True,
+               epilog="The overrides (anywhere but right after --ref or --control) go to every leg; data.batch_size "
+                      "is the preset's (128) unless given.")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
-    p.add_argument("--batch", type=option(int, at_least(1)), default=128, help="images per step (every leg)")
-    p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg")
+    p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg (train.steps)")
     p.add_argument("--log-every", type=option(int, at_least(1)), default=20,
                    help="steps per logged loss (its mean over the interval)")
     p.add_argument("--tol", type=option(float, at_least(0)), default=0.05,
@@ -291,18 +291,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="compare finished runs instead of training: REFERENCE CANDIDATE [CONTROL] run folders "
                         "(config.json + stats.jsonl), on their common logged steps")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
-    p.add_argument("overrides", nargs="*", help="trainer overrides for every leg, e.g. model.norm_impl=scale-shift")
-    args = p.parse_intermixed_args(argv)  # common overrides may come before, between or after the options
+    args, args.overrides = p.parse_with_overrides(argv)
     try:
         command = "python -m benchmarks.numerics " + " ".join(argv)
         result = from_runs(args, command) if args.from_runs else measure(args, command)
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         print(f"numerics: error: {e}", file=sys.stderr)
         return 2
-    out = (args.out or REPO / "benchmarks" / "results" / card_slug(result["device"]))
+    out = args.out or results_dir(result["device"])
     out = out / f"numerics-{result['candidate']['precision']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, result)  # atomic: a cut-off run leaves no half-written JSON
+    write_json(out, result, indent=2)  # atomic: a cut-off run leaves no half-written JSON
     render(result, out)
     c, nf = result["check"], result["noise_floor"]
     floor = ""
@@ -324,14 +323,13 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
             raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
                              "candidate; the reference and control are fp32)")
-    common = [f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.log_every={args.log_every}",
+    common = [f"train.steps={args.steps}", f"train.log_every={args.log_every}",
               f"train.ckpt_every={args.steps}", "train.sample_every=0", "train.progress=False", *args.overrides]
     legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
     if args.control:
         legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
     cfg = load_config(args.preset, common)
-    beton = args.data / BETON  # built only once the config is known to be good
-    built = ensure_dataset(args.data, beton, num_synthetic=50_000)
+    beton, built = ensure_dataset(args.data, num_synthetic=50_000)  # only once the config is known to be good
     device = resolve_device(cfg.train.device)
     import torch
 
@@ -350,7 +348,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     compare = {leg: check(curves["reference"], curves[leg], args.tol, args.skip, args.smooth)
                for leg in ("candidate", "control") if leg in curves}
     result = {
-        "preset": args.preset, "device": name or "CPU", "batch_size": args.batch,
+        "preset": args.preset, "device": name or "CPU", "batch_size": cfg.data.batch_size,
         "steps": args.steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
         "environment": environment(), "config": cfg.to_dict(), "common_overrides": args.overrides,
         "parallel": args.parallel,

@@ -1,7 +1,8 @@
 """`make quality`: does the trainer learn? A class-conditional DDPM trained on the digits, scored by a digits judge.
 
     python -m benchmarks.quality --data data/digits --out benchmarks/results/h100/quality-digits
-    python -m benchmarks.quality --data /tmp/d --out /tmp/q --preset tiny --steps 4 ...   # CPU toy (tests)
+    python -m benchmarks.quality --data /tmp/d --out /tmp/q --preset tiny --steps 4 model.num_classes=10 \
+        data.batch_size=16 train.device=cpu train.compile=False      # CPU toy (tests/test_bench_quality.py)
 
 One command, in this order (each phase's result is written before the next starts, so a run cut off keeps what
 it measured):
@@ -9,7 +10,8 @@ it measured):
 2. the judge (ffcv_ddpm.quality): a small CNN trained --judge-steps on the train split; its test accuracy;
 3. the floor: FD-digits between --n-per-class x 10 class-balanced train images and the test set (and all of them);
 4. training: the `digits` preset (6.5M parameters, 10 classes + the null label, label dropout
-   diffusion.p_uncond = 0.1) for --steps steps of --batch images, bf16 + torch.compile on a GPU, the whole dataset
+   diffusion.p_uncond = 0.1) for --steps steps of data.batch_size images (256 here), bf16 + torch.compile on a GPU, the
+   whole dataset
    resident on the device, no flips (a mirrored digit is another symbol or none); the trainer logs FD-digits and
    conditional accuracy every steps/4 steps (train.eval_every) into its stats.jsonl;
 5. sampling rows, in priority order: EMA weights with DDIM 100 at guidance w = 0, 1, 2, 4 and unconditional;
@@ -40,21 +42,23 @@ from pathlib import Path
 import torch
 
 from benchmarks.quality_report import best_row, write_report
+from ffcv_ddpm.checks import Parser
 
-REPO = Path(__file__).resolve().parent.parent
+# The trainer's settings for this report, before the command's own KEY=VALUE overrides (which win).
+TRAIN_DEFAULTS = ("data.batch_size=256", "train.lr=5e-4", "train.ema_decay=0.998")  # 0.998^4000: 0.03% of the init
+
 TRAIN, TEST = "digits_train_raw.beton", "digits_test_raw.beton"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m benchmarks.quality", doc=__doc__, overrides=True,
+               epilog=f"The overrides go to the trainer after this report's own settings: {' '.join(TRAIN_DEFAULTS)} "
+                      "(peak learning rate after 200 warm-up steps).")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (built if missing)")
     p.add_argument("--out", type=Path, help="report folder (default benchmarks/results/<card>/quality-digits)")
     p.add_argument("--work", type=Path, default=Path("runs"), help="where the training run and the judge go")
     p.add_argument("--preset", default="digits", help="model preset (a conditional one, or num_classes=10 below)")
-    p.add_argument("--steps", type=int, default=4000, help="training steps")
-    p.add_argument("--batch", type=int, default=256, help="training batch")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (after 200 warm-up steps)")
-    p.add_argument("--ema", type=float, default=0.998, help="EMA decay (0.998^4000 leaves 0.03%% of the init)")
+    p.add_argument("--steps", type=int, default=4000, help="training steps (train.steps)")
     p.add_argument("--judge-steps", type=int, default=2000, help="judge training steps")
     p.add_argument("--n-per-class", type=int, default=50, help="samples per class in each row")
     p.add_argument("--guidance", default="0,1,2,4", help="guidance weights w, comma-separated")
@@ -62,8 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sample-batch", type=int, default=1000, help="images per sampling batch")
     p.add_argument("--budget-s", type=float, default=400, help="no row starts that would end after this (s)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("overrides", nargs="*", help="trainer overrides, e.g. train.device=cpu diffusion.timesteps=20")
-    args = p.parse_args(argv)
+    args, args.overrides = p.parse_with_overrides(argv)
     args.guidance = [float(w) for w in args.guidance.split(",")]
     args.ddim_steps = [int(s) for s in args.ddim_steps.split(",")]
     return args
@@ -97,11 +100,12 @@ def train_config(args, train_beton: Path, test_beton: Path, judge_path: Path):
 
     eval_every = max(1, args.steps // 4)
     cfg = load_config(args.preset, [
-        f"data.path={train_beton}", "data.loader=gpu", "data.flip=none", f"data.batch_size={args.batch}",
-        f"data.seed={args.seed}", f"train.steps={args.steps}", f"train.lr={args.lr}",
-        f"train.warmup_steps={min(200, max(1, args.steps // 10))}", f"train.ema_decay={args.ema}",
+        f"data.path={train_beton}", "data.loader=gpu", "data.flip=none", *TRAIN_DEFAULTS,
+        f"data.seed={args.seed}", f"train.steps={args.steps}",
+        f"train.warmup_steps={min(200, max(1, args.steps // 10))}",
         f"train.log_every={min(100, eval_every)}", f"train.ckpt_every={args.steps}", "train.sample_every=0",
-        f"train.eval_every={eval_every}", f"train.eval_n={10 * args.n_per_class}", f"train.sample_steps={args.ddim_steps[0]}", f"train.eval_judge={judge_path}",
+        f"train.eval_every={eval_every}", f"train.eval_n={10 * args.n_per_class}",
+        f"train.sample_steps={args.ddim_steps[0]}", f"train.eval_judge={judge_path}",
         f"train.eval_ref={test_beton}", "train.progress=False", "train.desc=quality", f"train.seed={args.seed}",
         f"train.out_dir={args.work}", *args.overrides])
     if cfg.model.num_classes < 2:
@@ -113,20 +117,21 @@ def run(args, argv: list[str], t_start: float) -> dict:
     from ffcv_ddpm import quality
     from ffcv_ddpm.env import environment
     from ffcv_ddpm.evaluate import class_labels, generate, load_run
-    from ffcv_ddpm.train import AMP_DTYPES, resolve_device, train
+    from ffcv_ddpm.step import AMP_DTYPES, resolve_device
+    from ffcv_ddpm.train import train
     from ffcv_ddpm.unet import build_model, count_params
 
-    built = ensure_digits(args.data)
     train_beton, test_beton = args.data / TRAIN, args.data / TEST
-    args.work.mkdir(parents=True, exist_ok=True)
     judge_path = args.work / "quality-judge.pt"
-    cfg = train_config(args, train_beton, test_beton, judge_path)
+    cfg = train_config(args, train_beton, test_beton, judge_path)  # a bad override stops here, before any file
+    built = ensure_digits(args.data)
+    args.work.mkdir(parents=True, exist_ok=True)
     device = resolve_device(cfg.train.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    from benchmarks.peaks import card_slug
+    from benchmarks.common import results_dir
     from ffcv_ddpm.data import dataset_info
 
-    out = args.out or REPO / "benchmarks" / "results" / card_slug(card) / "quality-digits"
+    out = args.out or results_dir(card) / "quality-digits"
     info = dataset_info(train_beton)
     manifest = info.pop("manifest") or {}
     result = {
@@ -170,7 +175,7 @@ def run(args, argv: list[str], t_start: float) -> dict:
     with torch.device("meta"):
         params = count_params(build_model(cfg.model))
     result["training"] = {"run_dir": str(run_dir), "preset": args.preset, "params": params, "steps": args.steps,
-                          "batch": args.batch, "seconds": time.perf_counter() - t0, "stats": stats}
+                          "batch": cfg.data.batch_size, "seconds": time.perf_counter() - t0, "stats": stats}
     save(f"trained {args.steps} steps in {result['training']['seconds']:.0f} s")
 
     # ---- sampling rows -----------------------------------------------------------------------------------------
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.train import TrainingError
+    from ffcv_ddpm.step import TrainingError
 
     try:
         result = run(args, argv, t_start)

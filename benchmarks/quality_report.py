@@ -7,14 +7,15 @@ Pure rendering: benchmarks.quality measures and calls write_report after every p
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from tools.atomic import Staged, write_json
+from benchmarks.common import commit_text, write_json
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
+from tools.atomic import Staged
 
 GRID_COLUMNS = 8  # samples per class in each grid
 TARGET_ACC = 0.90  # issue 14: conditional accuracy at the best setting
@@ -43,7 +44,7 @@ def render_markdown(result: dict) -> str:
     env, ds = result["environment"], result["dataset"]
     lines = [f"# Sample quality on the digits: class-conditional DDPM with classifier-free guidance "
              f"({result['device']})", "",
-             f"- commit {env.get('commit')}{' (dirty)' if env.get('dirty') else ''}, torch {env.get('torch')}, "
+             f"- commit {commit_text(env, 40)}, torch {env.get('torch')}, "
              f"CUDA {env.get('cuda')}, {env.get('date_utc')}; command: `{result['command']}`",
              f"- data: {ds['path']} (scikit-learn's UCI digits, {ds.get('counts')}; split: {ds.get('split')}; "
              f"{ds.get('preprocess')}){'; built by this run' if ds.get('built_now') else ''}",
@@ -132,7 +133,7 @@ def plot(result: dict, path: Path) -> None:
             tw = ax_tr.twinx()
             tw.plot([s["step"] for s in evals], [100 * s["cond_acc"] for s in evals], "s-", color="C3")
             tw.set_ylabel("cond. accuracy during training (%, EMA, w=0)", color="C3")
-    fig.suptitle(f"digits, {result['device']}, commit {(result['environment'].get('commit') or '?')[:10]}",
+    fig.suptitle(f"digits, {result['device']}, commit {commit_text(result['environment'])}",
                  fontsize=9)
     fig.tight_layout()
     with Staged() as staged:
@@ -177,7 +178,7 @@ def plot_grids(images: dict, path: Path) -> None:
 def write_report(result: dict, out: Path, images: dict | None = None) -> None:
     """quality.json and quality.md; with `images` also quality.png and samples.png (all written atomically)."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "quality.json", result)
+    write_json(out / "quality.json", result, indent=2)
     with Staged() as staged:
         staged.path(out / "quality.md").write_text(render_markdown(result))
         staged.commit()
@@ -188,8 +189,8 @@ def write_report(result: dict, out: Path, images: dict | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Re-render a quality.json as quality.md + quality.png beside it.")
-    p.add_argument("json", type=Path)
+    p = Parser(prog="python -m benchmarks.quality_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p.add_argument("json", type=Path, help="a quality.json written by benchmarks.quality")
     args = p.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())

@@ -20,12 +20,17 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import commit_text, md_table
 from benchmarks.peaks import lookup_peak
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
 
-# The published A100 table (small UNet; torchinfo mult-adds x 2 x 3, attention counted as zero; the fp32 rows are
-# divided by the FP32 peak 19.5 although PyTorch lets cuDNN run fp32 convolutions on TF32 tensor cores by default).
+# The published table: the README of github.com/kimbochen/ddpm, section "Optimization Techniques" (read at its commit
+# 3bc42ff): an A100, its DDPM UNet in the style of The Annotated Diffusion Model (our preset annotated-small), FLOPs
+# as torchinfo mult-adds x 2 x 3 (attention counted as zero), the fp32 rows divided by the FP32 peak 19.5 although
+# PyTorch lets cuDNN run fp32 convolutions on TF32 tensor cores by default. The batches 320, 2048 and 3072 are from
+# its text; the baseline's 128 is as quoted in this project's issue 5.
 PUBLISHED = {
+    "source": "github.com/kimbochen/ddpm, README, \"Optimization Techniques\" (commit 3bc42ff)",
     "card": "A100",
     "preset": "annotated-small",
     "rows": [
@@ -86,9 +91,8 @@ def add_metrics(result: dict) -> dict:
         if row.get("status") != "ok":
             row["metrics"] = None
             continue
-        row["metrics"] = row_metrics(
-            row, result.get("flops", {}).get(row["preset"]), result.get("device_name"), result.get("measured_peaks")
-        )
+        flops = row.get("flops") or result.get("flops", {}).get(row["preset"])  # the row's own; older files: per preset
+        row["metrics"] = row_metrics(row, flops, result.get("device_name"), result.get("measured_peaks"))
         if row.get("baseline"):
             baselines[row["group"]] = row["metrics"]["img_per_s"]
     for row in result["rows"]:
@@ -118,8 +122,6 @@ def _mfu(x: float | None, note: str) -> str:
 def _header(result: dict) -> list[str]:
     env = result["environment"]
     ds = result.get("dataset") or {}
-    commit = env.get("commit") or "unknown"
-    commit = commit[:10] + (" (dirty)" if env.get("dirty") else "")
     gpu = result.get("device_name") or f"CPU only ({env.get('cpu_count')} cores)"
     source = ds.get("source") or "unknown"
     synthetic = ds.get("synthetic")
@@ -130,12 +132,14 @@ def _header(result: dict) -> list[str]:
     lines = [
         f"- Device: {gpu}; torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
         f"Python {env.get('python')}",
-        f"- Commit {commit}, {env.get('date_utc')}; command: `{' '.join(result.get('command', []))}`",
+        f"- Commit {commit_text(env)}, {env.get('date_utc')}; command: `{' '.join(result.get('command', []))}`",
         f"- Data: {data_line}",
         f"- Timing: {result['settings']['warmup']} warm-up iterations (plus the first, compiling, step), then "
         f"{result['settings']['iters']} timed iterations per row, each row in a fresh process; the wait for data is "
         "inside every timed iteration.",
     ]
+    if result.get("note"):
+        lines.append(f"- {result['note']}")
     if not result.get("complete", True):
         lines.append("- INCOMPLETE: the run stopped before its last row; the rows below are those it finished")
     for preset, f in result.get("flops", {}).items():
@@ -191,11 +195,6 @@ def _row_cells(row: dict, measured: bool) -> list[str]:
     return cells
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
-
-
 def published_lines(result: dict) -> list[str]:
     """The published A100 table beside a recount with the FLOPs and peaks used here."""
     f = result.get("flops", {}).get(PUBLISHED["preset"])
@@ -211,7 +210,9 @@ def published_lines(result: dict) -> list[str]:
             peak = lookup_peak("A100", precision, tf32_cudnn=True)
             cells += [f"{tflops * ratio:.2f}", f"{100 * tflops * ratio / peak.tflops:.2f}% (of {peak.precision})"]
         rows.append(cells)
-    lines = [f"### The published table ({PUBLISHED['card']}, {PUBLISHED['preset']})", ""]
+    lines = [f"### The published table ({PUBLISHED['card']}, {PUBLISHED['preset']})", "",
+             f"Source: {PUBLISHED['source']}; its model is our `{PUBLISHED['preset']}` preset, its card an "
+             f"{PUBLISHED['card']}.", ""]
     if ratio:
         lines += [
             f"Recounted: TFLOP/s x {ratio:.2f} (FlopCounterMode FLOPs / the published torchinfo count, which left "
@@ -219,7 +220,7 @@ def published_lines(result: dict) -> list[str]:
             "because cuDNN used TF32 for fp32 convolutions by default).",
             "",
         ]
-    return lines + _table(header, rows)
+    return lines + md_table(header, rows)
 
 
 def _groups(result: dict) -> dict[str, list[dict]]:
@@ -256,7 +257,7 @@ def render_markdown(result: dict) -> str:
     lines = [f"# Training-step benchmark: {result['table']} table on {result.get('card', '?')}", ""]
     lines += _header(result) + [""]
     for group, rows in _groups(result).items():
-        lines += [f"## {group}", ""] + _table(columns, [_row_cells(r, measured) for r in rows]) + [""]
+        lines += [f"## {group}", ""] + md_table(columns, [_row_cells(r, measured) for r in rows]) + [""]
         lines += [f"Overrides per row (on top of `load_config({rows[0]['preset']!r})`):", ""]
         lines += [f"- {r['name']}: `{' '.join(r['overrides'])}`" for r in rows] + [""]
     if result.get("sampling"):
@@ -267,7 +268,7 @@ def render_markdown(result: dict) -> str:
              _num(s["tflops"]) if s.get("tflops") is not None else "-"]
             for s in result["sampling"]
         ]
-        lines += _table(["model", "sampler", "precision", "steps", "images", "seconds", "img/s", "TFLOP/s"],
+        lines += md_table(["model", "sampler", "precision", "steps", "images", "seconds", "img/s", "TFLOP/s"],
                         srows) + [""]
     lines += published_lines(result) + [""]
     return "\n".join(lines)
@@ -300,7 +301,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlim(0, max(values + [1.0]) * 1.45)  # room for the labels
     env = result["environment"]
     fig.suptitle(f"{result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "
-                 f"{(env.get('commit') or 'no git')[:10]}", fontsize=9)
+                 f"{commit_text(env)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -316,8 +317,7 @@ def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.report",
-               description="Re-render a benchmark JSON as Markdown + PNG (beside the JSON).")
+    p = Parser(prog="python -m benchmarks.report", doc=__doc__, epilog=SINGLE_FILE_HELP)
     p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
     args = p.parse_args(argv)
     try:

@@ -1,6 +1,7 @@
 """Sample quality vs steps for the score-SDE samplers: a VE-SDE model and a DDPM model trained on the digits.
 
     python -m benchmarks.sde_quality --data data/digits --out benchmarks/results/h100/sde-quality
+    python -m benchmarks.sde_quality --data data/digits --out /tmp/sq --steps 200 data.batch_size=64 train.device=cpu
 
 Budget: the whole command, both trainings included, is planned for about 7 minutes on one H100/H200: the digits
 judge (ffcv_ddpm.quality, ~20 s unless --judge names a saved one), two class-conditional models of the small
@@ -35,14 +36,16 @@ import torch
 
 from benchmarks.sde_quality_report import render
 from ffcv_ddpm.checkpoint import list_checkpoints
+from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info, read_beton
 from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.sde import load_for_sampling
 from ffcv_ddpm.sde_sampling import SamplerOptions, sample
-from ffcv_ddpm.timing import StepTimer
-from ffcv_ddpm.train import AMP_DTYPES, TrainingError, resolve_device, set_precision, train
+from ffcv_ddpm.timing import timed_call
+from ffcv_ddpm.step import AMP_DTYPES, TrainingError, resolve_device, set_precision
+from ffcv_ddpm.train import train
 
 # The small conditional model both processes train (on top of the ddpm-cifar10 preset); overrides after it win.
 MODEL = ("model.base_channels=32", "model.channel_mult=(1, 2, 2)", "model.num_res_blocks=2", "model.norm_groups=8",
@@ -83,11 +86,9 @@ def plan_rows(args, timesteps: int) -> list[dict]:
     return [row for _, row in sorted(ranked, key=lambda rr: (rr[0], rr[1]["guess"]))]
 
 
-def base_config(args, train_beton: Path) -> RunConfig:
-    cfg = load_config(args.preset, [*MODEL, *TRAIN, f"train.steps={args.steps}", f"train.ckpt_every={args.steps}",
-                                    *args.overrides])
-    cfg.data.path = str(train_beton)
-    return cfg
+def base_config(args) -> RunConfig:
+    return load_config(args.preset, [*MODEL, *TRAIN, f"train.steps={args.steps}", f"train.ckpt_every={args.steps}",
+                                     *args.overrides])
 
 
 def train_model(base: RunConfig, process: str, runs: Path) -> tuple[Path, dict]:
@@ -108,8 +109,9 @@ def train_model(base: RunConfig, process: str, runs: Path) -> tuple[Path, dict]:
 def run(args, argv: list[str]) -> Path:
     start = time.perf_counter()
     quality = importlib.import_module("ffcv_ddpm.quality")  # issue 14's judge; imported here, where it is needed
+    base = base_config(args)  # a bad override stops here, before the data is looked for
     train_beton, test_beton = find_betons(args.data)
-    base = base_config(args, train_beton)
+    base.data.path = str(train_beton)
     device = resolve_device(base.train.device)
     train_x, train_y = read_beton(train_beton)
     test_x, test_y = read_beton(test_beton)
@@ -157,15 +159,13 @@ def run(args, argv: list[str]) -> Path:
     def draw(proc: str, row: dict) -> tuple[torch.Tensor, int, float]:
         process, model = models[proc]
         opts = dataclasses.replace(options, rtol=row["tol"], atol=row["tol"]) if row["tol"] else options
-        timer = StepTimer(device)
-        timer.start()
-        timer.data_ready()
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            images, nfe = sample(process, model, args.n, sampler=row["sampler"], steps=row["steps"], options=opts,
-                                 seed=args.seed, y=labels, guidance_scale=args.guidance, device=device,
-                                 shape=(3, 32, 32))
-        timer.stop()
-        (ms,), _ = timer.read()
+        def run():
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                return sample(process, model, args.n, sampler=row["sampler"], steps=row["steps"], options=opts,
+                              seed=args.seed, y=labels, guidance_scale=args.guidance, device=device,
+                              shape=(3, 32, 32))
+
+        (images, nfe), ms = timed_call(run, device)
         return images, nfe, ms / 1e3
 
     for proc in models:  # cuDNN and allocator warm-up at the rows' batch size, untimed
@@ -203,11 +203,11 @@ def ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sde_quality", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m benchmarks.sde_quality", doc=__doc__, overrides=True,
+               epilog="The overrides go to both models' trainers, after MODEL and TRAIN (sde_quality.py).")
     p.add_argument("--data", type=Path, required=True, help="folder with *_train_raw.beton and *_test_raw.beton")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON, Markdown and PNGs")
-    p.add_argument("--steps", type=int, default=4000, help="training steps per model")
+    p.add_argument("--steps", type=int, default=4000, help="training steps per model (train.steps)")
     p.add_argument("--n", type=int, default=1000, help="samples per row")
     p.add_argument("--ddim-steps", type=ints, default=[10, 20, 50, 100])
     p.add_argument("--em-steps", type=ints, default=[20, 50, 100, 250])
@@ -224,8 +224,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=400.0, help="rows that would end later than this are not run")
     p.add_argument("--preset", default="ddpm-cifar10", help="preset the MODEL overrides start from")
     p.add_argument("--runs", type=Path, help="keep the two training runs here (default: a temporary folder)")
-    p.add_argument("overrides", nargs="*", help="trainer overrides for both models, after MODEL and TRAIN")
-    args = p.parse_args(argv)
+    args, args.overrides = p.parse_with_overrides(argv)
     if args.n < 10:
         p.error(f"--n {args.n}: need at least 10 samples (one per class)")
     return args

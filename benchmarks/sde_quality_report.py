@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from benchmarks.common import commit_text
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 from tools.atomic import Staged
 
 
@@ -25,7 +26,7 @@ def markdown(result: dict) -> str:
     ds = result["dataset"]
     lines = [
         f"# Sample quality vs steps: VE-SDE and DDPM on {ds.get('source') or 'unknown'} data, {result['device']}", "",
-        f"- Commit {(env.get('commit') or 'unknown')[:10]}{' (dirty)' if env.get('dirty') else ''}, "
+        f"- Commit {commit_text(env)}, "
         f"{env.get('date_utc')}; torch {env.get('torch')}, CUDA {env.get('cuda')}; command: `{result['command']}`",
         f"- Data: {ds['path']} ({ds['num_images']} train images"
         + (", SYNTHETIC: the numbers mean nothing" if ds.get("synthetic") else "") + f"); reference set for FD: "
@@ -105,10 +106,13 @@ def render(result: dict, json_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sde_quality_report", description=__doc__.split("\n")[0])
-    p.add_argument("json", type=Path)
+    p = Parser(prog="python -m benchmarks.sde_quality_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p.add_argument("json", type=Path, help="an sde_quality.json written by benchmarks.sde_quality")
     args = p.parse_args(argv)
-    render(json.loads(args.json.read_text()), args.json)
+    try:
+        render(json.loads(args.json.read_text()), args.json)
+    except (OSError, ValueError, KeyError) as e:
+        return fail("sde_quality_report", f"{args.json} is not a benchmarks.sde_quality result ({e})")
     print(f"wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
     return 0
 

@@ -4,14 +4,15 @@
     python -m benchmarks.sweeps --data data --sweep batch,workers --iters 30
     python -m benchmarks.sweeps --sweep amp-compile --list           # the rows and their overrides; runs nothing
 
-Each sweep is a row table of benchmarks.bench (`sweep-batch`, `sweep-amp-compile`, `sweep-workers`), run by
-bench itself: every row in a fresh process, warm-up, CUDA-event timing with the data wait inside, JSON + Markdown +
-bar chart in benchmarks/results/<card>/. On top of that this module draws the sweep as a curve
+Each sweep is a row table (`sweep-batch`, `sweep-amp-compile`, `sweep-workers`) run by benchmarks.runner as bench
+runs its tables: every row in a fresh process, warm-up, CUDA-event timing with the data wait inside, JSON + Markdown
++ bar chart in benchmarks/results/<card>/. On top of that this module draws the sweep as a curve
 (<name>-curve.png): x = the swept setting, y = images/s, with peak memory or the data-wait share beneath.
-Any argument it does not know goes to bench (--iters, --warmup, --row-timeout, --baseline-loader, ...).
+It takes bench's run options (--iters, --warmup, --row-timeout, --baseline-loader, ...).
 
-Every row starts from the full stack of bench's table (bf16, compile, SDPA, channels_last, fused AdamW, GPU-resident
-data with GPU flips) and changes only the swept setting, so each curve isolates one knob.
+Every row starts from the trainer's defaults (`load_config(preset)`: bf16, compile, SDPA, channels_last, fused AdamW,
+the FFCV loader, GPU flips, the default GroupNorm) and changes only the swept setting, so each curve isolates one
+knob of what `make train` runs; the reports say so. The command's KEY=VALUE overrides apply to every row.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from benchmarks import bench
-from benchmarks.bench import BASELINE, STACK, Row, merge
+from benchmarks.common import BenchError, commit_text
+from benchmarks.rows import Row, merge, resolve_rows
+from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.unet import PRESETS
 
-# The last row of bench's stack: everything on. Sweeps vary one setting of it.
-FULL = merge(BASELINE, *(added for _, added, _ in STACK))
+# Where every sweep row starts: the trainer's defaults, no override (not bench's stack, which carries switches that
+# are still being measured).
+DEFAULTS: tuple[str, ...] = ()
+NOTE = ("Every row starts from the trainer's defaults (load_config(preset), no override) and changes only the swept "
+        "setting.")
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class Sweep:
 
 def batch_rows(preset: str, _loader, cuda: bool) -> list[Row]:
     sizes = (64, 128, 256, 512, 1024, 2048) if cuda else (4, 8)
-    return [Row(f"batch {b}", preset, FULL, b, baseline=i == 0) for i, b in enumerate(sizes)]
+    return [Row(f"batch {b}", preset, DEFAULTS, b, baseline=i == 0) for i, b in enumerate(sizes)]
 
 
 def amp_compile_rows(preset: str, _loader, cuda: bool) -> list[Row]:
@@ -54,7 +59,7 @@ def amp_compile_rows(preset: str, _loader, cuda: bool) -> list[Row]:
     for compile_ in ((False, True) if cuda else (False,)):
         for p in precisions:
             name = f"{p}, {'compile' if compile_ else 'eager'}"
-            rows.append(Row(name, preset, merge(FULL, (f"train.precision={p}", f"train.compile={compile_}")),
+            rows.append(Row(name, preset, merge(DEFAULTS, (f"train.precision={p}", f"train.compile={compile_}")),
                             256 if cuda else 8, baseline=not rows))
     return rows
 
@@ -67,7 +72,7 @@ def worker_rows(preset: str, loader: tuple[str, ...], cuda: bool) -> list[Row]:
     rows = []
     for kind, extra in (("ffcv", ("data.loader=ffcv",)), (name, loader)):
         for w in counts[kind]:
-            overrides = merge(FULL, extra, ("data.flip=cpu", f"data.num_workers={w}"))
+            overrides = merge(DEFAULTS, extra, ("data.flip=cpu", f"data.num_workers={w}"))
             rows.append(Row(f"{kind}, {w} workers", preset, overrides, 256 if cuda else 8, baseline=not rows))
     return rows
 
@@ -81,16 +86,6 @@ SWEEPS = {
     "workers": Sweep(worker_rows, x=lambda r: r["config"]["data"]["num_workers"],
                      series=lambda r: r["config"]["data"]["loader"], xlabel="loader workers", lower="wait"),
 }
-
-
-def register(preset: str, cuda: bool) -> dict[str, str]:
-    """Adds each sweep to bench.TABLES as `sweep-<name>` (rows for `preset`); returns sweep -> table name."""
-    tables = {}
-    for name, sweep in SWEEPS.items():
-        table = f"sweep-{name}"
-        bench.TABLES[table] = lambda loader, rows=sweep.rows: rows(preset, loader, cuda)
-        tables[name] = table
-    return tables
 
 
 # ---------------------------------------------------------------------------------------------------- the curve
@@ -136,7 +131,7 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
     env = result["environment"]
     preset = result["rows"][0]["preset"] if result["rows"] else "?"
     title = (f"{result['table']} ({preset}) - {result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "
-             f"{(env.get('commit') or 'no git')[:10]}")
+             f"{commit_text(env)}")
     if failed:
         title += "\nnot plotted (failed): " + ", ".join(failed)
     fig.suptitle(title, fontsize=9)
@@ -150,56 +145,53 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = Parser(prog="python -m benchmarks.sweeps", description=__doc__.split("\n\n")[0],
-               epilog="Other arguments are passed to benchmarks.bench (see its --help).")
+    p = Parser(prog="python -m benchmarks.sweeps", doc=__doc__, overrides=True,
+               epilog="The overrides apply to every row, after the swept setting.")
     p.add_argument("--sweep", default="all", help=f"comma-separated: {', '.join(SWEEPS)}, or all")
     p.add_argument("--preset", choices=list(PRESETS),
                    help="model preset (default: ddpm-cifar10 with CUDA, tiny without)")
-    p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
-    return p.parse_known_args(argv)
+    p.add_argument("--list", action="store_true", help="print each sweep's rows and their overrides and exit")
+    add_options(p)
+    return p.parse_with_overrides(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
     argv = sys.argv[1:] if argv is None else argv
-    args, rest = parse_args(argv)
+    args, overrides = parse_args(argv)
     names = list(SWEEPS) if args.sweep == "all" else [s.strip() for s in args.sweep.split(",") if s.strip()]
     unknown = [n for n in names if n not in SWEEPS]
     if unknown or not names:
         print(f"sweeps: error: unknown sweep {', '.join(unknown) or repr(args.sweep)}; choose from "
               f"{', '.join(SWEEPS)} or all", file=sys.stderr)
         return 2
-    if any(a == "--table" or a.startswith("--table=") or a == "--name" for a in rest):
-        print("sweeps: error: --table/--name are set by sweeps (use --sweep)", file=sys.stderr)
-        return 2
-    cuda = torch.cuda.is_available()  # no CUDA context here: bench's children own the GPU
+    cuda = cuda_available()  # no CUDA context here: the rows' processes own the GPU
     preset = args.preset or ("ddpm-cifar10" if cuda else "tiny")
-    tables = register(preset, cuda)
-    listing = "--list" in rest
-    out = args.out
-    if out is None and not listing:
-        # The card's name from a child, as bench does, so this process never holds GPU memory.
-        env = bench.spawn("env", {}, 120)
-        if env["status"] != "ok":
-            print(f"sweeps: error: could not read the environment: {env['error']}", file=sys.stderr)
-            return 2
-        from benchmarks.peaks import card_slug
-
-        gpus = env["result"]["gpus"]
-        out = bench.REPO / "benchmarks" / "results" / card_slug(gpus[0]["name"] if cuda and gpus else None)
     rc = 0
-    for name in names:
-        stem = tables[name] + ("" if preset == "ddpm-cifar10" else f"-{preset}")
-        print(f"\nsweeps: {tables[name]} ({preset})", flush=True)
-        code = bench.main(["--table", tables[name], "--name", stem, *(["--out", str(out)] if out else []), *rest])
-        rc = max(rc, code)
-        if code == 2 or listing:
-            continue
-        json_path = out / f"{stem}.json"
-        result = json.loads(json_path.read_text())
-        png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
-        print(f"sweeps: wrote {png}", flush=True)
+    try:
+        loader = baseline_loader(args)
+        for name in names:
+            table = f"sweep-{name}"
+            rows = resolve_rows(SWEEPS[name].rows(preset, loader, cuda), args.rows)
+            if args.list:
+                check_overrides(rows, overrides)
+                print(f"{table} ({preset}):")
+                for i, row in enumerate(rows, 1):
+                    print(f"{i:2d}. {row.name}  (batch: {row.batch})\n    {' '.join([*row.overrides, *overrides])}")
+                continue
+            print(f"\nsweeps: {table} ({preset})", flush=True)
+            stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
+            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.sweeps", name=stem,
+                                        note=NOTE)
+            rc = max(rc, code)
+            result = json.loads(json_path.read_text())
+            png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
+            print(f"sweeps: wrote {png}", flush=True)
+    except BenchError as e:
+        print(f"sweeps: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sweeps: interrupted", file=sys.stderr)
+        return 130
     return rc
 
 

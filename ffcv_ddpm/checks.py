@@ -215,11 +215,51 @@ def int_list(rule: Rule | None = None) -> Callable[[str], list[int]]:
     return convert
 
 
+OVERRIDES_HELP = ("Any other KEY=VALUE (or --KEY=VALUE) overrides a config field (ffcv_ddpm.config), e.g.\n"
+                  "  data.batch_size=256 train.precision=fp32 train.compile=False")
+
+
+SINGLE_FILE_HELP = "No --data and no KEY=VALUE overrides: the file given is the whole input."
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring's examples as written; an option's default after its help, unless the help says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and action.default not in (None, False, argparse.SUPPRESS)
+                and "default" not in text):
+            text += " (default: %(default)s)"
+        return text
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line ('prog: error: ... (see --help)') and exit 2, not a usage block."""
+    """argparse whose errors are one line ('prog: error: ... (see --help)') and exit 2, not a usage block.
+
+    `doc`: the command's module docstring; --help shows its first line and its example block (the indented lines
+    after it), so every command's help starts with how it is run. `overrides`: the command takes KEY=VALUE config
+    overrides (parse_with_overrides), which the help says."""
+
+    def __init__(self, *args, doc: str | None = None, overrides: bool = False, **kwargs):
+        if doc is not None:
+            paragraphs = doc.strip("\n").split("\n\n")
+            examples = [p for p in paragraphs[1:2] if p.startswith("    ")]
+            kwargs.setdefault("description", "\n\n".join(paragraphs[:1] + examples))
+            kwargs.setdefault("formatter_class", HelpFormatter)
+        if overrides:
+            kwargs["epilog"] = "\n".join(filter(None, [kwargs.get("epilog"), OVERRIDES_HELP]))
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_with_overrides(self, argv) -> tuple[argparse.Namespace, list[str]]:
+        """(options, KEY=VALUE overrides in the order given); anything else unknown is the usual one-line error."""
+        args, rest = self.parse_known_args(argv)
+        bad = [r for r in rest if "=" not in r or r.startswith("-") and not r.startswith("--")]
+        if bad:
+            self.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are KEY=VALUE)")
+        return args, [r.lstrip("-") for r in rest]
 
 
 def fail(prog: str, message: str, code: int = 2) -> int:

@@ -20,7 +20,7 @@ from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
 from ffcv_ddpm.diffusion import DiffusionConfig
 from ffcv_ddpm.unet import PRESETS, ModelConfig
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of train.AMP_DTYPES
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -32,13 +32,13 @@ class TrainConfig:
     weight_decay: float = 0.0            # AdamW weight decay
     betas: tuple = (0.9, 0.999)          # AdamW betas
     grad_clip: float = 1.0               # max global grad norm; 0 disables clipping
-    fused_adam: bool = True              # fused AdamW kernel (one launch for all params, no host sync); else foreach
+    fused_adam: bool = True              # fused AdamW (one kernel; takes fp16's found_inf on the device); else foreach
     ema_decay: float = 0.9999            # EMA of weights for sampling (DDPM paper: 0.9999); 0 disables EMA
     precision: str = "bf16"              # fp32 | tf32 (fp32 weights, TF32 matmuls) | bf16 | fp16 (with GradScaler)
     compile: bool = True                 # torch.compile the model (forward + backward); ignored on CPU
     compile_mode: str = "default"        # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
-    force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (see train.build)
+    force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = False        # cuDNN times its algorithms for each conv shape at the first step instead of guessing
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     device: str = "auto"                 # auto (cuda if available) | cuda | cuda:N | cpu

@@ -3,7 +3,7 @@
     loader = make_loader(DataConfig(path="data/cifar10_train_raw.beton", loader="ffcv"), device)
     loader.set_epoch(epoch)                      # replays that epoch's order (resume)
     for images, labels in loader:                # uint8 (B, 3, H, W) channels_last, int64 (B,), both on `device`
-        x = prepare_batch(images, flip=True, channels_last=True)   # float in [-1, 1], inside the compiled step
+        x = prepare_batch(images, flip=True, channels_last=True)   # float in [-1, 1], eager, before the model
 
 Loaders (DataConfig.loader):
 - "ffcv": FFCV Loader over the .beton (raw or JPEG), pipeline ending in ToDevice(non_blocking=True).
@@ -146,6 +146,19 @@ def _check_batches_fit(cfg: DataConfig, num_images: int, world_size: int) -> Non
                          "lower data.batch_size or set data.drop_last=False")
 
 
+def train_beton(data) -> str:
+    """--data as every command takes it: a .beton file, or a dataset folder holding one *_train_raw.beton (what
+    tools.make_dataset writes: cifar10_, digits_ or mnist_train_raw.beton)."""
+    data = Path(data)
+    if data.suffix == ".beton" or not data.is_dir():
+        return os.fspath(data)
+    found = sorted(data.glob("*_train_raw.beton"))
+    if len(found) != 1:
+        raise ValueError(f"--data {data}: expected one *_train_raw.beton in that folder, found "
+                         f"{', '.join(p.name for p in found) or 'none'}; {_MAKE_DATASET_HINT}, or give the .beton")
+    return os.fspath(found[0])
+
+
 def dataset_info(path) -> dict:
     """What a result should record about its data: counts, image size, and the manifest's source/synthetic flag.
 
@@ -284,12 +297,8 @@ class _FFCVBatches(BatchLoader):
         # then advances its own counter; setting the counter is how an epoch is chosen.
         self._loader.next_epoch = epoch
         if self.device.type == "cuda":
-            # FFCV allocates each epoch's device buffers on the current stream, then fills them from its own
-            # streams without waiting for the current one. The caching allocator may hand it memory that kernels
-            # still queued on the current stream (the previous steps' activations) have just freed, so the copy
-            # can overwrite live activations. Seen on an H200: a NaN loss at exactly the first step of epoch 2;
-            # with this drain, a 300-step run crossed three epoch boundaries with finite losses.
-            # Draining the stream costs one sync per epoch, never one per step.
+            # FFCV fills a new epoch's buffers from its own streams, possibly into memory that kernels still queued
+            # here have just freed: drain them first (one sync per epoch; benchmarks/NOTES.md, moved from the code).
             torch.cuda.current_stream(self.device).synchronize()
         if self._pristine_pages is not None:
             self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages

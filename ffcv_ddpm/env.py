@@ -126,4 +126,9 @@ def environment() -> dict:
 if __name__ == "__main__":
     import json
 
+    from ffcv_ddpm.checks import Parser
+
+    Parser(prog="python -m ffcv_ddpm.env", doc="Print what produced a result (commit, versions, GPUs) as JSON.\n\n"
+           "    python -m ffcv_ddpm.env                 # FFCV_DDPM_COMMIT=<sha> names a commit git cannot see",
+           epilog="No --data and no KEY=VALUE overrides: nothing is read but this machine.").parse_args()
     print(json.dumps(environment(), indent=2))

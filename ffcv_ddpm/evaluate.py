@@ -43,22 +43,30 @@ def generate(model: nn.Module, diffusion, n: int, *, labels: torch.Tensor | None
     return torch.cat(chunks)
 
 
-def load_run(run_dir: str | Path, device: torch.device | str, ema: bool = True):
+def load_run(run_dir: str | Path, device: torch.device | str, ema: bool = True, overrides=()):
     """(config, model in eval mode, diffusion, step) from a run folder's config.json and newest checkpoint; the EMA
-    weights unless ema=False (or the run kept none)."""
+    weights unless ema=False (or the run kept none). `overrides` (KEY=VALUE) change the config for sampling; one
+    that changes the network's shape is a ValueError."""
     from ffcv_ddpm.checkpoint import load_latest
-    from ffcv_ddpm.config import RunConfig
+    from ffcv_ddpm.config import RunConfig, apply_override, check_config
     from ffcv_ddpm.unet import build_model
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} has no config.json: give a run folder written by ffcv_ddpm.train")
     cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    for item in overrides:
+        apply_override(cfg, item)
+    check_config(cfg)
     state, path = load_latest(run_dir, map_location="cpu")
     if state is None:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (ckpt-*.pt)")
     model = build_model(cfg.model)
-    model.load_state_dict(state["ema"]["module"] if ema and state.get("ema") else state["model"])
+    try:
+        model.load_state_dict(state["ema"]["module"] if ema and state.get("ema") else state["model"])
+    except RuntimeError as e:
+        raise ValueError(f"{path} does not fit the model built from {run_dir}/config.json with the overrides "
+                         f"{' '.join(overrides) or '(none)'}: {str(e).splitlines()[0]}") from None
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format).eval()
     return cfg, model, GaussianDiffusion(cfg.diffusion).to(device), state["step"]

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Protocol
 
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
 
 # What a sample holds besides its timestamps, in the order the JSONL lines and the plot use.
 FIELDS = ("power_w", "gpu_util_pct", "mem_util_pct", "mem_used_gib", "sm_clock_mhz", "mem_clock_mhz", "temp_c")
@@ -374,7 +374,9 @@ def plot_telemetry(jsonl_path, png_path, title: str | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m ffcv_ddpm.telemetry",
-               description="Summarise and plot a telemetry.jsonl written by GpuTelemetry.")
+               doc="Summarise and plot a telemetry.jsonl written by GpuTelemetry.\n\n"
+                   "    python -m ffcv_ddpm.telemetry runs/00000-ddpm-cifar10/telemetry.jsonl --images 512000",
+               epilog=SINGLE_FILE_HELP)
     p.add_argument("jsonl", type=Path, help="telemetry file (e.g. runs/<id>/telemetry.jsonl)")
     p.add_argument("--images", type=int, help="images trained while sampling, for J/img")
     p.add_argument("--png", type=Path, help="plot path (default: the JSONL's path with .png)")

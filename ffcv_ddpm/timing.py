@@ -1,28 +1,30 @@
-"""Per-iteration timing with the wait for data inside the timed region, read with one sync per interval.
+"""The one timed loop: N training iterations, each timed from the request for its batch to the next request.
 
-    timer = StepTimer(device)
-    for ...:
-        timer.start()              # top of the iteration, BEFORE asking the loader for the batch
-        batch = next(it)
-        timer.data_ready()
-        step(batch)
-    timer.stop()
-    iter_ms, wait_ms = timer.read()   # one synchronize
+    t = timed_steps(lambda batch, i: trainer.step(*batch, lr), lambda: next(data), n=50, device=device)
+    t.iter_ms, t.wait_ms, t.loss_sum     # per-iteration ms, the wait for data within each, the summed loss (device)
+
+Used by the trainer (one call per log interval), benchmarks.bench (a row's timed iterations), benchmarks.profile
+(the telemetry blocks), and for single timed calls (timed_call: a sampler run, a kernel).
 
 On CUDA, events are recorded on the current stream. The CPU runs ahead of the GPU, so an event recorded at the top
 of iteration i completes when the GPU has finished iteration i-1: iteration i spans start_i -> start_{i+1} on the
 GPU's clock, and that span includes any time the GPU sat idle because the loader was late. wait_i = start_i ->
 data_ready_i is exactly that idle time (zero when the batch was ready before the GPU needed it). Published
-benchmarks that start their events after the batch arrives cannot see a slow loader at all.
-On CPU (no asynchrony) the same spans are taken with perf_counter.
+benchmarks that start their events after the batch arrives cannot see a slow loader at all. One synchronize, at the
+end of the loop. On CPU (no asynchrony) the same spans are taken with perf_counter.
 """
 
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 
-class StepTimer:
+class _StepTimer:
+    """The marks of timed_steps: start() before asking for the batch, data_ready() when it is there, stop() after the
+    last iteration, read() -> (iteration ms, data-wait ms) with one synchronize."""
+
     def __init__(self, device: torch.device):
         self.cuda = torch.device(device).type == "cuda"
         self._starts, self._ready = [], []
@@ -52,7 +54,7 @@ class StepTimer:
         starts, ready = self._starts, self._ready
         n = len(ready)
         if len(starts) != n + 1:
-            raise RuntimeError(f"StepTimer: {len(starts)} start/stop marks for {n} iterations; call stop() first")
+            raise RuntimeError(f"_StepTimer: {len(starts)} start/stop marks for {n} iterations; call stop() first")
         if self.cuda and n:
             starts[-1].synchronize()
         iter_ms = [self._ms(starts[i], starts[i + 1]) for i in range(n)]
@@ -65,3 +67,56 @@ def sync(device) -> None:
     """Wait for the device (a no-op on CPU): only at the edges of timed regions, never inside the loop."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timed:
+    iter_ms: list[float]             # per iteration, the wait for its batch included
+    wait_ms: list[float]             # the part of each iteration spent waiting for the batch
+    loss_sum: torch.Tensor | None    # the steps' losses summed on the device (None if step returned none)
+
+    @property
+    def steps(self) -> int:
+        return len(self.iter_ms)
+
+
+def timed_steps(step: Callable[[Any, int], torch.Tensor | None], fetch: Callable[[], Any], n: int, device,
+                stop_after: Callable[[int, torch.Tensor | None], bool] | None = None) -> Timed:
+    """Up to `n` iterations of `step(fetch(), i)`, timed as the module docstring says; one sync, at the end.
+
+    `step` returns a scalar loss tensor (summed on the device, never read here) or None. `stop_after(i, loss)`, if
+    given, runs after each iteration without syncing (a signal flag, a progress bar) and ends the loop by returning
+    True.
+    """
+    timer = _StepTimer(device)
+    loss_sum = None
+    for i in range(n):
+        timer.start()  # before asking for the batch: a late loader shows up as a longer iteration
+        batch = fetch()
+        timer.data_ready()
+        loss = step(batch, i)
+        if loss is not None:
+            if loss_sum is None:
+                loss_sum = torch.zeros((), device=loss.device)  # fp32, whatever the loss's dtype
+            loss_sum += loss
+        if stop_after is not None and stop_after(i, loss):
+            break
+    timer.stop()
+    iter_ms, wait_ms = timer.read()
+    return Timed(iter_ms, wait_ms, loss_sum)
+
+
+def timed_call(fn: Callable[[], Any], device) -> tuple[Any, float]:
+    """(fn(), its milliseconds): one iteration of timed_steps with nothing to fetch."""
+    out = []
+    t = timed_steps(lambda _batch, _i: out.append(fn()), lambda: None, 1, device)
+    return out[0], t.iter_ms[0]
+
+
+def untimed_steps(step: Callable[[Any, int], Any], fetch: Callable[[], Any], n: int, device) -> float:
+    """Warm-up: `n` iterations, then one sync; the wall seconds they took (compilation included, not a timing)."""
+    t0 = time.perf_counter()
+    for i in range(n):
+        step(fetch(), i)
+    sync(device)
+    return time.perf_counter() - t0

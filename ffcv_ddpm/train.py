@@ -1,6 +1,6 @@
 """Train a diffusion model (DDPM, or a VE-SDE with diffusion.process=ve) on an FFCV .beton, one readable function.
 
-    python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data/cifar10_train_raw.beton data.batch_size=256
+    python -m ffcv_ddpm.train --preset ddpm-cifar10 --data data data.batch_size=256   # data/cifar10_train_raw.beton
     python -m ffcv_ddpm.train --resume runs/00003-ddpm-cifar10        # continue from the newest complete checkpoint
     torchrun --nproc_per_node 4 -m ffcv_ddpm.train --preset ddpm-cifar10 --data ...   # DDP, batch_size per GPU
 
@@ -17,36 +17,27 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
-from ffcv_ddpm.data import check_dataset, dataset_info, make_loader, prepare_batch
-from ffcv_ddpm.diffusion import GaussianDiffusion, save_grid
-from ffcv_ddpm.ema import EMA
+from ffcv_ddpm.data import check_dataset, dataset_info, make_loader, train_beton
+from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import Evaluator
-from ffcv_ddpm.sde import VEDiffusion, make_diffusion
+from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, resolve_device
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
-from ffcv_ddpm.timing import StepTimer
-from ffcv_ddpm.unet import build_model
+from ffcv_ddpm.timing import timed_steps
 
-AMP_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
 # symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class TrainingError(Exception):
-    """A fault the user should read as a message, not a traceback (bad input, NaN loss, out of memory)."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -55,17 +46,6 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, when: str):
         super().__init__(f"{signal.Signals(signum).name} {when}")
         self.signum = signum
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
 
 
 def init_distributed() -> Dist:
@@ -84,107 +64,6 @@ def init_distributed() -> Dist:
 
 def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-@dataclass
-class Trainer:
-    cfg: RunConfig
-    device: torch.device
-    model: torch.nn.Module          # the uncompiled module: its state_dict has no _orig_mod. prefixes
-    diffusion: GaussianDiffusion | VEDiffusion
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    ema: EMA | None
-    step: Callable                  # step(images_u8, labels, lr) -> loss tensor; one full iteration, no host sync
-
-
-def resolve_device(name: str, ddp: Dist = Dist()) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", ddp.local_rank)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(f"device {name!r} asked for, but this machine has no CUDA GPU; use train.device=cpu")
-    return device
-
-
-def set_precision(precision: str, device: torch.device) -> None:
-    if precision not in AMP_DTYPES:
-        raise TrainingError(f"train.precision={precision!r}: choose one of {', '.join(AMP_DTYPES)}")
-    if precision == "fp16" and device.type != "cuda":
-        raise TrainingError("train.precision=fp16 needs a CUDA GPU (GradScaler); use bf16 or fp32 on CPU")
-    # PyTorch lets cuDNN use TF32 by default; "fp32" means true fp32 here, so a baseline row is what it says.
-    tf32 = precision != "fp32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-
-
-def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig) -> Callable:
-    """One training iteration. Everything stays on the device: the caller reads the loss at log intervals."""
-    amp_dtype = AMP_DTYPES[cfg.train.precision]
-    device_type = next(model.parameters()).device.type
-    conditional = cfg.model.num_classes > 0
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step(images, labels, lr: float):
-        x = prepare_batch(images, flip=cfg.data.flip == "gpu", channels_last=cfg.train.channels_last)
-        with torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-            loss = diffusion.loss(compiled, x, labels if conditional else None,
-                                  null_label=cfg.model.num_classes if conditional else None)
-        scaler.scale(loss).backward()
-        if cfg.train.grad_clip > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip, foreach=True)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # With the fused AdamW, GradScaler hands found_inf to the kernel instead of reading it on the host.
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        if ema is not None:
-            ema.update(model)
-        return loss.detach()
-
-    return step
-
-
-def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
-    """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
-    set_precision(cfg.train.precision, device)
-    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
-    if cfg.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    diffusion = make_diffusion(cfg.diffusion).to(device)
-    # Fused AdamW (CUDA and CPU kernels) reads no step counter on the host; the foreach one calls .item() per param.
-    fused = cfg.train.fused_adam
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
-                                  weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-    net = model
-    if ddp.world_size > 1:
-        # Gradients as views into the all-reduce buckets: no copy in or out of them.
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True)
-    if cfg.train.compile and device.type == "cuda":
-        # Compiling the DDP wrapper lets dynamo split the graph at bucket boundaries (all-reduce overlaps backward).
-        # dynamic=False: batches have one size (drop_last), and a dynamic-shape recompile for a second size hit
-        # "misaligned address" in an inductor GroupNorm-backward kernel (H200, torch 2.11).
-        # Inductor's layout optimization (channels_last buffers around convolutions) is off for a training graph
-        # that has a conv with out_channels * 2 <= in_channels and a kernel > 1 (graph.py, decide_layout_opt): both
-        # UNets' up paths have one (the conv on the concatenated skip). Forcing it is a switch to measure.
-        import torch._inductor.config as inductor_config
-
-        inductor_config.force_layout_optimization = cfg.train.force_layout_opt
-        net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
-                            dynamic=False)
-    # Each rank draws its own noise and timesteps (the weights above were seeded alike).
-    torch.manual_seed(cfg.train.seed + ddp.rank)
-    step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg)
-    return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)
 
 
 def largest_fitting_batch(step: Callable, device: torch.device, batch_size: int, image_size: int) -> int | None:
@@ -394,8 +273,6 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             epoch += 1
 
     # ---- loop -----------------------------------------------------------------------------------------------
-    timer = StepTimer(device)
-    loss_sum = torch.zeros((), device=device)
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -407,34 +284,35 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     # NVML reads the whole GPU, so one sampler per rank's GPU would be right; rank 0 samples its own GPU only.
     telemetry = GpuTelemetry(run_dir / "telemetry.jsonl", device_index=device.index or 0,
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
-    t_start, window = time.perf_counter(), 0
+    t_start = time.perf_counter()
     step = start_step
+
+    def one_step(batch, i: int) -> torch.Tensor:
+        try:
+            return t.step(*batch, lr_at(step + i, cfg.train))
+        except torch.cuda.OutOfMemoryError:
+            if step + i > start_step:
+                raise
+            raise TrainingError(oom_message(cfg, device, t)) from None
+
+    def after_step(i: int, loss: torch.Tensor) -> bool:
+        nonlocal first_bad
+        first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step + i, first_bad)
+        if progress is not None:
+            progress.update()
+        # One process stops at once on a signal; ranks of a process group agree on it at the next interval.
+        return stop.signal is not None and ddp.world_size == 1
+
     stop.phase = "running"
     try:
         while step < cfg.train.steps:
-            timer.start()
-            images, labels = next(data)
-            timer.data_ready()
-            try:
-                loss = t.step(images, labels, lr_at(step, cfg.train))
-            except torch.cuda.OutOfMemoryError:
-                if step > start_step:
-                    raise
-                raise TrainingError(oom_message(cfg, device, t)) from None
-            loss_sum += loss
-            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), step, first_bad)
-            step += 1
-            window += 1
-            if progress is not None:
-                progress.update()
-            # One process stops at once on a signal; ranks of a process group agree on it at the next interval.
-            stop_now = stop.signal is not None and ddp.world_size == 1
-            if step % cfg.train.log_every and step < cfg.train.steps and not stop_now:
-                continue
+            # ---- one log interval of timed steps (timing.timed_steps: CUDA events, one sync at its end) ----------
+            interval = timed_steps(one_step, lambda: next(data), min(cfg.train.log_every - step % cfg.train.log_every,
+                                                                     cfg.train.steps - step), device, after_step)
+            window, loss_sum, iter_ms, wait_ms = interval.steps, interval.loss_sum, interval.iter_ms, interval.wait_ms
+            step += window
 
             # ---- log interval: the only host-device syncs ------------------------------------------------------
-            timer.stop()
-            iter_ms, wait_ms = timer.read()
             flags = torch.stack([first_bad, torch.tensor(int(stop.signal is not None), device=device)])
             if ddp.world_size > 1:
                 dist.all_reduce(loss_sum)
@@ -463,8 +341,6 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                     f.write(json.dumps(stats) + "\n")
             if progress is not None:
                 progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}")
-            loss_sum.zero_()
-            window = 0
 
             # ---- checkpoint, sample ----------------------------------------------------------------------------
             if stop_now:
@@ -533,14 +409,11 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
 
 
 def parse_args(argv: list[str]) -> RunConfig:
-    p = Parser(prog="python -m ffcv_ddpm.train", description=__doc__.split("\n")[0],
-               epilog="Any other key=value (or --key=value) overrides a config field, e.g. "
-                      "data.batch_size=256 precision=fp32 compile=False")
+    p = Parser(prog="python -m ffcv_ddpm.train", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
-    p.add_argument("--data", help="train .beton file (data.path)")
+    p.add_argument("--data", help="dataset folder (its one *_train_raw.beton) or a train .beton file (data.path)")
     p.add_argument("--resume", help="run folder to continue from its newest complete checkpoint")
-    args, rest = p.parse_known_args(argv)
-    overrides = [r.lstrip("-") for r in rest]
+    args, overrides = p.parse_with_overrides(argv)
     if args.resume:
         saved = Path(args.resume) / "config.json"
         if not saved.is_file():
@@ -552,7 +425,7 @@ def parse_args(argv: list[str]) -> RunConfig:
     else:
         cfg = load_config(args.preset, overrides)
     if args.data:
-        apply_override(cfg, f"data.path={args.data}")
+        apply_override(cfg, f"data.path={train_beton(args.data)}")
     return check_config(cfg)
 
 
@@ -584,12 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     rc = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and backend() == "gloo":
-        # On gloo, DDP keeps the process group alive past destroy_process_group (torch 2.13), so its worker threads
-        # are never joined. A worker that drops a finished collective's tensors while the interpreter shuts down
-        # takes the GIL from a dying interpreter and aborts the whole rank ("terminate called without an active
-        # exception"; backtrace from a 2-rank CPU run on CI: ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork ->
-        # THPVariable_dealloc -> take_gil -> pthread_exit). Everything this run owns is closed and written by now,
-        # so the rank leaves without the interpreter shutdown.
+        # gloo's unjoined worker threads can abort a rank during interpreter shutdown (benchmarks/NOTES.md, moved
+        # from the code); everything this run owns is closed and written by now, so the rank skips that shutdown.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)

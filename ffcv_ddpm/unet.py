@@ -22,8 +22,8 @@ Presets (``PRESETS``; parameter counts are asserted by tests/test_unet.py):
 - ``tiny``: a few tens of thousands of parameters, for CPU tests.
 
 Speed notes: nothing here forces an NCHW copy (every reshape is commented with its shapes and is a view on a
-channels_last tensor), there is no data-dependent Python control flow and no host sync, so the whole forward
-compiles as one graph (``torch.compile(fullgraph=True)``).
+channels_last tensor), there is no data-dependent Python control flow and no host sync, so the forward has no
+graph break (tests/test_unet.py compiles it with ``fullgraph=True``; the trainer does not pass that flag).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench import BETON, STACK, TABLES, merge, quick_rows, row_overrides, table_rows
+from benchmarks.common import BETON
+from benchmarks.rows import STACK, TABLES, merge, quick_rows, row_overrides, table_rows
 from benchmarks.report import add_metrics, render_markdown, terminal_table, write_reports
 from ffcv_ddpm.config import load_config
 
@@ -31,8 +32,13 @@ def test_rows_are_complete_configs_that_load():
     assert (last.train.precision, last.train.compile, last.model.attn_impl, last.data.loader) == (
         "bf16", True, "sdpa", "gpu")
     assert (last.model.norm_impl, last.train.channels_last) == ("fused", True)
-    assert cfg["fp16 + GradScaler (instead of bf16)"].data.loader == "torch-memory"  # a variant, not stacked
-    assert names.index("fp16 + GradScaler (instead of bf16)") == names.index("+ bf16 autocast") + 1
+    fp16 = cfg["fp16 + GradScaler (instead of bf16)"]
+    assert fp16.data.loader == "ffcv" and fp16.model.norm_impl == "torch"  # a variant, not stacked
+    # On the fused-AdamW row, so that GradScaler needs no host read of found_inf: the only difference is fp16.
+    bf16 = cfg["+ fused AdamW"]
+    assert fp16.train.fused_adam
+    assert fp16.to_dict() == {**bf16.to_dict(), "train": {**bf16.to_dict()["train"], "precision": "fp16"}}
+    assert names.index("fp16 + GradScaler (instead of bf16)") == names.index("+ fused AdamW") + 1
 
 
 def test_loader_rows_change_only_the_loader(tmp_path):
@@ -52,6 +58,46 @@ def test_loader_rows_change_only_the_loader(tmp_path):
             assert cfg.data.png_dir == str(tmp_path / "png" / "train")
     assert {load_config(r.preset, list(r.overrides)).data.loader for r in rows} == {"ffcv", "torch-memory",
                                                                                     "torch-files", "gpu"}
+
+
+def _spawned(kind, spec, timeout):
+    """runner.spawn without the processes: the environment, and rows of which the second fails."""
+    from ffcv_ddpm.env import environment
+
+    if kind == "env":
+        return {"status": "ok", "result": {**environment(), "commit": "abc1234", "commit_source":
+                                           "declared (FFCV_DDPM_COMMIT), not verified", "dirty": None}}
+    if spec["overrides"][-1] == "model.dropout=0.0" and "model.base_channels=16" in spec["overrides"]:
+        return {"status": "failed", "error": "out of memory"}
+    raw = {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2, "wait_ms": [1.0] * 2,
+           "first_step_s": 1.0, "peak_mem_bytes": None, "sdpa_backend": "math", "config": {}}
+    return {"status": "ok", "result": raw}
+
+
+def test_runner_counts_flops_per_row_and_fails_when_any_row_fails(small_dataset, tmp_path, monkeypatch, capsys):
+    """Each row's FLOPs come from its own model config; one failed row makes the exit status 1; the commit of a
+    copied tree (FFCV_DDPM_COMMIT) is printed as declared, not verified."""
+    import argparse
+
+    from benchmarks import runner
+    from benchmarks.rows import Row
+
+    monkeypatch.setattr(runner, "spawn", _spawned)
+    monkeypatch.setattr(runner, "cuda_available", lambda: False)
+    rows = [Row("tiny", "tiny", ("data.loader=torch-memory",), 4, baseline=True),
+            Row("wider", "tiny", ("data.loader=torch-memory", "model.base_channels=16"), 4)]
+    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
+                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
+                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows=None)
+    rc, path = runner.run_table(rows, "t", args, ["model.dropout=0.0"], [], note="a note")
+    result = json.loads(path.read_text())
+    assert rc == 1 and [r["status"] for r in result["rows"]] == ["ok", "failed"]
+    small, wide = (r["flops"]["train"]["fwd_bwd"] for r in result["rows"])
+    assert wide > 2 * small  # the row's own model, not the preset's
+    assert result["rows"][0]["metrics"]["flops_per_img"] == small
+    md = path.with_suffix(".md").read_text()
+    assert "- a note" in md and "abc1234 (declared, not verified)" in md
+    assert "github.com/kimbochen/ddpm" in md  # the published table's source, beside its figures
 
 
 def test_merge_keeps_one_entry_per_key_last_wins():

@@ -12,7 +12,7 @@ def test_ddp_scaling_benchmark_on_cpu(tmp_path):
     write_beton(data / "cifar10_train_raw.beton", 128)
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "--batch", "16", "--steps", "6", "--log-every", "2", "--out", str(out)])
+                   "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out)])
     assert rc == 0
     result = json.loads((out / "ddp.json").read_text())
     points = result["points"]["per-GPU"]

@@ -25,8 +25,9 @@ def run_dir(small_dataset, tmp_path_factory):
 
 def test_fid_of_a_run_on_synthetic_data(small_dataset, small_dataset_arrays, run_dir, tmp_path, capsys):
     ref = small_dataset / "cifar10_test_raw.beton"
-    common = ["--ref", str(ref), "--max-ref", "10", "--random-inception", "0", "--batch", "5", "--out", str(tmp_path)]
-    assert fid_cli.main([*common, "--run", str(run_dir), "--n", "10", "--steps", "2"]) == 0
+    common = ["--data", str(ref), "--max-ref", "10", "--random-inception", "0", "--sample-batch", "5", "--out",
+              str(tmp_path)]
+    assert fid_cli.main([*common, "--run", str(run_dir), "--n", "10", "--sample-steps", "2"]) == 0
     result = json.loads((tmp_path / f"fid-{run_dir.name}-ddim.json").read_text())
     assert result["fid"] > 0 and result["network"] == "random-inception-seed0"
     assert result["samples"] == {"run": str(run_dir), "step": 2, "weights": "EMA", "sampler": "ddim", "steps": 2,
@@ -50,9 +51,18 @@ def test_fid_of_a_run_on_synthetic_data(small_dataset, small_dataset_arrays, run
 
 def test_missing_weights_is_one_line(small_dataset, run_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
-    rc = fid_cli.main(["--ref", str(small_dataset / "cifar10_test_raw.beton"), "--run", str(run_dir),
+    rc = fid_cli.main(["--data", str(small_dataset / "cifar10_test_raw.beton"), "--run", str(run_dir),
                        "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("fid: error: Inception weights ")
     assert str(tmp_path / "torch" / "hub" / "checkpoints" / "pt_inception-2015-12-05-6726825d.pth") in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_overrides_change_the_run_config_but_not_its_shape(small_dataset, run_dir, tmp_path, capsys):
+    common = ["--data", str(small_dataset / "cifar10_test_raw.beton"), "--max-ref", "10", "--random-inception", "0",
+              "--sample-batch", "5", "--out", str(tmp_path), "--run", str(run_dir), "--n", "5", "--sample-steps", "1"]
+    assert fid_cli.main([*common, "model.attn_impl=math"]) == 0  # same weights, another attention kernel
+    assert fid_cli.main([*common, "model.base_channels=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not fit the model" in err[0] and "model.base_channels=64" in err[0]

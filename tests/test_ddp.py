@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ffcv_ddpm.train import NO_MULTICAST, TrainingError, check_ranks_agree
+from ffcv_ddpm.step import TrainingError
+from ffcv_ddpm.train import NO_MULTICAST, check_ranks_agree
 from conftest import REPO, write_beton
 
 

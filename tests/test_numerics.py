@@ -25,7 +25,7 @@ def test_check_is_paired_smoothed_and_skips_the_start():
         numerics.check(ref, ref[:-1], tol=0.1, skip=0.0, smooth=1)
 
 
-TINY = ["--preset", "tiny", "--batch", "16", "--log-every", "5", "--smooth", "2", "train.device=cpu",
+TINY = ["--preset", "tiny", "data.batch_size=16", "--log-every", "5", "--smooth", "2", "train.device=cpu",
         "data.num_workers=1"]
 
 
@@ -127,7 +127,7 @@ def test_too_few_steps_is_an_error(tmp_path, capsys):
 def test_from_runs_compares_finished_runs_on_their_common_steps(small_dataset, tmp_path, capsys):
     """Runs made elsewhere: compared on the logged steps all of them reached (a run stopped early counts up to its last
     full interval); a run folder that is not one, or an unpaired pair, is a clear error."""
-    base = ["--data", str(small_dataset), "--preset", "tiny", "--steps", "20", "--log-every", "5", "--batch", "8",
+    base = ["--data", str(small_dataset), "--preset", "tiny", "--steps", "20", "--log-every", "5", "data.batch_size=8",
             "train.device=cpu", "data.num_workers=0"]
     assert numerics.main([*base, "--control", "model.norm_impl=torch", "--out", str(tmp_path / "first")]) == 0
     first = json.loads((tmp_path / "first" / "numerics-bf16.json").read_text())

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from conftest import REPO, host_syncs, write_beton
+from ffcv_ddpm import step as step_mod
 from ffcv_ddpm import train as train_mod
 from ffcv_ddpm.checkpoint import list_checkpoints
 from ffcv_ddpm.checks import BadValue
 from ffcv_ddpm.config import PRECISIONS, RunConfig, check_config, load_config
+from ffcv_ddpm.diffusion import GaussianDiffusion
 
 @pytest.fixture(scope="module")
 def beton(tmp_path_factory) -> Path:
@@ -159,7 +161,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(beton, tmp_path):
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(beton, tmp_path, monkeypatch):
-    real_loss = train_mod.GaussianDiffusion.loss
+    real_loss = GaussianDiffusion.loss
     calls = {"n": 0}
 
     def loss_nan_from_step_5(self, *args, **kwargs):
@@ -167,9 +169,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_good_checkpoints(beton, tmp_path
         loss = real_loss(self, *args, **kwargs)
         return loss * float("nan") if calls["n"] > 5 else loss
 
-    monkeypatch.setattr(train_mod.GaussianDiffusion, "loss", loss_nan_from_step_5)
+    monkeypatch.setattr(GaussianDiffusion, "loss", loss_nan_from_step_5)
     cfg = tiny_cfg(beton, tmp_path, "train.log_every=2", "train.ckpt_every=2")
-    with pytest.raises(train_mod.TrainingError, match="non-finite loss at step 5"):
+    with pytest.raises(step_mod.TrainingError, match="non-finite loss at step 5"):
         train_mod.train(cfg)
     run_dir = next(tmp_path.glob("00000-*"))
     assert [int(p.stem.split("-")[1]) for p in list_checkpoints(run_dir)] == [2, 4]
@@ -189,7 +191,7 @@ def test_missing_or_wrong_beton_fails_before_building(tmp_path, capsys):
 def test_training_step_has_no_host_sync():
     """prepare_batch, forward, loss, backward, clipping, fused AdamW and EMA: not one device-to-host read."""
     cfg = load_config("tiny", ["train.device=cpu", "train.precision=fp32", "train.compile=False"])
-    t = train_mod.build(cfg, torch.device("cpu"))
+    t = step_mod.build(cfg, torch.device("cpu"))
     images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
     labels = torch.randint(0, 10, (4,))
     t.step(images, labels, 1e-4)  # the first step allocates optimizer state
@@ -222,7 +224,7 @@ def test_a_config_changed_in_code_is_checked_by_train():
 
 
 def test_precisions_are_the_configs():
-    assert tuple(train_mod.AMP_DTYPES) == PRECISIONS
+    assert tuple(step_mod.AMP_DTYPES) == PRECISIONS
 
 
 def _main(tmp_path, capsys, beton, *overrides):
@@ -270,11 +272,11 @@ def test_bad_input_is_one_line_and_leaves_no_run_folder(override, words, beton, 
 
 
 def test_nan_loss_without_a_checkpoint_says_there_is_none(beton, tmp_path, monkeypatch):
-    real_loss = train_mod.GaussianDiffusion.loss
-    monkeypatch.setattr(train_mod.GaussianDiffusion, "loss",
+    real_loss = GaussianDiffusion.loss
+    monkeypatch.setattr(GaussianDiffusion, "loss",
                         lambda self, *a, **k: real_loss(self, *a, **k) * float("nan"))
     cfg = tiny_cfg(beton, tmp_path, "train.log_every=2", "train.ckpt_every=4")
-    with pytest.raises(train_mod.TrainingError) as e:
+    with pytest.raises(step_mod.TrainingError) as e:
         train_mod.train(cfg)
     assert "non-finite loss at step 0" in str(e.value) and "no checkpoint was written before it" in str(e.value)
     assert not list(tmp_path.glob("0000*"))  # nothing to keep: the new folder is gone
@@ -295,8 +297,9 @@ def test_resume_keeps_one_stats_history(beton, tmp_path):
 _SIGNAL_SCRIPT = """
 import os, signal, sys
 from ffcv_ddpm import train as t
+from ffcv_ddpm.diffusion import GaussianDiffusion
 when = sys.argv[1]
-real_build, real_save, real_loss = t.build, t.save_checkpoint, t.GaussianDiffusion.loss
+real_build, real_save, real_loss = t.build, t.save_checkpoint, GaussianDiffusion.loss
 calls = {"loss": 0}
 def build(*a, **k):  # start-up: the run folder exists, no step has run
     if when == "start-up":
@@ -311,7 +314,7 @@ def save(*a, **k):
     if when == "twice":
         os.kill(os.getpid(), signal.SIGTERM)  # the second, while that checkpoint is being written
     return real_save(*a, **k)
-t.build, t.save_checkpoint, t.GaussianDiffusion.loss = build, save, loss
+t.build, t.save_checkpoint, GaussianDiffusion.loss = build, save, loss
 sys.exit(t.main(sys.argv[2:]))
 """
 

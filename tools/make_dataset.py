@@ -74,8 +74,9 @@ def _holdout(text: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m tools.make_dataset", description=__doc__.split("\n\n")[0],
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(prog="python -m tools.make_dataset", doc=__doc__,
+               epilog="This command writes the dataset folder (--out) that the others read with --data; it takes no "
+                      "KEY=VALUE overrides (no run config).")
     p.add_argument("--source", choices=SOURCES, default="download", help="where the images come from")
     p.add_argument("--out", type=Path, help="folder for the .beton files and manifest (default: data, or "
                                             "data/digits and data/mnist for those sources)")

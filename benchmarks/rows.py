@@ -1,0 +1,156 @@
+"""The benchmark tables as data: each row a complete RunConfig (a preset plus overrides) and a batch rule.
+
+    rows = TABLES["ddpm"](("data.loader=torch-memory",))    # the baseline loader: what the rows before FFCV use
+    rows = resolve_rows(rows, "1,5,fused")                    # --rows: 1-based indices or name substrings
+
+A row is what benchmarks.runner runs in a fresh process; benchmarks.bench and benchmarks.sweeps choose the rows.
+Add a row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import JPEG_BETON, PNG_TRAIN, BenchError
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # what the row adds, as shown in the table
+    preset: str  # model preset (ffcv_ddpm.unet.PRESETS); rows of one preset form one table section
+    overrides: tuple[str, ...]  # load_config overrides, complete (not relative to another row)
+    batch: int | str  # images per step: a number, "max" (largest that fits, probed), or an earlier row's name
+    baseline: bool = False  # speedups in this preset's section are relative to this row
+
+
+# The published table's starting point: true fp32 (no TF32), eager, explicit matmul-softmax attention, NCHW, the
+# default (foreach) AdamW, flips done in the loader's worker processes as torchvision transforms do, nn.GroupNorm.
+BASELINE = (
+    "model.norm_impl=torch",
+    "train.precision=fp32",
+    "train.compile=False",
+    "model.attn_impl=math",
+    "train.channels_last=False",
+    "train.fused_adam=False",
+    "data.flip=cpu",
+)
+
+# Each step adds its overrides to everything above it: (name, added overrides, batch rule).
+STACK = (
+    ("baseline (fp32, eager, math attention, PyTorch DataLoader)", (), 128),
+    ("+ largest batch that fits", (), "max"),
+    ("+ torch.compile", ("train.compile=True",), "prev"),
+    ("+ SDPA attention", ("model.attn_impl=sdpa",), "max"),
+    ("+ bf16 autocast", ("train.precision=bf16",), "max"),
+    ("+ FFCV loading", ("data.loader=ffcv",), "prev"),
+    ("+ channels_last", ("train.channels_last=True",), "prev"),
+    ("+ fused AdamW", ("train.fused_adam=True",), "prev"),
+    ("+ GPU-resident data, flips on GPU", ("data.loader=gpu", "data.flip=gpu"), "prev"),
+    # A candidate fix for the layout copies inside cuDNN's convolution backward (benchmarks/NOTES.md, attempt 4).
+    ("+ GroupNorm that keeps channels_last", ("model.norm_impl=scale-shift",), "prev"),
+    # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels).
+    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused",), "prev"),
+)
+# Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
+# overrides on top of that row). They run at that row's batch.
+VARIANTS = (
+    # On the fused-AdamW row: with the foreach AdamW, GradScaler reads found_inf on the host every step (the bf16
+    # rows have no such sync); the fused one takes it on the device.
+    ("fp16 + GradScaler (instead of bf16)", "+ fused AdamW", ("train.precision=fp16",)),
+    ("compile mode max-autotune-no-cudagraphs", "+ GPU-resident data, flips on GPU",
+     ("train.compile_mode=max-autotune-no-cudagraphs",)),
+    ("compile mode reduce-overhead (CUDA graphs)", "+ GPU-resident data, flips on GPU",
+     ("train.compile_mode=reduce-overhead",)),
+    ("inductor layout optimization forced", "+ GPU-resident data, flips on GPU", ("train.force_layout_opt=True",)),
+    ("cuDNN algorithm search (cudnn.benchmark)", "+ fused GroupNorm/SiLU/dropout kernels",
+     ("train.cudnn_benchmark=True",)),
+)
+
+
+# End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
+# the GPU, 8 workers or the cores there are) and only the loader changes. "{data}" stands for the --data folder.
+LOADER_ROWS = (
+    ("FFCV raw .beton", ("data.loader=ffcv",)),
+    ("FFCV JPEG .beton", ("data.loader=ffcv", f"data.path={{data}}/{JPEG_BETON}")),
+    ("PyTorch DataLoader over in-memory uint8 arrays", ("data.loader=torch-memory",)),
+    ("PyTorch DataLoader over PNG files (PIL decode)",
+     ("data.loader=torch-files", f"data.png_dir={{data}}/{PNG_TRAIN}")),
+    ("GPU-resident uint8 tensor", ("data.loader=gpu",)),
+)
+
+
+def loader_rows(preset: str, batch: int) -> list[Row]:
+    return [Row(name, preset, added, batch, baseline=i == 0) for i, (name, added) in enumerate(LOADER_ROWS)]
+
+
+def row_overrides(row: Row, data_overrides: tuple[str, ...], data_dir: Path) -> list[str]:
+    """A row's overrides after the dataset's (a row that names its own .beton wins), with {data} filled in."""
+    return [o.replace("{data}", str(data_dir)) for o in merge(data_overrides, row.overrides)]
+
+
+def merge(*groups: tuple[str, ...]) -> tuple[str, ...]:
+    """Overrides with one entry per key, the last value winning (a later step changes an earlier setting)."""
+    out: dict[str, str] = {}
+    for item in (i for g in groups for i in g):
+        out[item.split("=", 1)[0]] = item
+    return tuple(out.values())
+
+
+def table_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
+    """The published table's rows and ours beyond it, for one model preset."""
+    rows, acc = [], merge(BASELINE, baseline_loader)
+    for i, (name, added, batch) in enumerate(STACK):
+        acc = merge(acc, added)
+        rows.append(Row(name, preset, acc, rows[-1].name if batch == "prev" else batch, baseline=i == 0))
+    last: dict[str, str] = {}  # parent -> the row a new variant goes after (the parent, then its earlier variants)
+    for name, parent, added in VARIANTS:
+        p = next(r for r in rows if r.name == parent)
+        after = next(i for i, r in enumerate(rows) if r.name == last.get(parent, parent))
+        rows.insert(after + 1, Row(name, preset, merge(p.overrides, added), p.name))
+        last[parent] = name
+    return rows
+
+
+def quick_rows(baseline_loader: tuple[str, ...]) -> list[Row]:
+    """CPU-sized: the tiny preset and the small UNet at small batches, the rows that mean something on a CPU."""
+    rows = []
+    for preset, batch in (("tiny", 32), ("annotated-small", 4)):
+        # Two loader processes / threads: the quick table has to run on a 2-core CI machine.
+        base = merge(BASELINE, baseline_loader, ("data.num_workers=2",))
+        sdpa = merge(base, ("model.attn_impl=sdpa",))
+        rows += [
+            Row("baseline (fp32, eager, math attention, PyTorch DataLoader)", preset, base, batch, baseline=True),
+            Row("+ SDPA attention", preset, sdpa, batch),
+            Row("+ FFCV loading", preset, merge(sdpa, ("data.loader=ffcv",)), batch),
+        ]
+    return rows
+
+
+TABLES = {
+    "small": lambda loader: table_rows("annotated-small", loader),
+    "ddpm": lambda loader: table_rows("ddpm-cifar10", loader),
+    "both": lambda loader: table_rows("annotated-small", loader) + table_rows("ddpm-cifar10", loader),
+    "quick": quick_rows,
+    "loaders-e2e": lambda loader: loader_rows("ddpm-cifar10", 512) + loader_rows("annotated-small", 1024),
+}
+
+# Batch sizes tried for "max" rows (the published table's 320 / 2048 / 3072 sit between these steps).
+BATCH_LADDER = (128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+def resolve_rows(rows: list[Row], selected: str | None) -> list[Row]:
+    """The rows to run: all, or those whose 1-based index or name substring is listed (comma-separated)."""
+    if not selected:
+        return rows
+    keep = []
+    for i, row in enumerate(rows, 1):
+        for token in selected.split(","):
+            token = token.strip()
+            # A number is an index only: "3" must not pick every row whose name says "fp32".
+            if token and (token == str(i) if token.isdigit() else token.lower() in row.name.lower()):
+                keep.append(row)
+                break
+    if not keep:
+        raise BenchError(f"--rows {selected!r} matches no row; see --list")
+    return keep

@@ -1,0 +1,281 @@
+"""The parent side of a benchmark table: each row in a fresh process (benchmarks.jobs), the JSON rewritten after each.
+
+    add_options(parser)                                      # the options bench and sweeps share
+    rc, path = run_table(rows, "quick", args, overrides, argv)   # rows from benchmarks.rows; writes JSON, .md, .png
+
+Why a fresh process per row: every row then starts from the same state -- an empty CUDA caching allocator (so peak
+memory and "largest batch that fits" are the row's own), no compiled graphs or autotuning caches from earlier rows,
+default backend flags -- and one row's OOM or crash cannot poison the next. Freeing in-process (dynamo reset, gc,
+empty_cache) leaves allocator fragmentation and global state behind and is hard to prove clean. The cost is a few
+seconds of process start per row, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import DATA_HELP, PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
+from benchmarks.rows import BATCH_LADDER, Row, row_overrides
+from ffcv_ddpm.checks import above, at_least, matches, option
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The options of a table run, for every command that runs one (bench, sweeps)."""
+    p.add_argument("--rows", help="run only these rows: 1-based indices or name substrings, comma-separated")
+    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
+    p.add_argument("--iters", type=option(int, at_least(1)),
+                   help="timed iterations per row, after the warm-up (default: 50 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=option(int, at_least(0)),
+                   help="warm-up iterations after the first step (default: 10 CUDA, 1 CPU)")
+    p.add_argument("--baseline-loader", choices=("auto", "torch-memory", "torch-files"), default="auto",
+                   help="loader of the rows before '+ FFCV loading'; auto = torch-files (PNG decode per image) if "
+                        f"DATA/{PNG_TRAIN} exists, else torch-memory (a DataLoader over arrays in RAM)")
+    p.add_argument("--max-batch", type=option(int, at_least(1)), default=4096,
+                   help="cap for the 'largest batch that fits' rows")
+    p.add_argument("--mem-fraction", type=option(float, matches("a number in (0, 1]", lambda v: 0 < v <= 1)),
+                   default=0.9, help="GPU memory share a probed batch may use")
+    p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
+    p.add_argument("--sampling", action="store_true", help="also time DDPM (1000 steps) and DDIM sampling, bf16")
+    p.add_argument("--sample-n", type=option(int, at_least(1)),
+                   help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
+    p.add_argument("--ddim-steps", type=option(int, at_least(1)), default=50, help="DDIM steps for the sampling figure")
+    p.add_argument("--num-synthetic", type=option(int, at_least(1)),
+                   help="images in a synthetic dataset built when none exists (default: 50000 on CUDA, 4096 on CPU)")
+    p.add_argument("--row-timeout", type=option(float, above(0)), default=1800,
+                   help="seconds before a row's process is stopped")
+    p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()  # does not create a CUDA context: the children own the GPU
+
+
+def baseline_loader(args: argparse.Namespace) -> tuple[str, ...]:
+    """The overrides of the rows before '+ FFCV loading', from --baseline-loader and what DATA holds."""
+    data_dir = args.data.parent if args.data.suffix == ".beton" else args.data
+    png_dir = data_dir / PNG_TRAIN
+    if args.baseline_loader == "torch-files" and not png_dir.is_dir():
+        raise BenchError(f"--baseline-loader torch-files needs the PNG folder {png_dir}; write it with "
+                         f"`python -m tools.make_dataset ... --export-png {data_dir / 'png'}`")
+    if args.baseline_loader == "torch-files" or (args.baseline_loader == "auto" and png_dir.is_dir()):
+        return ("data.loader=torch-files", f"data.png_dir={png_dir}")
+    return ("data.loader=torch-memory",)
+
+
+def fixed_batch(overrides: list[str]) -> tuple[int | None, list[str]]:
+    """data.batch_size=N among the command's overrides: every row runs at N (no probing); the rest apply as given."""
+    batch, rest = None, []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key in ("data.batch_size", "batch_size"):
+            batch = int(value)  # its range is checked by check_overrides first
+        else:
+            rest.append(item)
+    return batch, rest
+
+
+def check_overrides(rows: list[Row], overrides: list[str]) -> None:
+    """The command's KEY=VALUE overrides on every row's config: a bad one is one line before anything runs."""
+    from ffcv_ddpm.config import load_config
+
+    for row in rows:
+        try:
+            load_config(row.preset, [*row.overrides, *overrides])
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+
+
+def flops_of(row: Row, overrides: list[str]) -> dict:
+    """FLOPs per image of the row's own model config (its overrides, then the command's): FlopCounterMode's count and
+    the published table's; flops.py caches them per config."""
+    from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
+    from ffcv_ddpm.config import load_config
+
+    model = load_config(row.preset, [*row.overrides, *overrides]).model
+    return {"train": train_flops_per_image(model), "published": published_style_flops_per_image(model)}
+
+
+def spawn(kind: str, spec: dict, timeout: float) -> dict:
+    """Run one job of benchmarks.jobs in a fresh Python process; its output streams through, its result comes back
+    as JSON."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, "-m", "benchmarks.jobs", kind, str(spec_path), str(result_path)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "error": f"timed out after {timeout:.0f} s (raise --row-timeout)"}
+        if not result_path.is_file():
+            return {"status": "failed", "error": f"worker exited with code {proc.returncode} and no result"}
+        return json.loads(result_path.read_text())
+
+
+def environment(cuda: bool) -> tuple[dict, str | None]:
+    """(environment, GPU name), read in a child: asking torch here would create a CUDA context in this process,
+    holding GPU memory the rows' processes should have."""
+    env = spawn("env", {}, 120)
+    if env["status"] != "ok":
+        raise BenchError(f"could not read the environment: {env['error']}")
+    env = env["result"]
+    return env, (env["gpus"][0]["name"] if cuda and env["gpus"] else None)
+
+
+def _summary_line(raw: dict, flops: dict, device_name: str | None) -> str:
+    from benchmarks.report import row_metrics
+
+    m = row_metrics({"raw": raw}, flops, device_name, None)
+    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else m["peak_note"]
+    return (f"{raw['sdpa_backend']}; {m['ms_median']:.2f} ms/iter (p10 {m['ms_p10']:.2f}, p90 {m['ms_p90']:.2f}), "
+            f"{m['img_per_s']:,.1f} img/s, data wait {100 * m['data_wait_share']:.1f}%, "
+            f"{m['tflops']:.3g} TFLOP/s, MFU {mfu}, first step {raw['first_step_s']:.1f} s")
+
+
+def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: list[str], argv: list[str],
+              command: str = "benchmarks.bench", name: str | None = None, note: str | None = None) -> tuple[int, Path]:
+    """Runs `rows` (each in its own process, the command's `overrides` after each row's) and writes
+    <out>/<name or table>.json, .md, .png; returns (exit status: 1 if any row failed, the JSON's path). `note`: a
+    line for the report's header (what the rows start from)."""
+    from benchmarks.report import add_metrics, terminal_table, write_reports
+    from ffcv_ddpm.data import dataset_info
+
+    cuda = cuda_available()
+    iters = args.iters or (50 if cuda else 5)
+    warmup = args.warmup if args.warmup is not None else (10 if cuda else 1)
+    loader = baseline_loader(args)
+    check_overrides(rows, overrides)
+    batch_fixed, overrides = fixed_batch(overrides)
+
+    # ---- first lines: what runs, on what, with which data --------------------------------------------------------
+    env, gpu = environment(cuda)
+    where = f"CUDA ({gpu})" if cuda else "CPU only: MFU is n/a (no CUDA)"
+    print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "
+          "each row in a fresh process", flush=True)
+    if not cuda and table != "quick":
+        print(f"bench: WARNING: table '{table}' on a CPU will take a long time; --table quick is sized for CPUs")
+    beton, built = ensure_dataset(args.data, args.num_synthetic or (50_000 if cuda else 4096))
+    data_dir = beton.parent
+    try:
+        dataset = dataset_info(beton)
+    except (FileNotFoundError, ValueError) as e:
+        raise BenchError(str(e)) from None
+    print(f"bench: data {beton}: {dataset['num_images']} images, source {dataset['source']}"
+          + (" -- SYNTHETIC: speed only, not a training result" if dataset["synthetic"] else "")
+          + (f"; baseline loader reads PNGs from {data_dir / PNG_TRAIN}" if loader[0].endswith("torch-files")
+             else ""), flush=True)
+    data_overrides = (f"data.path={beton}",)
+
+    # ---- FLOPs per image of each row's own model config (meta device, no GPU; counted once per config) -------------
+    from benchmarks.peaks import card_slug
+
+    row_flops = [flops_of(row, overrides) for row in rows]
+    flops = {}  # per preset, its first row's count: the report's header and the published table's recount
+    for row, f in zip(rows, row_flops):
+        if row.preset not in flops:
+            flops[row.preset] = f
+            print(f"bench: {row.preset}: {f['train']['fwd_bwd'] / 1e9:.3f} GFLOP/img fwd+bwd (FlopCounterMode), "
+                  f"{f['published']['fwd_bwd'] / 1e9:.3f} counted the published way", flush=True)
+
+    result = {
+        "schema": 1,
+        "table": table,
+        "note": note,
+        "complete": False,  # True once every row has run (the file is rewritten after each row)
+        "command": ["python", "-m", command, *argv],
+        "environment": env,
+        "device_name": gpu,
+        "card": card_slug(gpu) if cuda else "cpu",
+        "dataset": dataset,
+        "dataset_built_now": built,
+        "settings": {"iters": iters, "warmup": warmup, "max_batch": args.max_batch,
+                     "mem_fraction": args.mem_fraction, "batch_ladder": list(BATCH_LADDER),
+                     "baseline_loader": loader[0].split("=")[1], "overrides": overrides},
+        "flops": flops,
+        "measured_peaks": None,
+        "rows": [],
+        "sampling": None,
+    }
+    out_dir = args.out or results_dir(gpu if cuda else None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{name or table}.json"
+
+    if args.measure_peak:
+        if not cuda:
+            print("bench: --measure-peak needs CUDA; skipped")
+        else:
+            got = spawn("peaks", {}, args.row_timeout)
+            result["measured_peaks"] = got.get("result")
+            print(f"bench: measured peaks (TFLOP/s): {got.get('result') or got.get('error')}", flush=True)
+
+    # ---- the rows --------------------------------------------------------------------------------------------------
+    resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
+    cap = min(args.max_batch, dataset["num_images"])
+    for i, (row, row_f) in enumerate(zip(rows, row_flops), 1):
+        row_over = [*row_overrides(row, data_overrides, data_dir), *overrides]
+        entry = {"name": row.name, "group": row.preset, "preset": row.preset, "baseline": row.baseline,
+                 "overrides": row_over, "batch_rule": row.batch, "flops": row_f, "status": None, "raw": None}
+        batch_note, probe, why = None, None, None
+        if batch_fixed:
+            batch, batch_note = batch_fixed, "fixed by data.batch_size"
+        elif isinstance(row.batch, int):
+            batch = min(row.batch, dataset["num_images"])
+        elif row.batch == "max" and cuda:
+            probe = spawn("probe", {"preset": row.preset, "overrides": row_over, "cap": cap,
+                                    "mem_fraction": args.mem_fraction}, args.row_timeout)
+            batch = (probe.get("result") or {}).get("batch_size")
+            why = probe.get("error")
+            batch_note = (f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory "
+                          f"(eager probe, cap {cap})")
+        elif row.batch == "max":
+            batch, why = None, "the largest-batch probe needs CUDA; pass data.batch_size=N"
+        else:
+            batch = resolved.get((row.preset, row.batch))
+            why = (f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass "
+                   "data.batch_size=N")
+        print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {row.name} (batch {batch})", flush=True)
+        if batch is None:
+            entry.update(status="failed", error=why)
+        else:
+            got = spawn("row", {"preset": row.preset, "overrides": row_over, "batch_size": batch,
+                                "iters": iters, "warmup": warmup}, args.row_timeout)
+            entry.update(status=got["status"], error=got.get("error"), raw=got.get("result"))
+            if entry["raw"] is not None:
+                entry["raw"]["batch_note"] = batch_note
+                entry["raw"]["batch_probe"] = (probe or {}).get("result")
+                entry["config"] = entry["raw"].pop("config")
+                resolved[(row.preset, row.name)] = batch
+        result["rows"].append(entry)
+        write_json(json_path, result)  # after every row: a crash or timeout mid-table keeps the rows measured
+        if entry["status"] == "ok":
+            print(f"bench:   {_summary_line(entry['raw'], row_f, result['device_name'])}", flush=True)
+        else:
+            print(f"bench:   FAILED: {entry['error']}", flush=True)
+
+    if args.sampling:
+        preset = "ddpm-cifar10" if cuda else "tiny"
+        n = args.sample_n or (1024 if cuda else 4)
+        print(f"\nbench: sampling throughput, {preset}, {'bf16' if cuda else 'fp32'}, {n} images", flush=True)
+        got = spawn("sampling", {"preset": preset, "n": n, "ddim_steps": args.ddim_steps}, args.row_timeout)
+        result["sampling"] = got.get("result")
+        if got["status"] != "ok":
+            print(f"bench:   sampling FAILED: {got['error']}")
+        for s in result["sampling"] or []:
+            print(f"bench:   {s['sampler']} {s['steps']} steps: {s['img_per_s']:,.1f} img/s ({s['seconds']:.1f} s)")
+
+    # ---- write ---------------------------------------------------------------------------------------------------
+    result["complete"] = True
+    add_metrics(result)
+    write_json(json_path, result)
+    md, png = write_reports(result, json_path)
+    failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
+    print(terminal_table(result))
+    print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"
+          + (f"; {len(failed)} row(s) FAILED: {', '.join(failed)}" if failed else ""))
+    return (1 if failed else 0), json_path

@@ -1,0 +1,142 @@
+"""The trainer's state and its one training step, shared by the training loop, the benchmarks and the profiler.
+
+    t = build(cfg, device)                  # model, diffusion, AdamW, GradScaler, EMA and the (compiled) step
+    loss = t.step(images_u8, labels, lr)    # one full iteration; the loss stays on the device (no host sync)
+
+ffcv_ddpm.train runs this step in its loop (run folder, checkpoints, DDP set-up); benchmarks.bench and
+benchmarks.profile time the same step, so a benchmark measures exactly what training runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ffcv_ddpm.config import RunConfig
+from ffcv_ddpm.data import prepare_batch
+from ffcv_ddpm.diffusion import GaussianDiffusion
+from ffcv_ddpm.ema import EMA
+from ffcv_ddpm.sde import VEDiffusion, make_diffusion
+from ffcv_ddpm.unet import build_model
+
+AMP_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingError(Exception):
+    """A fault the user should read as a message, not a traceback (bad input, NaN loss, out of memory)."""
+
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun process group (one plain process: rank 0 of 1)."""
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class Trainer:
+    cfg: RunConfig
+    device: torch.device
+    model: torch.nn.Module          # the uncompiled module: its state_dict has no _orig_mod. prefixes
+    diffusion: GaussianDiffusion | VEDiffusion
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: EMA | None
+    step: Callable                  # step(images_u8, labels, lr) -> loss tensor; one full iteration, no host sync
+
+
+def resolve_device(name: str, ddp: Dist = Dist()) -> torch.device:
+    """train.device (and every command's --device): auto | cpu | cuda | cuda:N; auto = cuda when there is one."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", ddp.local_rank)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"device {name!r} asked for, but this machine has no CUDA GPU; use train.device=cpu")
+    return device
+
+
+def set_precision(precision: str, device: torch.device) -> None:
+    if precision not in AMP_DTYPES:
+        raise TrainingError(f"train.precision={precision!r}: choose one of {', '.join(AMP_DTYPES)}")
+    if precision == "fp16" and device.type != "cuda":
+        raise TrainingError("train.precision=fp16 needs a CUDA GPU (GradScaler); use bf16 or fp32 on CPU")
+    # PyTorch lets cuDNN use TF32 by default; "fp32" means true fp32 here, so a baseline row is what it says.
+    tf32 = precision != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+
+
+def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig) -> Callable:
+    """One training iteration. Everything stays on the device: the caller reads the loss at log intervals."""
+    amp_dtype = AMP_DTYPES[cfg.train.precision]
+    device_type = next(model.parameters()).device.type
+    conditional = cfg.model.num_classes > 0
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(images, labels, lr: float):
+        # Eager, before the compiled model: uint8 -> [-1, 1] (+ flips) is a few elementwise kernels.
+        x = prepare_batch(images, flip=cfg.data.flip == "gpu", channels_last=cfg.train.channels_last)
+        with torch.autocast(device_type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = diffusion.loss(compiled, x, labels if conditional else None,
+                                  null_label=cfg.model.num_classes if conditional else None)
+        scaler.scale(loss).backward()
+        if cfg.train.grad_clip > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip, foreach=True)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # With the fused AdamW, GradScaler hands found_inf to the kernel instead of reading it on the host.
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(model)
+        return loss.detach()
+
+    return step
+
+
+def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
+    """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
+    set_precision(cfg.train.precision, device)
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model).to(device)
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    diffusion = make_diffusion(cfg.diffusion).to(device)
+    # Fused AdamW: one kernel for all parameters, and under GradScaler (fp16) it takes found_inf on the device;
+    # with the foreach AdamW the scaler reads found_inf on the host every step.
+    fused = cfg.train.fused_adam
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                                  weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+    net = model
+    if ddp.world_size > 1:
+        # Gradients as views into the all-reduce buckets: no copy in or out of them.
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True)
+    if cfg.train.compile and device.type == "cuda":
+        import torch._inductor.config as inductor_config
+
+        # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
+        inductor_config.force_layout_optimization = cfg.train.force_layout_opt
+        # The DDP wrapper is compiled, so dynamo splits the graph at bucket boundaries (all-reduce overlaps
+        # backward). dynamic=False: batches have one size (drop_last); a dynamic recompile once failed (NOTES.md).
+        net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
+                            dynamic=False)
+    # Each rank draws its own noise and timesteps (the weights above were seeded alike).
+    torch.manual_seed(cfg.train.seed + ddp.rank)
+    step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg)
+    return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)

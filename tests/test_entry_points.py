@@ -1,0 +1,80 @@
+"""One grammar for every command: `python -m X --help` starts with an example of X, and every command that runs a
+config takes KEY=VALUE overrides (the batch spelled data.batch_size) and refuses a bad one in one line, before it
+reads or writes anything."""
+
+import importlib
+import runpy
+import sys
+
+import pytest
+
+# Every `python -m` entry point, and whether it takes KEY=VALUE config overrides.
+ENTRY_POINTS = {
+    "ffcv_ddpm.train": True, "benchmarks.bench": True, "benchmarks.sweeps": True, "benchmarks.profile": True,
+    "benchmarks.ddp": True, "benchmarks.numerics": True, "benchmarks.loaders": True, "benchmarks.quality": True,
+    "benchmarks.sde_quality": True, "benchmarks.fid": True, "benchmarks.norm_bench": True, "benchmarks.flops": True,
+    "benchmarks.report": False, "benchmarks.quality_report": False, "benchmarks.sde_quality_report": False,
+    "ffcv_ddpm.telemetry": False, "ffcv_ddpm.env": False, "tools.make_dataset": False,
+}
+
+
+def test_every_entry_point_is_listed():
+    """A new `if __name__ == "__main__"` module joins ENTRY_POINTS (benchmarks.jobs is the runner's child only)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = {f"{p.parent.name}.{p.stem}" for d in ("ffcv_ddpm", "benchmarks", "tools") for p in (root / d).glob("*.py")
+             if '__name__ == "__main__"' in p.read_text()}
+    assert found - {"benchmarks.jobs"} == set(ENTRY_POINTS)
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy, for an imported module
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help_shows_an_example(name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    examples = [line for line in out.splitlines() if line.startswith("    ") and f"-m {name}" in line]
+    assert examples, out  # an indented command line, as the module docstring shows it
+    if ENTRY_POINTS[name]:
+        assert "KEY=VALUE" in out and "data.batch_size" in out
+    else:
+        assert "no KEY=VALUE overrides" in out.replace("\n", " ")
+
+
+# What each config-running command needs besides the override to get as far as reading its config.
+NEEDS = {"benchmarks.fid": ["--run", "RUN"], "benchmarks.norm_bench": ["--out", "OUT"],
+         "benchmarks.sde_quality": ["--out", "OUT"], "benchmarks.flops": ["--preset", "tiny"],
+         "benchmarks.ddp": ["--device", "cpu"], "benchmarks.quality": ["--out", "OUT", "--work", "WORK"]}
+
+
+@pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])
+def test_a_bad_override_is_one_line_before_anything_happens(name, tmp_path, capsys):
+    module = importlib.import_module(name)
+    argv = [a.replace("RUN", str(tmp_path / "run")).replace("OUT", str(tmp_path / "out"))
+            .replace("WORK", str(tmp_path / "work")) for a in NEEDS.get(name, [])]
+    if name not in ("benchmarks.flops", "benchmarks.norm_bench"):  # no data to read: their --help says so
+        argv += ["--data", str(tmp_path)]
+    try:
+        rc = module.main([*argv, "data.batch_size=0"])
+    except SystemExit as e:
+        rc = e.code
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert "data.batch_size=0: expected an integer >= 1" in err[0], err[0]
+    assert list(tmp_path.iterdir()) == []  # no dataset built, no run folder, no result
+
+
+def test_good_overrides_reach_the_config(capsys):
+    from benchmarks import bench, flops, sweeps
+
+    assert bench.main(["--list", "--table", "quick", "--rows", "1", "data.num_workers=1"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("data.num_workers=2 data.num_workers=1")  # the row's, then ours
+    assert sweeps.main(["--list", "--sweep", "batch", "--preset", "tiny", "--rows", "1", "train.lr=0.001"]) == 0
+    assert "train.lr=0.001" in capsys.readouterr().out
+    assert flops.main(["--preset", "tiny", "model.base_channels=16"]) == 0
+    small = capsys.readouterr().out
+    assert flops.main(["--preset", "tiny"]) == 0
+    assert small.split()[2] != capsys.readouterr().out.split()[2]  # the parameter count follows the override
