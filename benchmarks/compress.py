@@ -22,16 +22,16 @@ recorded as skipped, with the estimate; a row that fails is recorded with its er
 
 Per row: parameters, non-zero parameters, weight sparsity (of the compressed layers), forward GFLOP per image,
 checkpoint MB (what torch.save writes for the state_dict; unstructured rows also as CSR), sampling latency: one
-DDIM --ddim-steps call at --batch images timed with CUDA events, the median of --reps - 1 calls after a first
+DDIM --ddim-steps call at --sample-batch images timed with CUDA events, the median of --reps - 1 calls after a first
 (warm-up) call, and images/s from it; the training step time (ms, median) where it trains; FD-digits to the test
-set and conditional accuracy of all --reps x --batch samples (the guidance weight --guidance).
+set and conditional accuracy of all --reps x --sample-batch samples (the guidance weight --guidance).
 
 What the numbers mean: a zero in a dense tensor is still multiplied, so unstructured sparsity leaves latency
 where it was (the rows show it) and the checkpoint size too unless stored sparse; structured pruning and grouped
 convolutions cut FLOPs, which becomes latency only where kernels are not bound by launches or memory; int8 here
 saves storage but cannot save GPU time: PyTorch has no int8 convolution for CUDA, so each layer dequantizes its
 weights and runs the float convolution (the rows show what that costs). Everything is eager PyTorch (no torch.compile: a compilation per variant would cost more than the study),
-channels_last, cuDNN benchmark mode; training steps are the trainer's (ffcv_ddpm.train.make_step).
+channels_last, cuDNN benchmark mode; training steps are the trainer's (ffcv_ddpm.step.make_step).
 
 Time on one H100/H200, estimated from FLOP counts and eager overheads, not yet measured: about 6.5 minutes, within
 the default --budget-s 420 for starting rows (the GPU machine's 10-minute call leaves room for the last row): start-up
@@ -61,40 +61,44 @@ from torch import nn
 
 from benchmarks.compress_report import write_report
 from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, matches, one_of, option
+from ffcv_ddpm.timing import timed_call
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 10  # training steps left out of a step-time median (cuDNN's algorithm search, the allocator)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from benchmarks.quality import TRAIN_DEFAULTS
+    from ffcv_ddpm.config import load_config
     from ffcv_ddpm.unet import PRESETS
 
-    count, positive = option(int, at_least(1)), option(float, above(0))
-    p = Parser(prog="python -m benchmarks.compress", description=__doc__.split("\n\n")[0])
+    count = option(int, at_least(1))
+    p = Parser(prog="python -m benchmarks.compress", doc=__doc__, overrides=True,
+               epilog="Without RUN_DIR the overrides go to the dense model's training after the digits quality "
+                      f"run's settings ({' '.join(TRAIN_DEFAULTS)}); with RUN_DIR they change the run's config for "
+                      "the study (e.g. train.device=cpu).")
+    p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
+                   help="a run folder to study (default: train the digits model here)")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (without RUN_DIR)")
     p.add_argument("--out", type=Path, help="report folder (default benchmarks/results/<card>/compress)")
     p.add_argument("--work", type=Path, default=Path("runs"), help="where trained runs and the judge go")
     p.add_argument("--judge", type=Path, help="a saved digits judge (default: the run's, or trained here)")
     p.add_argument("--preset", default="digits", type=option(str, one_of(lambda: tuple(PRESETS))),
                    help="model preset trained without RUN_DIR")
-    p.add_argument("--steps", type=count, default=1500, help="dense training steps (without RUN_DIR)")
-    p.add_argument("--train-batch", type=count, default=256, help="training batch (without RUN_DIR)")
-    p.add_argument("--lr", type=positive, default=5e-4, help="peak learning rate (without RUN_DIR)")
-    p.add_argument("--ema", type=option(float, in_range(0, 1, high_open=True)), default=0.998,
-                   help="EMA decay (without RUN_DIR)")
+    p.add_argument("--steps", type=count, default=1500, help="dense training steps, train.steps (without RUN_DIR)")
     p.add_argument("--judge-steps", type=count, default=2000, help="judge training steps (when trained here)")
     p.add_argument("--scratch-steps", type=count, help="steps of the grouped/separable models (default: the dense run's)")
     p.add_argument("--ratios", type=_ratios, default=[0.3, 0.5, 0.7, 0.9],
                    help="pruning ratios (the share removed), comma-separated (default 0.3,0.5,0.7,0.9)")
     p.add_argument("--ft-steps", type=option(int, at_least(0)), default=100,
                    help="fine-tuning steps after pruning (0: no fine-tuned rows)")
-    p.add_argument("--ft-lr", type=positive, default=1e-4, help="fine-tuning learning rate (constant)")
+    p.add_argument("--ft-lr", type=option(float, above(0)), default=1e-4, help="fine-tuning learning rate (constant)")
     p.add_argument("--ft-ema", type=option(float, in_range(0, 1, high_open=True)), default=0.99,
                    help="EMA decay over the fine-tuning steps")
     p.add_argument("--time-steps", type=count, default=30,
                    help="steps that time the training step of the dense and from-scratch models")
     p.add_argument("--ddim-steps", type=count, default=50, help="DDIM steps of every sampling call")
-    p.add_argument("--batch", type=count, default=256, help="images per sampling call")
+    p.add_argument("--sample-batch", type=count, default=256, help="images per sampling call")
     p.add_argument("--reps", type=count, default=3, help="sampling calls per row (the first is not timed)")
     p.add_argument("--guidance", type=option(float, at_least(0)), default=0.0,
                    help="guidance weight w (0: one forward per step)")
@@ -104,16 +108,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=option(float, at_least(0)), default=420,
                    help="no row starts that would end after this (s)")
     p.add_argument("--seed", type=option(int, at_least(0)), default=0)
-    p.add_argument("positional", nargs="*", metavar="[RUN_DIR] [key=value ...]",
-                   help="a run folder to study (default: train the digits model), then trainer overrides, "
-                        "e.g. train.device=cpu diffusion.timesteps=20")
-    args = p.parse_intermixed_args(argv)  # RUN_DIR first, key=value overrides last, options anywhere
-    folders = [a for a in args.positional if "=" not in a]
-    if len(folders) > 1:
-        p.error(f"one RUN_DIR at most, got {folders}")
-    args.run_dir = Path(folders[0]) if folders else None
-    args.overrides = [a for a in args.positional if "=" in a]
-    del args.positional
+    args, args.overrides = p.parse_with_overrides(argv)
+    if args.run_dir is not None and "=" in str(args.run_dir):  # an override where RUN_DIR would be
+        args.overrides.insert(0, str(args.run_dir))
+        args.run_dir = None
+    try:  # a bad override is one line before anything is read, trained or written
+        load_config(args.preset, [*TRAIN_DEFAULTS, "train.sample_every=0", f"train.sample_steps={args.ddim_steps}",
+                                  *args.overrides])
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -130,27 +133,13 @@ def _ratios(text: str) -> list[float]:
 # ---------------------------------------------------------------------------------------------------- measuring
 
 
-def timed(fn: Callable, device: torch.device):
-    """(fn(), milliseconds): CUDA events around the call on a GPU (one sync after it), perf_counter on the CPU."""
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        out = fn()
-        return out, (time.perf_counter() - t0) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = fn()
-    end.record()
-    end.synchronize()
-    return out, start.elapsed_time(end)
-
-
 def fine_tune(model: nn.Module, cfg, diffusion, data, steps: int, lr: float, ema_decay: float, seed: int):
     """Trains `model` in place for `steps` steps on random batches of `data` ((uint8 images, labels) on the device)
     at a constant learning rate with the trainer's step (autocast, clipping, fused AdamW, EMA); pruning masks stay.
     Returns the EMA model (eval mode) and each step's milliseconds (CUDA events, one sync at the end)."""
     from ffcv_ddpm.ema import EMA
-    from ffcv_ddpm.timing import StepTimer
-    from ffcv_ddpm.train import make_step
+    from ffcv_ddpm.step import make_step
+    from ffcv_ddpm.timing import timed_steps
 
     images, labels = data
     device = images.device
@@ -162,17 +151,14 @@ def fine_tune(model: nn.Module, cfg, diffusion, data, steps: int, lr: float, ema
     ema = EMA(model, decay=ema_decay)
     step = make_step(model, model, diffusion, optimizer, scaler, ema, cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
-    timer = StepTimer(device)
-    for _ in range(steps):
-        timer.start()
+
+    def fetch():
         idx = torch.randint(0, len(labels), (cfg.data.batch_size,), generator=gen, device=device)
-        batch = images[idx], labels[idx]
-        timer.data_ready()
-        step(*batch, lr)
-    timer.stop()
-    iter_ms, _ = timer.read()
+        return images[idx], labels[idx]
+
+    timed = timed_steps(lambda batch, _i: step(*batch, lr), fetch, steps, device)
     model.eval()
-    return ema.module.eval(), iter_ms
+    return ema.module.eval(), timed.iter_ms
 
 
 def step_ms(iter_ms: list[float]) -> float | None:
@@ -217,19 +203,19 @@ class Study:
 
 
 def sample_calls(study: Study, model: nn.Module, precision: str, shape) -> tuple:
-    """--reps DDIM calls of --batch images (seeds seed, seed+1, ...): (uint8 samples, labels, ms per call)."""
+    """--reps DDIM calls of --sample-batch images (seeds seed, seed+1, ...): (uint8 samples, labels, ms per call)."""
     from ffcv_ddpm.evaluate import class_labels, generate
-    from ffcv_ddpm.train import set_precision
+    from ffcv_ddpm.step import set_precision
 
     a = study.args
     set_precision("fp32" if precision == "fp32" else "bf16", study.device)  # TF32 off only for the fp32 row
     amp = {"baseline": study.amp_dtype, "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    labels = class_labels(a.batch, shape.num_classes, study.device)
+    labels = class_labels(a.sample_batch, shape.num_classes, study.device)
     samples, ms = [], []
     try:
         for i in range(a.reps):
-            out, t = timed(lambda: generate(model, study.diffusion, a.batch, labels=labels, steps=a.ddim_steps,
-                                            guidance=a.guidance if labels is not None else 0.0, batch=a.batch,
+            out, t = timed_call(lambda: generate(model, study.diffusion, a.sample_batch, labels=labels, steps=a.ddim_steps,
+                                            guidance=a.guidance if labels is not None else 0.0, batch=a.sample_batch,
                                             seed=a.seed + i, amp_dtype=amp,
                                             shape=(shape.in_channels, shape.image_size, shape.image_size),
                                             memory_format=torch.channels_last), study.device)
@@ -257,7 +243,7 @@ def measure(study: Study, v: Variant, model: nn.Module) -> dict:
     samples, labels, ms = sample_calls(study, model, v.precision, v.shape)
     study.sample_s.setdefault(v.model, []).extend(t / 1e3 for t in ms)
     latency = statistics.median(ms[1:]) if len(ms) > 1 else ms[0]
-    row.update(latency_ms=latency, latency_ms_calls=ms, img_per_s=study.args.batch / (latency / 1e3))
+    row.update(latency_ms=latency, latency_ms_calls=ms, img_per_s=study.args.sample_batch / (latency / 1e3))
     if v.quality and study.judge is not None:
         scores = quality.evaluate_samples(study.judge, samples, labels, study.test_x)
         row.update(fd_digits=scores["fd_digits"], cond_acc=scores["cond_acc"], n_samples=scores["n"])
@@ -368,7 +354,8 @@ def dense_run(args) -> tuple:
     from benchmarks.quality import ensure_digits, train_config
     from ffcv_ddpm.config import apply_override
     from ffcv_ddpm.evaluate import load_run
-    from ffcv_ddpm.train import resolve_device, train
+    from ffcv_ddpm.step import resolve_device
+    from ffcv_ddpm.train import train
 
     if args.run_dir is not None:
         cfg, model, diffusion, step = load_run(args.run_dir, "cpu")
@@ -380,9 +367,8 @@ def dense_run(args) -> tuple:
     built = ensure_digits(args.data)
     # The digits quality run's settings, eager, evaluating nothing while it trains (the judge is the study's).
     eager = ["train.eval_every=0", "train.compile=False", "train.cudnn_benchmark=True", "train.desc=compress-dense"]
-    ns = SimpleNamespace(preset=args.preset, batch=args.train_batch, seed=args.seed, steps=args.steps, lr=args.lr,
-                         ema=args.ema, n_per_class=1, ddim_steps=[args.ddim_steps], work=args.work,
-                         overrides=[*eager, *args.overrides])
+    ns = SimpleNamespace(preset=args.preset, seed=args.seed, steps=args.steps, n_per_class=1,
+                         ddim_steps=[args.ddim_steps], work=args.work, overrides=[*eager, *args.overrides])
     args.work.mkdir(parents=True, exist_ok=True)
     cfg = train_config(ns, args.data / "digits_train_raw.beton", args.data / "digits_test_raw.beton", "")
     t0 = time.perf_counter()
@@ -423,7 +409,7 @@ def run(args, argv: list[str], t_start: float) -> dict:
     from benchmarks.peaks import card_slug
     from ffcv_ddpm import compress, quality
     from ffcv_ddpm.env import environment
-    from ffcv_ddpm.train import AMP_DTYPES
+    from ffcv_ddpm.step import AMP_DTYPES
 
     cfg, dense, diffusion, dense_info = dense_run(args)
     device = next(dense.parameters()).device
@@ -451,7 +437,7 @@ def run(args, argv: list[str], t_start: float) -> dict:
     study.judge, study.test_x, result["judge"] = load_or_train_judge(args, cfg, device)
     study.data = train_x, train_y = quality.beton_tensors(cfg.data.path, device)
     if study.judge is not None:
-        n = args.reps * args.batch
+        n = args.reps * args.sample_batch
         subset = torch.from_numpy(quality.class_balanced_subset(train_y, min(n, len(train_y)), args.seed))
         result["floor"] = {"n": len(subset), "fd_digits": quality.evaluate_samples(
             study.judge, train_x[subset.to(device)], None, study.test_x)["fd_digits"]}
@@ -511,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.train import TrainingError
+    from ffcv_ddpm.step import TrainingError
 
     try:
         run(args, argv, t_start)

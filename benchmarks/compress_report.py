@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ffcv_ddpm.checks import Parser, fail
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 from tools.atomic import Staged, write_json
 
 FAMILIES = ("reference", "int8", "unstructured", "structured", "architecture")
@@ -82,7 +82,7 @@ def render_markdown(result: dict) -> str:
              f"command: `{result['command']}`",
              f"- dense model: `{dense['run_dir']}` at step {dense['step']}"
              f"{' (trained by this run, eager)' if dense.get('trained_here') else ''}; EMA weights",
-             f"- every row: DDIM {s['ddim_steps']} steps, batch {s['batch']}, guidance w={s['guidance']:g}, "
+             f"- every row: DDIM {s['ddim_steps']} steps, batch {s['sample_batch']}, guidance w={s['guidance']:g}, "
              f"{s['reps']} calls (latency: median of the calls after the first), eager, channels_last; "
              f"fine-tuning: {s['ft_steps']} steps, lr {s['ft_lr']:g}, EMA {s['ft_ema']}",
              f"- elapsed {result.get('elapsed_s', 0):.0f} s of a {result['budget_s']:.0f} s budget for starting rows"]
@@ -199,8 +199,7 @@ def write_report(result: dict, out: Path, draw: bool = True) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.compress_report",
-               description="Re-render a compress.json as compress.md + the plots beside it.")
+    p = Parser(prog="python -m benchmarks.compress_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
     p.add_argument("json", type=Path)
     args = p.parse_args(argv)
     try:

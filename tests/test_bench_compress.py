@@ -11,8 +11,8 @@ from benchmarks import compress
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TOY = ["--preset", "tiny", "--steps", "2", "--train-batch", "8", "--judge-steps", "2", "--ratios", "0.5",
-       "--ft-steps", "2", "--time-steps", "2", "--ddim-steps", "1", "--batch", "8", "--reps", "2",
+TOY = ["--preset", "tiny", "--steps", "2", "data.batch_size=8", "--judge-steps", "2", "--ratios", "0.5",
+       "--ft-steps", "2", "--time-steps", "2", "--ddim-steps", "1", "--sample-batch", "8", "--reps", "2",
        "model.num_classes=10", "diffusion.timesteps=4", "train.device=cpu", "train.precision=fp32",
        "train.telemetry=False"]
 
@@ -95,7 +95,7 @@ def test_bad_run_dir_is_one_error_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [(["--ratios", "0.5,1"], "--ratios: invalid value '0.5,1'"),
                                            (["--speed-preset", "big"], "--speed-preset: invalid value 'big'"),
-                                           (["a", "b"], "one RUN_DIR at most")])
+                                           (["a", "b"], "unrecognized arguments: b")])
 def test_bad_options_are_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as e:
         compress.main(args)

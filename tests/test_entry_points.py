@@ -13,6 +13,7 @@ ENTRY_POINTS = {
     "ffcv_ddpm.train": True, "benchmarks.bench": True, "benchmarks.sweeps": True, "benchmarks.profile": True,
     "benchmarks.ddp": True, "benchmarks.numerics": True, "benchmarks.loaders": True, "benchmarks.quality": True,
     "benchmarks.sde_quality": True, "benchmarks.fid": True, "benchmarks.norm_bench": True, "benchmarks.flops": True,
+    "benchmarks.compress": True, "benchmarks.compress_report": False,
     "benchmarks.report": False, "benchmarks.quality_report": False, "benchmarks.sde_quality_report": False,
     "ffcv_ddpm.telemetry": False, "ffcv_ddpm.env": False, "tools.make_dataset": False,
 }
@@ -47,7 +48,8 @@ def test_help_shows_an_example(name, monkeypatch, capsys):
 # What each config-running command needs besides the override to get as far as reading its config.
 NEEDS = {"benchmarks.fid": ["--run", "RUN"], "benchmarks.norm_bench": ["--out", "OUT"],
          "benchmarks.sde_quality": ["--out", "OUT"], "benchmarks.flops": ["--preset", "tiny"],
-         "benchmarks.ddp": ["--device", "cpu"], "benchmarks.quality": ["--out", "OUT", "--work", "WORK"]}
+         "benchmarks.ddp": ["--device", "cpu"], "benchmarks.quality": ["--out", "OUT", "--work", "WORK"],
+         "benchmarks.compress": ["--out", "OUT", "--work", "WORK"]}
 
 
 @pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])
