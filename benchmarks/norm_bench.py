@@ -32,14 +32,12 @@ FUSED_PLANS = ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), (2048, 32768
 
 def time_ms(fn, iters: int, warmup: int) -> float:
     """Median ms of `iters` calls after `warmup` (timing.timed_steps: CUDA events, one sync)."""
-    from ffcv_ddpm.timing import timed_steps
-
-    for _ in range(warmup):
-        fn()
+    from ffcv_ddpm.timing import timed_steps, untimed_steps
 
     def call(_batch, _i):
         fn()  # returns None: nothing for timed_steps to sum
 
+    untimed_steps(call, lambda: None, warmup, "cuda")
     return sorted(timed_steps(call, lambda: None, iters, "cuda").iter_ms)[iters // 2]
 
 

@@ -190,13 +190,16 @@ def pct(x: float) -> str:
     return f"{100 * x:.3g}%"  # three significant digits: a noise floor can be far below 0.01%
 
 
-def noise_floor(result: dict) -> dict | None:
-    """The candidate's deviation against the control's (the same statistic): their ratio, and which is larger."""
-    if result["control_check"] is None:
-        return None
-    cand, floor = result["check"]["max_abs_smoothed"], result["control_check"]["max_abs_smoothed"]
-    return {"candidate": cand, "control": floor, "ratio": cand / floor if floor > 0 else None,
-            "exceeds": cand > floor}
+def compare(curves: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    """The candidate's and the control's checks against the reference, and the noise floor: the candidate's deviation
+    against the control's (the same statistic), their ratio, and which is larger."""
+    checks = {leg: check(curves["reference"], curves[leg], args.tol, args.skip, args.smooth)
+              for leg in ("candidate", "control") if leg in curves}
+    floor = None
+    if "control" in checks:
+        cand, ctl = checks["candidate"]["max_abs_smoothed"], checks["control"]["max_abs_smoothed"]
+        floor = {"candidate": cand, "control": ctl, "ratio": cand / ctl if ctl > 0 else None, "exceeds": cand > ctl}
+    return {"check": checks["candidate"], "control_check": checks.get("control"), "noise_floor": floor}
 
 
 def render(result: dict, out: Path) -> None:
@@ -345,9 +348,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
             run_sequential(legs)
         runs = {leg.name: read_run(tmp / leg.name) for leg in legs}
     curves = {leg: run["stats"] for leg, run in runs.items()}
-    compare = {leg: check(curves["reference"], curves[leg], args.tol, args.skip, args.smooth)
-               for leg in ("candidate", "control") if leg in curves}
-    result = {
+    return {
         "preset": args.preset, "device": name or "CPU", "batch_size": cfg.data.batch_size,
         "steps": args.steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
         "environment": environment(), "config": cfg.to_dict(), "common_overrides": args.overrides,
@@ -356,10 +357,8 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         "control": None,
         **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
                       **runs[leg.name]} for leg in legs},
-        "check": compare["candidate"], "control_check": compare.get("control"),
+        **compare(curves, args),
     }
-    result["noise_floor"] = noise_floor(result)
-    return result
 
 
 def from_runs(args: argparse.Namespace, command: str) -> dict:
@@ -388,11 +387,9 @@ def from_runs(args: argparse.Namespace, command: str) -> dict:
     if n < 2:
         raise ValueError("--from-runs: the runs share fewer than two logged intervals")
     curves = {name: r["stats"][:n] for name, r in runs.items()}
-    compare = {name: check(curves["reference"], curves[name], args.tol, args.skip, args.smooth)
-               for name in ("candidate", "control") if name in curves}
     cfg = legs[1].cfg
     env = envs["candidate"]
-    result = {
+    return {
         "preset": cfg.preset, "device": (env.get("gpus") or [{}])[0].get("name", "CPU"),
         "batch_size": cfg.data.batch_size, "steps": curves["candidate"][-1]["step"], "planned_steps": cfg.train.steps,
         "log_every": cfg.train.log_every, "seed": cfg.train.seed, "command": command,
@@ -400,10 +397,8 @@ def from_runs(args: argparse.Namespace, command: str) -> dict:
         "parallel": None, "dataset": f"{cfg.data.path} (as the runs recorded it)", "control": None,
         **{leg.name: {"precision": leg.precision, "overrides": [], "description": leg.describe(),
                       **{**runs[leg.name], "stats": curves[leg.name]}} for leg in legs},
-        "check": compare["candidate"], "control_check": compare.get("control"),
+        **compare(curves, args),
     }
-    result["noise_floor"] = noise_floor(result)
-    return result
 
 
 if __name__ == "__main__":

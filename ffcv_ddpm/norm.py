@@ -206,6 +206,8 @@ def _dropout_args(p: float) -> tuple[int, float]:
 
 def triton_forward(x, a, b, e, seed, groups, eps, silu, p):
     """The op's forward through the Triton kernels."""
+    import triton
+
     from ffcv_ddpm import gn_kernels as K
 
     pl = _plan(x, groups)
@@ -225,13 +227,15 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p):
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
                              num_warps=NUM_WARPS)
-    K._apply_kernel[(n, triton_cdiv(hw, pl["BLOCK_R"]))](
+    K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
         x, out, coef, seed, c, hw, *xs, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu,
         DROPOUT=p > 0, num_warps=NUM_WARPS)
     return out, mean, rstd
 
 
 def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p):
+    import triton
+
     from ffcv_ddpm import gn_kernels as K
 
     pl = _plan(x, groups)
@@ -251,14 +255,10 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p):
     K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
                                  BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=NUM_WARPS)
-    K._bwd_dx_kernel[(n, triton_cdiv(hw, pl["BLOCK_R"]))](
+    K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
         dout, x, dx, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1), e_.stride(0),
         e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
     return dx, da, db, de
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---------------------------------------------------------------------------------------------------- reference
