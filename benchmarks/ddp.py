@@ -2,6 +2,8 @@
 
     python -m benchmarks.ddp --data data                          # ddpm-cifar10, bf16, compile, batch 512 per GPU
     python -m benchmarks.ddp --data data --gpus 1,2 --mode global # global batch fixed instead of per-GPU batch
+    python -m benchmarks.ddp --data data --gpus 1,4 --mode per-gpu --control --allreduce \
+        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant one-graph:train.ddp_split=False  # where time goes
     python -m benchmarks.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
 
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
@@ -9,6 +11,11 @@ FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as
 wait come from the run's stats.jsonl (CUDA events on rank 0, the wait for data inside each iteration); the first
 log interval (compilation, FFCV's first epoch) is dropped. Scaling efficiency = img/s(N) / (N x img/s(1)).
 NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put in the children's environment).
+
+Where a loss comes from: --control runs N independent single-GPU trainers at once (no process group), the host's own
+ceiling for N GPUs (shared cores, memory, power); --allreduce times an all-reduce of the model's gradient size, the
+communication a step must hide behind its backward; --variant reruns the DDP points with other train.ddp_* settings
+(bucket size, bf16 all-reduce, one graph without overlap); every rank's data wait is in each point's stats.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,37 +37,145 @@ from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.train import NO_MULTICAST
+from ffcv_ddpm.unet import build_model
+
+CONTROL = "independent (no DDP)"  # the control's mode name in the results
+
+
+def trainer_args(args, overrides: list[str], beton: Path, out_dir: Path, per_rank_batch: int, workers: int) -> list:
+    """The trainer's command-line arguments of one point (after `-m ffcv_ddpm.train`)."""
+    common = [f"data.num_workers={workers}", f"train.steps={args.steps}",
+              f"train.log_every={args.log_every}", "train.ckpt_every=1000000000", "train.sample_every=0",
+              "train.progress=False", "train.telemetry=False", f"train.out_dir={out_dir}",
+              f"train.device={args.device}", *overrides, f"data.batch_size={per_rank_batch}"]
+    if args.device == "cpu":
+        common += ["train.precision=fp32", "train.compile=False"]
+    return ["--preset", args.preset, "--data", str(beton), *common]
+
+
+def read_run(out_dir: Path) -> dict:
+    """Throughput of one finished run from its stats.jsonl; the first interval (compilation, FFCV's first-epoch JIT)
+    is dropped."""
+    (run_dir,) = [p for p in out_dir.iterdir() if p.is_dir()]
+    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    steady = stats[1:] or stats
+    point = {"stats": stats, "img_per_s": float(np.median([s["img_per_s"] for s in steady])),
+             "data_wait_share": float(np.median([s["data_wait_share"] for s in steady])),
+             "peak_mem_gib": steady[-1]["peak_mem_gib"],
+             "config": json.loads((run_dir / "config.json").read_text())}
+    if "rank_data_wait_share" in steady[-1]:  # every rank's data wait: the slowest rank sets the pace
+        point["max_rank_data_wait_share"] = float(np.median([max(s["rank_data_wait_share"]) for s in steady]))
+    return point
 
 
 def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
+    """One `torchrun --nproc_per_node N -m ffcv_ddpm.train` run."""
     workers = max(1, (os.cpu_count() or 1) // nproc)
-    overrides = [f"data.num_workers={workers}", f"train.steps={args.steps}",
-                 f"train.log_every={args.log_every}", "train.ckpt_every=1000000000", "train.sample_every=0",
-                 "train.progress=False", "train.telemetry=False", f"train.out_dir={out_dir}",
-                 f"train.device={args.device}", *overrides, f"data.batch_size={per_rank_batch}"]
-    if args.device == "cpu":
-        overrides += ["train.precision=fp32", "train.compile=False"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "ffcv_ddpm.train", "--preset", args.preset, "--data", str(beton), *overrides]
+           "-m", "ffcv_ddpm.train", *trainer_args(args, overrides, beton, out_dir, per_rank_batch, workers)]
     env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     if proc.returncode != 0:
         return {"nproc": nproc, "error": (proc.stdout + proc.stderr)[-3000:]}
-    (run_dir,) = [p for p in out_dir.iterdir() if p.is_dir()]
-    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
-    steady = stats[1:] or stats  # the first interval holds compilation and FFCV's first-epoch JIT
     return {"nproc": nproc, "per_rank_batch": per_rank_batch, "global_batch": per_rank_batch * nproc,
-            "workers_per_rank": workers, "stats": stats,
-            "img_per_s": float(np.median([s["img_per_s"] for s in steady])),
-            "data_wait_share": float(np.median([s["data_wait_share"] for s in steady])),
-            "peak_mem_gib": steady[-1]["peak_mem_gib"], "config": json.loads((run_dir / "config.json").read_text())}
+            "workers_per_rank": workers, **read_run(out_dir)}
+
+
+def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
+    """The control: N single-GPU trainers at once, one per GPU, no process group. Their summed img/s is what this
+    host gives N GPUs without any communication (shared CPU cores, host memory, power); DDP's loss beyond it is
+    DDP's own."""
+    workers = max(1, (os.cpu_count() or 1) // nproc)
+    procs = []
+    for i in range(nproc):
+        run_out = out_dir / f"gpu{i}"
+        run_out.mkdir()
+        env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
+        if args.device != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = str(i)
+        cmd = [sys.executable, "-m", "ffcv_ddpm.train",
+               *trainer_args(args, overrides, beton, run_out, per_rank_batch, workers)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    if any(p.returncode != 0 for p in procs):
+        return {"nproc": nproc, "error": "\n".join(log[-1500:] for log in logs)}
+    runs = [read_run(out_dir / f"gpu{i}") for i in range(nproc)]
+    return {"nproc": nproc, "per_rank_batch": per_rank_batch, "global_batch": per_rank_batch * nproc,
+            "workers_per_rank": workers, "img_per_s": sum(r["img_per_s"] for r in runs),
+            "per_process_img_per_s": [r["img_per_s"] for r in runs],
+            "data_wait_share": max(r["data_wait_share"] for r in runs),
+            "peak_mem_gib": runs[0]["peak_mem_gib"], "config": runs[0]["config"]}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """--variant NAME:KEY=VALUE[ KEY=VALUE ...]: a DDP setting to measure beside the default."""
+    name, sep, rest = text.partition(":")
+    items = rest.split()
+    if not sep or not name.strip() or not items or not all("=" in i for i in items):
+        raise ValueError(f"expected NAME:KEY=VALUE [KEY=VALUE ...], e.g. bf16-grads:train.ddp_grad_dtype=bf16; "
+                         f"got {text!r}")
+    return name.strip(), items
+
+
+def _allreduce_worker(rank: int, nproc: int, store: str, numel: int, iters: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        buf = torch.randn(numel, device=device).to(dtype)  # random, not zeros: a link may compress nothing, but still
+        for _ in range(3):
+            dist.all_reduce(buf)
+        ms = []
+        for _ in range(iters):
+            dist.barrier()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dist.all_reduce(buf)
+                end.record()
+                end.synchronize()
+                ms.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                ms.append((time.perf_counter() - t0) * 1e3)
+        t = float(np.median(ms))
+        nbytes = numel * buf.element_size()
+        # NCCL's bus bandwidth: what each link carries in a ring all-reduce, comparable across process counts.
+        out[name] = {"bytes": nbytes, "ms_median": t, "ms_min": float(min(ms)),
+                     "bus_gb_per_s": nbytes * 2 * (nproc - 1) / nproc / (t / 1e3) / 1e9}
+    if rank == 0:
+        results.update(out)
+    dist.destroy_process_group()
+
+
+def allreduce_point(nproc: int, numel: int, iters: int = 20) -> dict:
+    """All-reduce of a buffer the size of the model's gradients across `nproc` GPUs (fp32, as DDP sends them by
+    default, and bf16): the communication each step has to hide behind the backward."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = mp.Manager().dict()
+        mp.spawn(_allreduce_worker, args=(nproc, f"{tmp}/store", numel, iters, results), nprocs=nproc)
+        return {"nproc": nproc, "numel": numel, **dict(results)}
 
 
 def add_metrics(result: dict) -> None:
     flops = result["flops_per_image"]
+    # Efficiency is against one process of the same mode; modes without one (the control, the variants) use
+    # the per-GPU point: one process has no DDP settings to vary.
+    reference = next((p["img_per_s"] for p in result["points"].get("per-GPU", [])
+                      if p["nproc"] == 1 and "error" not in p), None)
     for mode, points in result["points"].items():
         ok = [p for p in points if "error" not in p]
-        one = next((p["img_per_s"] for p in ok if p["nproc"] == 1), None)
+        one = next((p["img_per_s"] for p in ok if p["nproc"] == 1), reference)
         for p in ok:
             per_gpu = p["img_per_s"] / p["nproc"]
             p["img_per_s_per_gpu"] = per_gpu
@@ -76,17 +192,26 @@ def render(result: dict, out: Path) -> None:
              f"- data: {result['dataset']} ; {result['flops_per_image'] / 1e9:.2f} GFLOP/img fwd+bwd; peak "
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
     for mode, points in result["points"].items():
-        lines += [f"## {mode} batch", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
-                  "| scaling efficiency | data wait | peak mem GiB |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
+                  "| scaling efficiency | data wait (rank 0) | data wait (slowest rank) | peak mem GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             if "error" in p:
-                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | |")
+                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | |")
                 continue
             mfu = f"{p['mfu_per_gpu']:.1%}" if p["mfu_per_gpu"] is not None else "n/a"
             eff = f"{p['scaling_efficiency']:.1%}" if p["scaling_efficiency"] is not None else "n/a"
             mem = f"{p['peak_mem_gib']:.1f}" if p["peak_mem_gib"] is not None else "n/a"
+            slowest = f"{p['max_rank_data_wait_share']:.2%}" if "max_rank_data_wait_share" in p else "-"
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
-                         f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {p['data_wait_share']:.2%} | {mem} |")
+                         f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {p['data_wait_share']:.2%} | {slowest} "
+                         f"| {mem} |")
+        lines.append("")
+    if result.get("allreduce"):
+        lines += ["## All-reduce of the gradients (one bucket of all of them)", "",
+                  "| GPUs | dtype | MB | ms (median) | bus GB/s |", "|---|---|---|---|---|"]
+        lines += [f"| {a['nproc']} | {dt} | {a[dt]['bytes'] / 1e6:.0f} | {a[dt]['ms_median']:.2f} | "
+                  f"{a[dt]['bus_gb_per_s']:.0f} |" for a in result["allreduce"] for dt in ("fp32", "bf16")]
         lines.append("")
     out.with_suffix(".md").write_text("\n".join(lines))
 
@@ -96,7 +221,7 @@ def render(result: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, points in result["points"].items():
         ok = [p for p in points if "error" not in p]
-        ax.plot([p["nproc"] for p in ok], [p["img_per_s"] for p in ok], "o-", label=f"{mode} batch")
+        ax.plot([p["nproc"] for p in ok], [p["img_per_s"] for p in ok], "o-", label=mode)
     ns = sorted({p["nproc"] for pts in result["points"].values() for p in pts})
     one = [p["img_per_s"] for p in result["points"].get("per-GPU", []) if p.get("nproc") == 1 and "error" not in p]
     if one:
@@ -126,6 +251,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the ranks run (train.device): cuda (NCCL) | cpu (gloo) | auto (cuda if there is one)")
     p.add_argument("--timeout", type=option(float, above(0)), default=1200, help="seconds per point")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
+    p.add_argument("--control", action="store_true",
+                   help="also run N independent single-GPU trainers at once (no DDP) for each N > 1: what the host "
+                        "gives N GPUs without communication")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE]",
+                   help="also run the per-GPU points N > 1 with these overrides (repeatable), e.g. "
+                        "'bf16-grads:train.ddp_grad_dtype=bf16' or 'one-graph:train.ddp_split=False'")
+    p.add_argument("--allreduce", action="store_true",
+                   help="also time an all-reduce of the model's gradient size (fp32 and bf16) on each N > 1")
     args, overrides = p.parse_with_overrides(argv)
     import torch
 
@@ -136,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.preset, ["data.batch_size=512", *overrides])
     except ValueError as e:
         return fail("bench-ddp", str(e))
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+        for _, extra in variants:
+            load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
+    except ValueError as e:
+        return fail("bench-ddp", f"--variant: {e}")
     batch = cfg.data.batch_size
     if args.mode != "per-gpu" and batch < max(counts):
         return fail("bench-ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
@@ -157,18 +296,37 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python -m benchmarks.ddp " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
               "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
-              "points": {m: [] for m in modes}}
+              "points": {}}
     out = (args.out or results_dir(device_name)) / "ddp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    for mode in modes:
-        for n in counts:
-            per_rank = batch if mode == "per-GPU" else batch // n
+    many = [n for n in counts if n > 1]
+    # (mode, process counts, per-rank batch rule, how a point runs, overrides): the default first, so a call cut
+    # short keeps the headline points.
+    plan = [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[:1]]
+    if args.allreduce:
+        result["allreduce"] = []
+    if args.control:
+        plan.append((CONTROL, many, True, run_independent, overrides))
+    plan += [(f"per-GPU, {name}", many, True, run_point, [*overrides, *extra]) for name, extra in variants]
+    plan += [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[1:]]
+    if args.allreduce:
+        numel = sum(p.numel() for p in build_model(cfg.model).parameters() if p.requires_grad)
+        for n in many:
+            result["allreduce"].append(allreduce_point(n, numel))
+            a = result["allreduce"][-1]
+            print(f"bench-ddp: all-reduce of {numel:,} gradients on {n}: fp32 {a['fp32']['ms_median']:.2f} ms "
+                  f"({a['fp32']['bus_gb_per_s']:.0f} GB/s bus), bf16 {a['bf16']['ms_median']:.2f} ms", flush=True)
+            write_json(out, result, indent=2)
+    for mode, ns, per_gpu, runner, extra in plan:
+        result["points"].setdefault(mode, [])
+        for n in ns:
+            per_rank = batch if per_gpu else batch // n
             with tempfile.TemporaryDirectory() as tmp:
-                point = run_point(args, overrides, beton, n, per_rank, Path(tmp))
+                point = runner(args, extra, beton, n, per_rank, Path(tmp))
             result["points"][mode].append(point)
             msg = point.get("error", "").splitlines()[-1:] or [f"{point['img_per_s']:,.0f} img/s, data wait "
                                                                  f"{point['data_wait_share']:.2%}"]
-            print(f"bench-ddp: {mode} batch, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
+            print(f"bench-ddp: {mode}, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
             add_metrics(result)
             write_json(out, result, indent=2)
     render(result, out)

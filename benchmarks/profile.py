@@ -3,6 +3,7 @@
     python -m benchmarks.profile --preset ddpm-cifar10 --data data                       # bf16 + compile (defaults)
     python -m benchmarks.profile --preset ddpm-cifar10 --data data train.compile=False --out /tmp/eager
     python -m benchmarks.profile --preset tiny --data data data.batch_size=16 --iters 2   # CPU: CPU activities only
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.profile --data data --out /tmp/ddp4   # rank 0 of DDP
     python -m benchmarks.profile --from-trace benchmarks/results/h200/profile-ddpm-cifar10/trace.json.gz   # no GPU
 
 One process: build the trainer and loader (as benchmarks.bench does), run `--warmup` steps (the first compiles;
@@ -31,6 +32,7 @@ import argparse
 import gzip
 import shutil
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -208,10 +210,13 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     from ffcv_ddpm.telemetry import plot_telemetry
     from ffcv_ddpm.step import TrainingError, build, resolve_device
     from ffcv_ddpm.timing import untimed_steps
+    from ffcv_ddpm.train import init_distributed
 
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
+    # Under torchrun every rank runs the same steps (DDP's all-reduces need them all); rank 0 profiles and writes.
+    ddp = init_distributed()
     try:
-        device = resolve_device(cfg.train.device)
+        device = resolve_device(cfg.train.device, ddp)
     except TrainingError as e:
         raise BenchError(str(e)) from None
     cuda = device.type == "cuda"
@@ -223,25 +228,33 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
         raise BenchError("--iters, --telemetry-iters, --telemetry-rounds and --top must be >= 1, --warmup >= 0 "
                            f"and --interval > 0 (got {steps}, {tsteps}, {rounds}, {args.top}, {warmup}, "
                            f"{args.interval})")
+    if not ddp.main:  # rank 0 builds a missing dataset; the others read it once it is complete
+        torch.distributed.barrier()
     beton, built = ensure_dataset(args.data, args.num_synthetic or (50_000 if cuda else 1024))
+    if ddp.main and ddp.world_size > 1:
+        torch.distributed.barrier()
     dataset = dataset_info(beton)
     cfg.data.path = str(beton)
     device_name = torch.cuda.get_device_name(device) if cuda else None
     out = args.out or results_dir(device_name) / f"profile-{args.preset}"
+    if not ddp.main:
+        out = Path(tempfile.mkdtemp(prefix=f"profile-rank{ddp.rank}-"))  # its trace and telemetry are not kept
     out.mkdir(parents=True, exist_ok=True)
     where = f"CUDA ({device_name})" if cuda else "CPU only (CPU activities; no GPU telemetry)"
-    print(f"profile: {args.preset} on {where}, batch {cfg.data.batch_size}, {cfg.train.precision}, "
+    log = print if ddp.main else (lambda *a, **k: None)
+    log(f"profile: {args.preset} on {where}, batch {cfg.data.batch_size}"
+        + (f" per rank x {ddp.world_size} ranks (DDP)" if ddp.world_size > 1 else "") + f", {cfg.train.precision}, "
           f"compile={cfg.train.compile and cuda}, attention {cfg.model.attn_impl}, loader {cfg.data.loader}; "
           f"data {beton} ({dataset['num_images']} images"
           + (", SYNTHETIC)" if dataset["synthetic"] else ")"), flush=True)
 
-    loader = make_loader(cfg.data, device)
-    trainer = build(cfg, device)
+    loader = make_loader(cfg.data, device, rank=ddp.rank, world_size=ddp.world_size)
+    trainer = build(cfg, device, ddp)
     data = endless(loader)
     lr = cfg.train.lr
     # At least one: the compiling step must never be profiled.
     warmup_s = untimed_steps(lambda batch, _i: trainer.step(*batch, lr), lambda: next(data), max(1, warmup), device)
-    print(f"profile: {max(1, warmup)} warm-up steps in {warmup_s:.1f} s; profiling {steps} steps", flush=True)
+    log(f"profile: {max(1, warmup)} warm-up steps in {warmup_s:.1f} s; profiling {steps} steps", flush=True)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -254,13 +267,19 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
 
     tjsonl = out / "telemetry.jsonl"
     tjsonl.unlink(missing_ok=True)  # GpuTelemetry appends: start this run's file afresh
-    print(f"profile: telemetry run: {rounds} x (unsampled, sampled) blocks of {tsteps} steps", flush=True)
+    log(f"profile: telemetry run: {rounds} x (unsampled, sampled) blocks of {tsteps} steps", flush=True)
     tel = telemetry_run(trainer, data, lr, device, cfg.data.batch_size, tsteps, rounds, tjsonl, args.interval,
                         source_factory)
 
+    if not ddp.main:
+        shutil.rmtree(out, ignore_errors=True)
+        return {}
+
     # ---- write ---------------------------------------------------------------------------------------------------
-    env = environment()
-    title = (f"{args.preset}, batch {cfg.data.batch_size}, {cfg.train.precision}, compile={cfg.train.compile and cuda}"
+    env = {**environment(), "world_size": ddp.world_size}
+    ranks = f" per rank x {ddp.world_size} ranks (DDP, rank 0 shown)" if ddp.world_size > 1 else ""
+    title = (f"{args.preset}, batch {cfg.data.batch_size}{ranks}, {cfg.train.precision}, "
+             f"compile={cfg.train.compile and cuda}"
              f" - {device_name or 'CPU'} - torch {env['torch']} - {commit_text(env)}")
     files = {"trace": trace.name, "top_ops": "top_ops.md", "op_classes": "op_classes.md", "summary": "summary.json"}
     if tjsonl.is_file():

@@ -34,7 +34,9 @@ DATA_MARK = "data: next batch"  # our record_function around the loader, so data
 # ---------------------------------------------------------------------------------------------------- op classes
 
 CLASSES = ("convolution fwd", "convolution bwd", "attention", "matmul (gemm)", "normalization",
-           "elementwise/activation", "optimizer", "data/copies", "other")
+           "elementwise/activation", "optimizer", "data/copies", "communication", "other")
+# NCCL's kernels and the c10d ops that launch them (DDP's gradient all-reduce): they run on their own stream.
+_COMM = re.compile(r"nccl|c10d::|all_?reduce|all_?gather|reduce_?scatter", re.IGNORECASE)
 
 _ELEMENTWISE_OPS = ("add|sub|rsub|mul|div|silu|silu_backward|gelu|relu|sigmoid|tanh|exp|log|pow|sqrt|rsqrt|neg|"
                     "where|mean|sum|mse_loss|mse_loss_backward|sin|cos|fill|zero|clamp|clamp_min|abs|maximum|"
@@ -45,6 +47,7 @@ _ELEMENTWISE_NODES = "silu|mul|add|sub|rsub|div|mean|sum|mseloss|pow|exp|neg|sqr
 # Names that say what they are wherever they appear (a kernel, an aten op, an autograd node, a user annotation).
 # Order matters: cuDNN's SDPA kernels say "fprop" too, so attention comes before convolution.
 _SPECIFIC = tuple((c, re.compile(p)) for c, p in (
+    ("communication", _COMM.pattern.lower()),
     ("data/copies", r"^data:|memcpy|memset|direct_copy|copy_kernel|catarraybatchedcopy|nchwtonhwc|nhwctonchw"
                     r"|^aten::(copy_|to|_to_copy|contiguous|clone|cat|index_select|_pin_memory|pin_memory)$"),
     ("optimizer", r"^optimizer\.|multi_tensor_apply|adam|_foreach_"),
@@ -215,8 +218,15 @@ def analyse(events, top: int = 10) -> dict:
                     r["_launchers"][op_name] += us
                     gpu_by_class[cls] += us
         kernel_us = sum(gpu_by_class.values())
+        # Communication overlapped by compute costs nothing; what runs alone (busy time the compute kernels do not
+        # cover) is what DDP adds to the step.
+        comm = [k for k in kernels if _COMM.search(k.name)]
+        alone_us = busy_us - _union_us([(k.time_range.start, k.time_range.end) for k in kernels
+                                        if not _COMM.search(k.name)])
         gpu = {"span_ms_per_step": span_us / n / 1e3, "busy_ms_per_step": busy_us / n / 1e3,
-               "kernel_ms_per_step": kernel_us / n / 1e3, "idle_share": 1 - busy_us / span_us if span_us else None}
+               "kernel_ms_per_step": kernel_us / n / 1e3, "idle_share": 1 - busy_us / span_us if span_us else None,
+               "comm_ms_per_step": sum(k.time_range.elapsed_us() for k in comm) / n / 1e3,
+               "comm_exposed_ms_per_step": alone_us / n / 1e3}
 
     def per_step(us: float) -> float:
         return us / n / 1e3
@@ -397,6 +407,10 @@ def class_lines(a: dict) -> list[str]:
         g = a["gpu"]
         rows.append(["(GPU idle: no kernel running)", _ms(g["span_ms_per_step"] - g["busy_ms_per_step"]), "-",
                      f"{100 * g['idle_share']:.1f}%"])
+        if g.get("comm_ms_per_step"):
+            exposed = g["comm_exposed_ms_per_step"]
+            rows.append(["(communication with no compute beside it)", _ms(exposed), "-",
+                         f"{100 * exposed / g['span_ms_per_step']:.1f}%"])
     total = "% of GPU kernel time" if cuda else "% of CPU op time"
     lines += md_table(["class", "ms", total, "% of step"], rows)
     return lines

@@ -57,6 +57,9 @@ class TrainConfig:
     resume: str = ""                     # a run folder to continue from its newest complete checkpoint
     progress: bool = True                # tqdm progress bar
     telemetry: bool = True               # sample GPU power/util/memory/clocks via NVML into telemetry.jsonl (CUDA only)
+    ddp_bucket_mb: float = 25.0          # DDP gradient bucket size (MB): each bucket's all-reduce starts when its grads are ready
+    ddp_grad_dtype: str = "fp32"         # all-reduce precision: fp32 | bf16 (halves the bytes; averaged in bf16, DDP's bf16_compress_hook)
+    ddp_split: bool = True               # compiled DDP: split the graph at bucket boundaries so all-reduce overlaps the backward
 
 
 @dataclass
@@ -137,6 +140,8 @@ RULES = {
     "train.eval_every": at_least(0),
     "train.eval_n": at_least(1),
     "train.out_dir": _NONEMPTY,
+    "train.ddp_bucket_mb": above(0),
+    "train.ddp_grad_dtype": one_of(("fp32", "bf16")),
     "train.desc": matches("a string without '/' (it becomes part of a folder name)", lambda v: "/" not in v),
 }
 

@@ -106,6 +106,18 @@ def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig
     return step
 
 
+def wrap_ddp(model: torch.nn.Module, device: torch.device, cfg: RunConfig) -> DistributedDataParallel:
+    """DDP with the train.ddp_* settings: bucket size, and the all-reduce in bf16 (half the bytes) if asked."""
+    # Gradients as views into the all-reduce buckets: no copy in or out of them.
+    net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True, bucket_cap_mb=cfg.train.ddp_bucket_mb)
+    if cfg.train.ddp_grad_dtype == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+        net.register_comm_hook(None, bf16_compress_hook)
+    return net
+
+
 def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
@@ -124,16 +136,18 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
     net = model
     if ddp.world_size > 1:
-        # Gradients as views into the all-reduce buckets: no copy in or out of them.
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True)
+        net = wrap_ddp(model, device, cfg)
     if cfg.train.compile and device.type == "cuda":
+        import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
         # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
         inductor_config.force_layout_optimization = cfg.train.force_layout_opt
-        # The DDP wrapper is compiled, so dynamo splits the graph at bucket boundaries (all-reduce overlaps
-        # backward). dynamic=False: batches have one size (drop_last); a dynamic recompile once failed (NOTES.md).
+        # The DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket boundaries, so each bucket's
+        # all-reduce starts while the backward of the graphs before it runs; without, one graph and the all-reduce
+        # after the whole backward. dynamic=False: batches have one size (drop_last); a dynamic recompile once
+        # failed (NOTES.md).
+        dynamo_config.optimize_ddp = cfg.train.ddp_split
         net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
                             dynamic=False)
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).

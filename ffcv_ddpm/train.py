@@ -167,6 +167,9 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     device = resolve_device(cfg.train.device, ddp)
     # The data against the model, before any model is built or compiled or any folder made.
     check_dataset(cfg.data, (cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size), ddp.world_size)
+    if ddp.world_size > 1 and cfg.train.ddp_grad_dtype == "bf16" and device.type != "cuda":
+        raise TrainingError("train.ddp_grad_dtype=bf16 needs NCCL (ranks on CUDA GPUs); gloo all-reduces fp32 only: "
+                            "drop the override on CPU")
     if cfg.train.compile and device.type != "cuda" and ddp.main:
         print("train: torch.compile is used on CUDA only; running eagerly on CPU")
     cfg.train.ckpt_every = math.ceil(cfg.train.ckpt_every / cfg.train.log_every) * cfg.train.log_every
@@ -334,6 +337,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                 "wall_s": time.perf_counter() - t_start,
             }
+            if ddp.world_size > 1:
+                stats.update(per_rank_times(wait_ms, iter_ms, device))
             if evaluator is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 stats.update(evaluator(t.ema.module if t.ema is not None else t.model, t.diffusion))
             if ddp.main:
@@ -364,6 +369,16 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
         write_json(run_dir / "telemetry-summary.json", summary)
         plot_telemetry(run_dir / "telemetry.jsonl", run_dir / "telemetry.png")
     return run_dir
+
+
+def per_rank_times(wait_ms: list[float], iter_ms: list[float], device: torch.device) -> dict:
+    """Every rank's data-wait share and mean iteration time of this interval: a rank that waits for its data
+    stalls the others at the next all-reduce, so rank 0's own figures alone can hide where the time went."""
+    mine = torch.tensor([sum(wait_ms), sum(iter_ms), len(iter_ms)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    rows = [e.tolist() for e in every]
+    return {"rank_data_wait_share": [w / i for w, i, _ in rows], "rank_iter_ms_mean": [i / n for _, i, n in rows]}
 
 
 def log(ddp: Dist, msg: str) -> None:

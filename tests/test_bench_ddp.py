@@ -23,3 +23,38 @@ def test_ddp_scaling_benchmark_on_cpu(tmp_path):
         assert [s["step"] for s in p["stats"]] == [2, 4, 6]
     assert points[0]["scaling_efficiency"] == 1.0
     assert (out / "ddp.md").read_text().count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
+
+
+def test_ddp_diagnostics_on_cpu(tmp_path):
+    """The control (independent single-process trainers), a DDP variant (small buckets; gloo has no bf16 all-reduce,
+    so the bf16 hook is refused on CPU, one line) and the all-reduce timing: each recorded as its own mode, each
+    rank's data wait in the DDP points."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_beton(data / "cifar10_train_raw.beton", 128)
+    out = tmp_path / "res"
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
+                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
+                   "--allreduce", "--variant", "small-buckets:train.ddp_bucket_mb=0.01 train.ddp_split=False",
+                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
+    assert rc == 1  # the bf16 variant failed, recorded; the rest ran
+    result = json.loads((out / "ddp.json").read_text())
+    assert list(result["points"]) == ["per-GPU", ddp.CONTROL, "per-GPU, small-buckets", "per-GPU, bf16-grads"]
+    assert "train.ddp_grad_dtype=bf16 needs NCCL" in result["points"]["per-GPU, bf16-grads"][0]["error"]
+    control, variant = result["points"][ddp.CONTROL], result["points"]["per-GPU, small-buckets"]
+    assert [p["nproc"] for p in control] == [2] and len(control[0]["per_process_img_per_s"]) == 2
+    assert variant[0]["config"]["train"]["ddp_bucket_mb"] == 0.01 and variant[0]["nproc"] == 2
+    assert len(variant[0]["stats"][-1]["rank_data_wait_share"]) == 2
+    for p in (*control, *variant):
+        assert p["scaling_efficiency"] > 0  # against the one-process per-GPU point
+    (a,) = result["allreduce"]
+    assert a["nproc"] == 2 and a["numel"] > 40_000 and a["bf16"]["bytes"] * 2 == a["fp32"]["bytes"]
+    assert "## independent (no DDP)" in (out / "ddp.md").read_text()
+
+
+def test_a_bad_variant_is_one_line(tmp_path, capsys):
+    assert ddp.main(["--data", str(tmp_path), "--device", "cpu", "--variant", "nokey"]) == 2
+    assert ddp.main(["--data", str(tmp_path), "--device", "cpu", "--variant", "x:train.ddp_grad_dtype=fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "NAME:KEY=VALUE" in err[0] and "train.ddp_grad_dtype" in err[1]
+    assert list(tmp_path.iterdir()) == []

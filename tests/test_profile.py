@@ -12,7 +12,7 @@ from torch.autograd.profiler_util import Interval, Kernel
 
 from benchmarks import profile
 from benchmarks.profile import telemetry_run
-from benchmarks.profile_analysis import CLASSES, analyse, classify, top_ops_lines
+from benchmarks.profile_analysis import CLASSES, analyse, class_lines, classify, top_ops_lines
 
 # Kernel and op names as torch.profiler reports them on H100/A100 runs (cuDNN 9, FlashAttention-2, inductor).
 NAMES = {
@@ -102,6 +102,10 @@ NAMES = {
         "ampere_sgemm_128x64_nn", "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1",
         "aten::addmm", "aten::bmm", "triton_tem_fused_mm_1",
         "autograd::engine::evaluate_function: AddmmBackward0",
+    ],
+    "communication": [
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "ncclKernel_AllReduce_RING_LL_Sum_bfloat16(ncclWork*)", "c10d::allreduce_", "nccl:all_reduce",
     ],
     "other": ["cudaLaunchKernel", "aten::empty_strided", "aten::view", "ProfilerStep*"],
 }
@@ -426,3 +430,43 @@ def test_sweeps_command_runs_a_row_through_bench(small_dataset, tmp_path, capsys
     assert row["config"]["data"]["loader"] == "ffcv"  # the trainer's default loader: the sweep starts there...
     assert "starts from the trainer's defaults" in (out / "sweep-batch-tiny.md").read_text()  # ...and says so
     assert (out / "sweep-batch-tiny-curve.png").stat().st_size > 10_000
+
+
+def test_communication_overlapped_by_compute_is_not_exposed():
+    """DDP's all-reduce runs on NCCL's stream beside the backward: only the part with no compute kernel beside it
+    adds to the step (here 0.1 ms of its 0.3 ms in each 1 ms step)."""
+    cuda = DeviceType.CUDA
+    events = []
+    for s in range(2):
+        t = 1000.0 * s
+        events += [_ev("ProfilerStep*", t, t + 1000),
+                   _ev("sm90_xmma_dgrad_implicit_gemm_bf16", t, t + 600, cuda),
+                   _ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", t + 400, t + 700, cuda),
+                   _ev("multi_tensor_apply_kernel<FusedAdamMathFunctor>", t + 700, t + 900, cuda)]
+    a = analyse(events)
+    g = a["gpu"]
+    assert g["comm_ms_per_step"] == pytest.approx(0.3) and g["comm_exposed_ms_per_step"] == pytest.approx(0.1)
+    assert {c["class"]: c["ms_per_step"] for c in a["classes"]}["communication"] == pytest.approx(0.3)
+    assert any("communication with no compute beside it" in line for line in class_lines(a))
+
+
+def test_profile_under_torchrun_profiles_rank_0_of_ddp(small_dataset, tmp_path):
+    """Two gloo ranks step together (DDP's all-reduce needs both); rank 0 alone writes the profile."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from ffcv_ddpm.train import NO_MULTICAST
+
+    env = {k: v for k, v in os.environ.items() if k not in NO_MULTICAST}
+    out = tmp_path / "prof"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "benchmarks.profile", "--preset", "tiny", "--data", str(small_dataset), "data.batch_size=8",
+           "data.num_workers=1", "train.device=cpu", "--iters", "2", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["environment"]["world_size"] == 2 and summary["profile"]["steps"] == 2
+    assert "per rank x 2 ranks (DDP, rank 0 shown)" in (out / "profile.md").read_text()
+    assert proc.stdout.count("profile: wrote") == 1
