@@ -265,6 +265,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     _export_trace(prof, trace)
     del prof
 
+    if ddp.world_size > 1:  # rank 0 spent seconds on the analysis: start the timed blocks together
+        torch.distributed.barrier()
     tjsonl = out / "telemetry.jsonl"
     tjsonl.unlink(missing_ok=True)  # GpuTelemetry appends: start this run's file afresh
     log(f"profile: telemetry run: {rounds} x (unsampled, sampled) blocks of {tsteps} steps", flush=True)

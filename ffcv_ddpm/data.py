@@ -238,11 +238,31 @@ class BatchLoader:
         raise NotImplementedError
 
 
-def endless(loader: BatchLoader):
-    """Batches across epoch boundaries (each iter() runs the loader's next epoch); the restart cost stays inside
-    whatever is timed, as in training."""
-    while True:
-        yield from loader
+def endless(loader: BatchLoader, epoch: int | None = None, skip: int = 0):
+    """Batches across epoch boundaries, from `epoch` (default: the loader's next one) on, the first `skip` batches of
+    that epoch left out (a resumed run). What an epoch's start costs stays inside whatever is timed, as in training.
+
+    The next epoch is started while the last batch of the current one is still to be handed out: its start-up
+    (FFCV: a stream drain and the first decode of its prefetch thread) then overlaps the GPU's work on that batch
+    instead of leaving the GPU idle between epochs (benchmarks/NOTES.md). The order is the plain epoch-by-epoch one.
+    """
+    if epoch is not None:
+        loader.set_epoch(epoch)
+    it = iter(loader)
+    try:
+        for _ in range(skip):
+            next(it)
+        held = next(it)
+        while True:
+            for batch in it:
+                yield held
+                held = batch
+            it = iter(loader)  # the next epoch starts here, with `held` (this epoch's last batch) not yet used
+            yield held
+            held = next(it)
+    finally:
+        if hasattr(it, "close"):  # a generator: its own finally stops the loader's threads
+            it.close()
 
 
 def epoch_order(num_images: int, cfg: DataConfig, epoch: int, rank: int, world_size: int) -> np.ndarray:
@@ -293,6 +313,7 @@ class _FFCVBatches(BatchLoader):
         return len(self._loader)
 
     def _epoch_batches(self, epoch):
+        """Starts the epoch now (not at the first next()), so that endless() can start it early."""
         # FFCV orders epoch e by (seed + e) (RANDOM, distributed sampler) or (seed * 912300 + e) (QUASI_RANDOM) and
         # then advances its own counter; setting the counter is how an epoch is chosen.
         self._loader.next_epoch = epoch
@@ -302,14 +323,17 @@ class _FFCVBatches(BatchLoader):
             torch.cuda.current_stream(self.device).synchronize()
         if self._pristine_pages is not None:
             self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages
-        batches = iter(self._loader)
-        try:
-            yield from batches
-        finally:
-            batches.close()  # stops FFCV's prefetch thread when the consumer leaves early...
-            # ...and wait for it: a process exiting while that thread is inside numba's parallel code can abort
-            # ("terminate called without an active exception", seen once in a 2-rank CPU run on CI).
-            batches.join(timeout=10)
+        return _closing(iter(self._loader))
+
+
+def _closing(batches):
+    try:
+        yield from batches
+    finally:
+        batches.close()  # stops FFCV's prefetch thread when the consumer leaves early...
+        # ...and wait for it: a process exiting while that thread is inside numba's parallel code can abort
+        # ("terminate called without an active exception", seen once in a 2-rank CPU run on CI).
+        batches.join(timeout=10)
 
 
 def _ffcv_threads(requested: int) -> int:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
-from ffcv_ddpm.data import check_dataset, dataset_info, make_loader, train_beton
+from ffcv_ddpm.data import check_dataset, dataset_info, endless, make_loader, train_beton
 from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import Evaluator
@@ -263,23 +263,12 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                  "rng": rng_state(device), "config": cfg.to_dict(), "world_size": ddp.world_size}
         save_checkpoint(state, run_dir, step, cfg.train.keep_ckpts)
 
-    def batches(step: int):
-        """Endless batches, starting where `step` left off: the loader replays each epoch's order from its seed."""
-        epoch, skip = divmod(step, steps_per_epoch)
-        while True:
-            loader.set_epoch(epoch)
-            it = iter(loader)
-            for _ in range(skip):
-                next(it)
-            skip = 0
-            yield from it
-            epoch += 1
 
     # ---- loop -----------------------------------------------------------------------------------------------
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    data = batches(start_step)
+    data = endless(loader, *divmod(start_step, steps_per_epoch))  # each epoch's order replays from its seed
     progress = None
     if cfg.train.progress and ddp.main:
         from tqdm import tqdm

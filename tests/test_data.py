@@ -12,8 +12,8 @@ from ffcv.writer import DatasetWriter
 from PIL import Image
 
 from conftest import IndexedArrays
-from ffcv_ddpm.data import (CIFAR10_CLASSES, DataConfig, check_beton, dataset_info, epoch_order, make_loader,
-                            prepare_batch)
+from ffcv_ddpm.data import (CIFAR10_CLASSES, BatchLoader, DataConfig, check_beton, dataset_info, endless,
+                            epoch_order, make_loader, prepare_batch)
 
 # numba's dispatcher finalizer raises KeyError when a discarded FFCV Loader's pipeline is garbage-collected
 # (libffcv/ffcv#167); harmless, and only noise here where many loaders are built and dropped.
@@ -234,3 +234,30 @@ def test_default_workers_fit_the_machine(monkeypatch):
     assert data_mod.DataConfig().num_workers == 2
     monkeypatch.setattr(data_mod, "cpu_count", lambda: 64)
     assert data_mod.DataConfig().num_workers == 8
+
+
+class _EpochLog(BatchLoader):
+    """Epochs of 3 batches (epoch, i); records when each epoch starts, the way FFCV's loader starts eagerly."""
+
+    def __init__(self, log):
+        cfg = DataConfig(path="unused", batch_size=1)
+        super().__init__(cfg, torch.device("cpu"), 0, 1, num_images=3, image_shape=(3, 1, 1))
+        self.log = log
+
+    def _epoch_batches(self, epoch):
+        self.log.append(("start", epoch))
+        return iter([(epoch, i) for i in range(3)])
+
+
+def test_endless_starts_the_next_epoch_before_handing_out_the_last_batch():
+    log = []
+    data = endless(_EpochLog(log), 2, 1)  # a run resumed at epoch 2, batch 1
+    got = []
+    for _ in range(5):
+        got.append(next(data))
+        log.append(got[-1])
+    # The plain order: epoch by epoch, the skipped batch left out...
+    assert got == [(2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]
+    # ...and each next epoch started while the last batch of the one before was still to be used.
+    assert log.index(("start", 3)) < log.index((2, 2)) and log.index(("start", 4)) < log.index((3, 2))
+    data.close()
