@@ -167,6 +167,39 @@ def allreduce_point(nproc: int, numel: int, iters: int = 20) -> dict:
         return {"nproc": nproc, "numel": numel, **dict(results)}
 
 
+LOSS_MARGIN = 1.5  # an N-GPU curve may stray from the one-GPU curve 1.5x as far as another data order does
+
+
+def many_of(counts: list[int]) -> list[int]:
+    return [n for n in counts if n > 1]
+
+
+def loss_control(args, overrides: list[str], beton: Path, batch: int, seed: int) -> dict:
+    """One process at the global batch, another data order (data.seed): how far two equally valid runs' loss
+    curves stray from each other when only the order of the data differs, as it does between 1 and N GPUs."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_point(args, [*overrides, f"data.seed={seed}"], beton, 1, batch, Path(tmp))
+
+
+def loss_check(points: list[dict], control: dict) -> dict:
+    """Each N-process curve against the one-process curve of the same global batch (numerics.check's statistic:
+    the largest moving average of loss(N) / loss(1) - 1 after the first 10% of steps), with the data-order
+    control's value of that statistic x LOSS_MARGIN as the tolerance."""
+    from benchmarks.numerics import check
+
+    one = next(p for p in points if p["nproc"] == 1)
+    if "error" in one or "error" in control:
+        return {"error": "the one-process run or its data-order control failed: see their points"}
+    floor = check(one["stats"], control["stats"], tol=float("inf"), skip=0.1, smooth=3)
+    tol = LOSS_MARGIN * floor["max_abs_smoothed"]
+    out = {"control": control, "floor": floor["max_abs_smoothed"], "tol": tol, "margin": LOSS_MARGIN, "checks": []}
+    for p in points:
+        if p["nproc"] > 1 and "error" not in p:
+            c = check(one["stats"], p["stats"], tol=tol, skip=0.1, smooth=3)
+            out["checks"].append({"nproc": p["nproc"], **c})
+    return out
+
+
 def add_metrics(result: dict) -> None:
     flops = result["flops_per_image"]
     # Efficiency is against one process of the same mode; modes without one (the control, the variants) use
@@ -207,6 +240,18 @@ def render(result: dict, out: Path) -> None:
                          f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {p['data_wait_share']:.2%} | {slowest} "
                          f"| {mem} |")
         lines.append("")
+    lc = result.get("loss_check")
+    if lc and "error" not in lc:
+        lines += ["## Loss curves: N GPUs against one, same global batch", "",
+                  f"Statistic: the largest moving average over 3 log intervals of loss(N) / loss(1) - 1 after the "
+                  f"first 10% of steps. Tolerance: {LOSS_MARGIN}x the same statistic for a one-GPU run with another "
+                  f"data order (data.seed): {lc['floor']:.2%} x {LOSS_MARGIN} = {lc['tol']:.2%}.", "",
+                  "| GPUs | max deviation | at step | mean ratio - 1 | within tolerance |", "|---|---|---|---|---|"]
+        lines += [f"| {c['nproc']} | {c['max_abs_smoothed']:.2%} | {c['at_step']} | {c['mean_ratio_minus_1']:+.2%} "
+                  f"| {'yes' if c['ok'] else 'NO'} |" for c in lc["checks"]]
+        lines.append("")
+    elif lc:
+        lines += ["## Loss curves", "", lc["error"], ""]
     if result.get("allreduce"):
         lines += ["## All-reduce of the gradients (one bucket of all of them)", "",
                   "| GPUs | dtype | MB | ms (median) | bus GB/s |", "|---|---|---|---|---|"]
@@ -257,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE]",
                    help="also run the per-GPU points N > 1 with these overrides (repeatable), e.g. "
                         "'bf16-grads:train.ddp_grad_dtype=bf16' or 'one-graph:train.ddp_split=False'")
+    p.add_argument("--loss-check", action="store_true",
+                   help="global mode: compare each N-process loss curve with the one-process curve at the same global "
+                        "batch, against a one-process run that differs only in its data order (the tolerance)")
     p.add_argument("--allreduce", action="store_true",
                    help="also time an all-reduce of the model's gradient size (fp32 and bf16) on each N > 1")
     args, overrides = p.parse_with_overrides(argv)
@@ -276,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return fail("bench-ddp", f"--variant: {e}")
     batch = cfg.data.batch_size
+    if args.loss_check and (args.mode == "per-gpu" or 1 not in counts or not many_of(counts)):
+        return fail("bench-ddp", "--loss-check compares global-batch points with one process: give --mode global "
+                                 "(or both) and --gpus with 1 and a larger count")
     if args.mode != "per-gpu" and batch < max(counts):
         return fail("bench-ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
                                  f"at least the largest process count, {max(counts)}")
@@ -299,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
               "points": {}}
     out = (args.out or results_dir(device_name)) / "ddp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    many = [n for n in counts if n > 1]
+    many = many_of(counts)
     # (mode, process counts, per-rank batch rule, how a point runs, overrides): the default first, so a call cut
     # short keeps the headline points.
     plan = [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[:1]]
@@ -329,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench-ddp: {mode}, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
             add_metrics(result)
             write_json(out, result, indent=2)
+    if args.loss_check:
+        control = loss_control(args, overrides, beton, batch, cfg.data.seed + 1)
+        result["loss_check"] = loss_check(result["points"]["global"], control)
+        write_json(out, result, indent=2)
     render(result, out)
     print(f"bench-ddp: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     return 0 if all("error" not in p for pts in result["points"].values() for p in pts) else 1

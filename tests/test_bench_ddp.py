@@ -58,3 +58,20 @@ def test_a_bad_variant_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "NAME:KEY=VALUE" in err[0] and "train.ddp_grad_dtype" in err[1]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_loss_check_compares_curves_against_a_data_order_control(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_beton(data / "cifar10_train_raw.beton", 128)
+    out = tmp_path / "res"
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "global",
+                   "data.batch_size=16", "--steps", "12", "--log-every", "2", "--out", str(out), "--loss-check"])
+    assert rc == 0
+    lc = json.loads((out / "ddp.json").read_text())["loss_check"]
+    assert lc["control"]["config"]["data"]["seed"] == 1 and lc["floor"] > 0  # another order: another curve
+    assert lc["tol"] == ddp.LOSS_MARGIN * lc["floor"]
+    (c,) = lc["checks"]
+    assert c["nproc"] == 2 and c["ok"] == (c["max_abs_smoothed"] <= lc["tol"])
+    assert "Loss curves: N GPUs against one" in (out / "ddp.md").read_text()
+    assert ddp.main(["--data", str(data), "--device", "cpu", "--mode", "per-gpu", "--loss-check"]) == 2
