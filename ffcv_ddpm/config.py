@@ -22,6 +22,9 @@ from ffcv_ddpm.unet import PRESETS, ModelConfig
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Checkpoints are named by their step in 8 digits (ckpt-00800000.pt) and found again by that pattern; 125x the
+# DDPM paper's 800k steps.
+MAX_STEPS = 99_999_999
 
 
 @dataclass
@@ -120,7 +123,7 @@ RULES = {
     "data.flip": one_of(FLIPS),
     "data.png_dir": _NONEMPTY,
     "data.seed": at_least(0),
-    "train.steps": at_least(1),
+    "train.steps": in_range(1, MAX_STEPS),
     "train.lr": above(0),
     "train.warmup_steps": at_least(0),
     "train.weight_decay": at_least(0),

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import Parser, fail
 from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
 from ffcv_ddpm.data import check_dataset, dataset_info, make_loader, train_beton
@@ -453,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         ddp = init_distributed()
         train(cfg, ddp, stop)
     except (TrainingError, ValueError, FileNotFoundError) as e:
-        print(f"train: error{rank()}: {e}", file=sys.stderr)
-        return 2
+        return fail("train", f"{e}{rank()}")
     except Interrupted as e:
         print(f"train{rank()}: {e}", file=sys.stderr)
         return 128 + e.signum
