@@ -60,6 +60,7 @@ class TrainConfig:
     resume: str = ""                     # a run folder to continue from its newest complete checkpoint
     progress: bool = True                # tqdm progress bar
     telemetry: bool = True               # sample GPU power/util/memory/clocks via NVML into telemetry.jsonl (CUDA only)
+    tensorboard: bool = False            # also stats.jsonl's numbers and the sample grids as TensorBoard events (<run>/tensorboard/)
     ddp_bucket_mb: float = 25.0          # DDP gradient bucket size (MB): each bucket's all-reduce starts when its grads are ready
     ddp_grad_dtype: str = "fp32"         # all-reduce precision: fp32 | bf16 (halves the bytes; averaged in bf16, DDP's bf16_compress_hook)
     ddp_split: bool = True               # compiled DDP: split the graph at bucket boundaries so all-reduce overlaps the backward
