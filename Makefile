@@ -69,7 +69,7 @@ sde-quality: $(SETUP)
 		&& $(PY) -m benchmarks.sde_quality --data $(DIGITS) --out "$$out" $(ARGS)
 
 # FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
-# (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache, never downloaded.
+# (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache (downloaded once, checked).
 fid: $(SETUP)
 	$(PY) -m benchmarks.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(OUT_ARG) $(ARGS)
 
