@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = cfg.data.batch_size
     if args.mode != "per-gpu" and batch < max(counts):
         return fail("ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
-                                 f"at least the largest process count, {max(counts)}")
+                           f"at least the largest process count, {max(counts)}")
     if args.device != "cpu":
         have = torch.cuda.device_count()
         if have == 0:

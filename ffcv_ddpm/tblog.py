@@ -17,11 +17,13 @@ import numbers
 from pathlib import Path
 
 # Tag of each stats.jsonl field: TensorBoard groups the charts by the part before "/". A field not listed here (a new
-# stats field, or an evaluation's fid / fd_digits / cond_acc) goes under eval/.
+# stats field, or an evaluation's fid / fd_digits / cond_acc) goes under eval/. A list (one value per DDP rank) is
+# one chart per element: <tag>/<rank>.
 TAGS = {
     "loss": "train/loss", "lr": "train/lr",
     "img_per_s": "speed/img_per_s", "iter_ms_median": "speed/iter_ms_median",
     "data_wait_ms": "data/wait_ms", "data_wait_share": "data/wait_share",
+    "rank_data_wait_share": "data/wait_share_of_rank", "rank_iter_ms_mean": "speed/iter_ms_mean_of_rank",
     "peak_mem_gib": "memory/peak_gib",
 }
 NOT_LOGGED = ("step", "wall_s")  # the x axis, and TensorBoard's own wall time
@@ -47,13 +49,18 @@ class TensorBoardLog:
         self._writer = SummaryWriter(str(self.dir), purge_step=resumed_at + 1 if resumed_at else None)
 
     def stats(self, stats: dict) -> None:
-        step = stats["step"]
+        scalars = {}
         for key, value in stats.items():
             if key in NOT_LOGGED or value is None:
                 continue
-            if not isinstance(value, numbers.Real):  # a tensor would be read here: a sync the loop must not gain
-                raise TypeError(f"stats[{key!r}] is {type(value).__name__}: log host numbers read at the interval")
-            self._writer.add_scalar(TAGS.get(key, f"eval/{key}"), float(value), step)
+            tag = TAGS.get(key, f"eval/{key}")
+            for name, v in ({f"{tag}/{i}": v for i, v in enumerate(value)} if isinstance(value, (list, tuple))
+                            else {tag: value}).items():
+                if not isinstance(v, numbers.Real):  # a tensor would be read here: a sync the loop must not gain
+                    raise TypeError(f"stats[{key!r}] holds {type(v).__name__}: log host numbers read at the interval")
+                scalars[name] = float(v)
+        for name, v in scalars.items():  # all or nothing
+            self._writer.add_scalar(name, v, stats["step"])
         self._writer.flush()  # stats.jsonl and the events agree whenever the run stops
 
     def image(self, tag: str, png: Path, step: int) -> None:

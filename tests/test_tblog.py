@@ -57,13 +57,16 @@ def test_a_resumed_run_keeps_one_history(beton, tmp_path):  # noqa: F811
 
 def test_evaluation_metrics_and_host_numbers_only(tmp_path):
     board = TensorBoardLog(tmp_path)
-    board.stats({"step": 5, "loss": 0.5, "fid": 12.5, "cond_acc": 0.9, "peak_mem_gib": None, "wall_s": 3.0})
-    with pytest.raises(TypeError, match="host numbers"):
-        board.stats({"step": 6, "loss": torch.tensor(0.5)})  # would be read (synced) here
+    board.stats({"step": 5, "loss": 0.5, "fid": 12.5, "cond_acc": 0.9, "peak_mem_gib": None, "wall_s": 3.0,
+                 "rank_data_wait_share": [0.25, 0.5]})  # a DDP run's per-rank figures
+    for bad in (torch.tensor(0.5), [0.1, torch.tensor(0.5)]):
+        with pytest.raises(TypeError, match="host numbers"):
+            board.stats({"step": 6, "loss": bad})  # would be read (synced) here
     board.close()
     acc = events(tmp_path)
-    assert sorted(acc.Tags()["scalars"]) == ["eval/cond_acc", "eval/fid", "train/loss"]
-    assert scalars(acc, "eval/fid") == {5: 12.5}
+    assert sorted(acc.Tags()["scalars"]) == ["data/wait_share_of_rank/0", "data/wait_share_of_rank/1", "eval/cond_acc",
+                                             "eval/fid", "train/loss"]
+    assert scalars(acc, "eval/fid") == {5: 12.5} and scalars(acc, "data/wait_share_of_rank/1") == {5: 0.5}
 
 
 def test_without_the_package_the_run_stops_before_its_folder(beton, tmp_path, monkeypatch, capsys):  # noqa: F811
