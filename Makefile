@@ -10,6 +10,11 @@ SETUP := $(if $(NO_SETUP),,$(STAMP))
 #               | digits (scikit-learn's bundled digits -> data/digits) | mnist (MNIST_DIR=path of IDX files -> data/mnist)
 SOURCE ?= $(if $(CIFAR),tarball,$(if $(PNG_DIR),png,$(if $(MNIST_DIR),mnist,download)))
 DATA ?= $(if $(filter digits mnist,$(SOURCE)),data/$(SOURCE),data)
+# OUT=DIR: where a target writes, for every target that writes (make dataset: the dataset folder, else $(DATA);
+# the benchmarks: their --out; make train: train.out_dir). The digits studies read DATA when it is given, else data/digits.
+OUT ?=
+OUT_ARG = $(if $(OUT),--out $(OUT))
+DIGITS = $(if $(filter command line,$(origin DATA)),$(DATA),data/digits)
 JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
@@ -25,56 +30,67 @@ test: $(SETUP)
 	$(PY) -m pytest -q tests
 
 dataset: $(SETUP)
-	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(DATA) --jpeg-quality $(JPEG_QUALITY) \
+	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(or $(OUT),$(DATA)) --jpeg-quality $(JPEG_QUALITY) \
 		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(if $(MNIST_DIR),--mnist-dir $(MNIST_DIR)) \
 		$(ARGS)
 
-# The .beton files plus the Kaggle-layout PNG folder $(DATA)/png, for the PyTorch-DataLoader-from-files baseline
-# (make bench and make bench-loaders use it when present).
+# The .beton files plus the Kaggle-layout PNG folder <dataset folder>/png, for the PyTorch-DataLoader-from-files
+# baseline (make bench and make bench-loaders use it when present).
 dataset-png: $(SETUP)
-	$(MAKE) dataset ARGS="--export-png $(DATA)/png $(ARGS)"
+	$(MAKE) dataset ARGS="--export-png $(or $(OUT),$(DATA))/png $(ARGS)"
 
 bench: $(SETUP)
-	$(PY) -m benchmarks.bench --data $(DATA) $(ARGS)
+	$(PY) -m benchmarks.bench --data $(DATA) $(OUT_ARG) $(ARGS)
 
 bench-loaders: $(SETUP)
-	$(PY) -m benchmarks.loaders --data $(DATA) $(ARGS)
+	$(PY) -m benchmarks.loaders --data $(DATA) $(OUT_ARG) $(ARGS)
 
 # DDP scaling of the trainer on 1, 2, 4 GPUs of this host (torchrun; NVLink multicast kept off in every rank).
 bench-ddp: $(SETUP)
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-		$(PY) -m benchmarks.ddp --data $(DATA) --preset $(PRESET) $(ARGS)
+		$(PY) -m benchmarks.ddp --data $(DATA) --preset $(PRESET) $(OUT_ARG) $(ARGS)
 
 profile: $(SETUP)
-	$(PY) -m benchmarks.profile --preset $(PRESET) --data $(DATA) $(ARGS)
+	$(PY) -m benchmarks.profile --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
 
 numerics: $(SETUP)
-	$(PY) -m benchmarks.numerics --preset $(PRESET) --data $(DATA) $(ARGS)
+	$(PY) -m benchmarks.numerics --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
+
+# The studies sized for one H100/H200 say so up front where there is no CUDA: their training alone is PFLOPs, hours on
+# a CPU (e.g. compress: 1,500 steps of 256 images at 9.5 GFLOP each, ~3.7 PFLOP).
+CPU_NOTE = @$(PY) -c 'import sys, torch; torch.cuda.is_available() or print("make $@: no CUDA GPU here: this study is \
+	sized for one H100/H200 (minutes there); on a CPU it runs for hours (Ctrl-C stops it)", file=sys.stderr, flush=True)'
 
 # Quality vs NFE of every sampler on a VE and a DDPM model trained on the digits (make dataset SOURCE=digits first).
+# Results in benchmarks/results/<card>/sde-quality unless OUT=DIR.
 sde-quality: $(SETUP)
-	$(PY) -m benchmarks.sde_quality --data $(DATA)/digits --out $(or $(OUT),benchmarks/results/sde-quality) $(ARGS)
+	$(CPU_NOTE)
+	out="$(or $(OUT),$$($(PY) -c 'from benchmarks.common import results_here; print(results_here() / "sde-quality")'))" \
+		&& $(PY) -m benchmarks.sde_quality --data $(DIGITS) --out "$$out" $(ARGS)
 
 # FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
-# (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache, never downloaded.
+# (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache (downloaded once, checked).
 fid: $(SETUP)
-	$(PY) -m benchmarks.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(ARGS)
+	$(PY) -m benchmarks.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(OUT_ARG) $(ARGS)
 
 # Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
 # conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality.py.
 quality: $(SETUP)
-	$(PY) -m benchmarks.quality --data data/digits $(ARGS)
+	$(CPU_NOTE)
+	$(PY) -m benchmarks.quality --data $(DIGITS) $(OUT_ARG) $(ARGS)
 
 # Compression study: pruning, grouped/depthwise-separable convs, int8 (torchao) with size, speed and quality. Trains
 # the digits model first, or studies RUN=runs/... (e.g. the run of make quality). ~6-7 minutes on one H100/H200.
 compress: $(SETUP)
-	$(PY) -m benchmarks.compress $(RUN) --data data/digits $(if $(OUT),--out $(OUT)) $(ARGS)
+	$(CPU_NOTE)
+	$(PY) -m benchmarks.compress $(RUN) --data $(DIGITS) $(OUT_ARG) $(ARGS)
 
 sweeps: $(SETUP)
-	$(PY) -m benchmarks.sweeps --data $(DATA) $(ARGS)
+	$(PY) -m benchmarks.sweeps --data $(DATA) $(OUT_ARG) $(ARGS)
 
 train: $(SETUP)
-	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(ARGS)
+	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(if $(OUT),train.out_dir=$(OUT)) \
+		$(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

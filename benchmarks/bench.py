@@ -22,7 +22,7 @@ import sys
 from benchmarks.common import BenchError
 from benchmarks.rows import TABLES, resolve_rows
 from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import Parser, fail
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         rc, _ = run_table(rows, table, args, overrides, argv, name=args.name)
         return rc
     except BenchError as e:
-        print(f"bench: error: {e}", file=sys.stderr)
-        return 2
+        return fail("bench", str(e))
     except KeyboardInterrupt:
         print("bench: interrupted", file=sys.stderr)
         return 130

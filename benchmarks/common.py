@@ -37,6 +37,14 @@ def results_dir(device_name: str | None) -> Path:
     return RESULTS / card_slug(device_name)
 
 
+def results_here() -> Path:
+    """results_dir of the card this process sees (the first CUDA device; `cpu` without one): the Makefile's default
+    --out for a command that requires one."""
+    import torch
+
+    return results_dir(torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+
+
 def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
     """(train .beton, built now?) for --data given as a dataset folder (its cifar10_train_raw.beton, a synthetic one
     built there first when missing) or as a .beton file (which must exist)."""

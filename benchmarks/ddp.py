@@ -316,30 +316,30 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the trainer's config, checked before any dataset is built or process started
         cfg = load_config(args.preset, ["data.batch_size=512", *overrides])
     except ValueError as e:
-        return fail("bench-ddp", str(e))
+        return fail("ddp", str(e))
     try:
         variants = [parse_variant(v) for v in args.variant]
         for _, extra in variants:
             load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
     except ValueError as e:
-        return fail("bench-ddp", f"--variant: {e}")
+        return fail("ddp", f"--variant: {e}")
     batch = cfg.data.batch_size
     if args.loss_check and (args.mode == "per-gpu" or 1 not in counts or not many_of(counts)):
         return fail("bench-ddp", "--loss-check compares global-batch points with one process: give --mode global "
                                  "(or both) and --gpus with 1 and a larger count")
     if args.mode != "per-gpu" and batch < max(counts):
-        return fail("bench-ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
-                                 f"at least the largest process count, {max(counts)}")
+        return fail("ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
+                           f"at least the largest process count, {max(counts)}")
     if args.device != "cpu":
         have = torch.cuda.device_count()
         if have == 0:
-            return fail("bench-ddp", "no CUDA GPU; use --device cpu (gloo) for a functional check")
+            return fail("ddp", "no CUDA GPU; use --device cpu (gloo) for a functional check")
         if max(counts) > have:
-            return fail("bench-ddp", f"--gpus asks for {max(counts)} GPUs but this machine has {have}")
+            return fail("ddp", f"--gpus asks for {max(counts)} GPUs but this machine has {have}")
     try:
         beton, built = ensure_dataset(args.data, num_synthetic=50_000)
     except BenchError as e:
-        return fail("bench-ddp", str(e))
+        return fail("ddp", str(e))
     device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
     peak = lookup_peak(device_name, cfg.train.precision).tflops if device_name else None
     modes = {"per-gpu": ["per-GPU"], "global": ["global"], "both": ["per-GPU", "global"]}[args.mode]

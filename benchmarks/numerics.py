@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
-from ffcv_ddpm.checks import Parser, at_least, in_range, option
+from ffcv_ddpm.checks import Parser, at_least, fail, in_range, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import environment
@@ -299,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "python -m benchmarks.numerics " + " ".join(argv)
         result = from_runs(args, command) if args.from_runs else measure(args, command)
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
-        print(f"numerics: error: {e}", file=sys.stderr)
-        return 2
+        return fail("numerics", str(e))
     out = args.out or results_dir(result["device"])
     out = out / f"numerics-{result['candidate']['precision']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ from pathlib import Path
 from benchmarks.common import DATA_HELP, BenchError, commit_text, ensure_dataset, results_dir, write_json
 from benchmarks.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                          reanalyse, top_ops_lines)
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import Parser, fail
 
 TRACE_LIMIT_MB = 15  # above this a trace is awkward to commit and slow to open: fewer --iters
 
@@ -193,8 +193,7 @@ def main(argv: list[str] | None = None, source_factory=None) -> int:
         else:
             run(args, overrides, argv=argv, source_factory=source_factory)
     except (BenchError, TraceError, ValueError, FileNotFoundError) as e:
-        print(f"profile: error: {e}", file=sys.stderr)
-        return 2
+        return fail("profile", str(e))
     except KeyboardInterrupt:
         print("profile: interrupted", file=sys.stderr)
         return 130

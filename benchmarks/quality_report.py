@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import commit_text, write_json
-from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 from tools.atomic import Staged
 
 GRID_COLUMNS = 8  # samples per class in each grid
@@ -196,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.json.read_text())
         md = render_markdown(result)
     except (OSError, ValueError, KeyError) as e:
-        print(f"quality_report: error: {args.json} is not a benchmarks.quality result ({e})", file=sys.stderr)
-        return 2
+        return fail("quality_report", f"{args.json} is not a benchmarks.quality result ({e})")
     args.json.with_suffix(".md").write_text(md)
     plot(result, args.json.with_suffix(".png"))
     print(f"quality_report: wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")

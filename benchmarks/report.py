@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.common import commit_text, md_table
 from benchmarks.peaks import lookup_peak
-from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 
 # The published table: the README of github.com/kimbochen/ddpm, section "Optimization Techniques" (read at its commit
 # 3bc42ff): an A100, its DDPM UNet in the style of The Annotated Diffusion Model (our preset annotated-small), FLOPs
@@ -323,11 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = json.loads(args.json.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        print(f"report: error: cannot read {args.json}: {e}", file=sys.stderr)
-        return 2
+        return fail("report", f"cannot read {args.json}: {e}")
     if not isinstance(result, dict) or "rows" not in result or "environment" not in result:
-        print(f"report: error: {args.json} is not a benchmarks.bench result (no 'rows'/'environment')", file=sys.stderr)
-        return 2
+        return fail("report", f"{args.json} is not a benchmarks.bench result (no 'rows'/'environment')")
     md, png = write_reports(result, args.json)
     print(f"report: wrote {md} and {png}")
     return 0

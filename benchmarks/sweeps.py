@@ -27,7 +27,7 @@ from typing import Callable
 from benchmarks.common import BenchError, commit_text
 from benchmarks.rows import Row, merge, resolve_rows
 from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import Parser, fail
 from ffcv_ddpm.unet import PRESETS
 
 # Where every sweep row starts: the trainer's defaults, no override (not bench's stack, which carries switches that
@@ -161,9 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     names = list(SWEEPS) if args.sweep == "all" else [s.strip() for s in args.sweep.split(",") if s.strip()]
     unknown = [n for n in names if n not in SWEEPS]
     if unknown or not names:
-        print(f"sweeps: error: unknown sweep {', '.join(unknown) or repr(args.sweep)}; choose from "
-              f"{', '.join(SWEEPS)} or all", file=sys.stderr)
-        return 2
+        return fail("sweeps", f"unknown sweep {', '.join(unknown) or repr(args.sweep)}; choose from "
+                              f"{', '.join(SWEEPS)} or all")
     cuda = cuda_available()  # no CUDA context here: the rows' processes own the GPU
     preset = args.preset or ("ddpm-cifar10" if cuda else "tiny")
     rc = 0
@@ -187,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
             print(f"sweeps: wrote {png}", flush=True)
     except BenchError as e:
-        print(f"sweeps: error: {e}", file=sys.stderr)
-        return 2
+        return fail("sweeps", str(e))
     except KeyboardInterrupt:
         print("sweeps: interrupted", file=sys.stderr)
         return 130

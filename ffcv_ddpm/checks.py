@@ -1,7 +1,7 @@
 """User values, parsed and range-checked by one set of rules: config fields and command-line options alike.
 
     value = coerce("train.steps", "abc", int, at_least(1))   # BadValue: train.steps=abc: expected an integer >= 1
-    p = Parser(prog="python -m benchmarks.x")                  # argparse, but a bad option is one line, exit 2
+    p = Parser(prog="python -m benchmarks.x")                  # argparse; a bad option: 'x: error: ...', exit 2
     p.add_argument("--iters", type=option(int, at_least(1)))
 
 Every failure is one line that names the field (or option), the value given and what is allowed. No torch import:
@@ -138,7 +138,8 @@ def _parse_scalar(value, typ):
     if typ is int:
         if isinstance(value, int):
             return value
-        if isinstance(value, float) and value.is_integer():  # 1e5 steps
+        # 1e5 steps, but not 1e30: above 2**53 a float no longer holds the integer the user wrote.
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
             return int(value)
         raise TypeError
     if typ is float:
@@ -234,7 +235,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line ('prog: error: ... (see --help)') and exit 2, not a usage block.
+    """argparse whose errors are one line ('x: error: ... (see --help)' for prog 'python -m pkg.x') and exit 2, not a
+    usage block: the same prefix as fail() gives the errors found after parsing.
 
     `doc`: the command's module docstring; --help shows its first line and its example block (the indented lines
     after it), so every command's help starts with how it is run. `overrides`: the command takes KEY=VALUE config
@@ -251,18 +253,48 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"{command_name(self.prog)}: error: {message} (see --help)\n")
 
     def parse_with_overrides(self, argv) -> tuple[argparse.Namespace, list[str]]:
-        """(options, KEY=VALUE overrides in the order given); anything else unknown is the usual one-line error."""
-        args, rest = self.parse_known_args(argv)
+        """(options, KEY=VALUE overrides in the order given); anything else unknown is the usual one-line error.
+
+        An override is written KEY=VALUE, --KEY=VALUE or --KEY VALUE (`--steps 100`, `--device cpu` as the README
+        spells them): argparse alone leaves `--steps` and `100` as two unknown words."""
+        argv = sys.argv[1:] if argv is None else list(argv)
+        args, rest = self.parse_known_args(self._join_key_value(argv))
         bad = [r for r in rest if "=" not in r or r.startswith("-") and not r.startswith("--")]
         if bad:
             self.error(f"unrecognized arguments: {' '.join(bad)} (config overrides are KEY=VALUE)")
         return args, [r.lstrip("-") for r in rest]
 
+    def _join_key_value(self, argv: list[str]) -> list[str]:
+        """`--KEY VALUE` -> `--KEY=VALUE` where --KEY is none of this parser's options (nor a prefix of one, which
+        argparse expands) and VALUE is a plain word; everything after `--` stays as it is."""
+        known = [s for a in self._actions for s in a.option_strings]
+        out, i = [], 0
+        while i < len(argv):
+            word = argv[i]
+            if word == "--":
+                out += argv[i:]
+                break
+            if (word.startswith("--") and len(word) > 2 and "=" not in word and i + 1 < len(argv)
+                    and not argv[i + 1].startswith("-") and "=" not in argv[i + 1]
+                    and not any(s.startswith(word) for s in known)):
+                out.append(f"{word}={argv[i + 1]}")
+                i += 2
+                continue
+            out.append(word)
+            i += 1
+        return out
+
+
+def command_name(prog: str) -> str:
+    """The name every error line of a command starts with: 'python -m benchmarks.bench' -> 'bench'."""
+    return prog.split()[-1].rsplit(".", 1)[-1]
+
 
 def fail(prog: str, message: str, code: int = 2) -> int:
-    """Print the one-line error every CLI ends bad input with; returns the exit code."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    """Print the one-line error every CLI ends bad input with ('bench: error: ...'); returns the exit code.
+    `prog`: the command's Parser prog or its short name, so parse errors and later ones start alike."""
+    print(f"{command_name(prog)}: error: {message}", file=sys.stderr)
     return code

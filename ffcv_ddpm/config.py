@@ -22,6 +22,9 @@ from ffcv_ddpm.unet import PRESETS, ModelConfig
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Checkpoints are named by their step in 8 digits (ckpt-00800000.pt) and found again by that pattern; 125x the
+# DDPM paper's 800k steps.
+MAX_STEPS = 99_999_999
 
 
 @dataclass
@@ -57,6 +60,7 @@ class TrainConfig:
     resume: str = ""                     # a run folder to continue from its newest complete checkpoint
     progress: bool = True                # tqdm progress bar
     telemetry: bool = True               # sample GPU power/util/memory/clocks via NVML into telemetry.jsonl (CUDA only)
+    tensorboard: bool = False            # also stats.jsonl's numbers and the sample grids as TensorBoard events (<run>/tensorboard/)
     ddp_bucket_mb: float = 25.0          # DDP gradient bucket size (MB): each bucket's all-reduce starts when its grads are ready
     ddp_grad_dtype: str = "fp32"         # all-reduce precision: fp32 | bf16 (halves the bytes; averaged in bf16, DDP's bf16_compress_hook)
     ddp_split: bool = True               # compiled DDP: split the graph at bucket boundaries so all-reduce overlaps the backward
@@ -120,7 +124,7 @@ RULES = {
     "data.flip": one_of(FLIPS),
     "data.png_dir": _NONEMPTY,
     "data.seed": at_least(0),
-    "train.steps": at_least(1),
+    "train.steps": in_range(1, MAX_STEPS),
     "train.lr": above(0),
     "train.warmup_steps": at_least(0),
     "train.weight_decay": at_least(0),

@@ -130,8 +130,11 @@ def check_dataset(cfg: DataConfig, image_shape: tuple[int, int, int], world_size
         where, num_images, shape = cfg.path, int(reader.num_samples), (3, *_image_size(reader))
     if shape != tuple(image_shape):
         (c, h, w), (mc, mh, mw) = shape, image_shape
-        fix = (f"set model.image_size={h}" if h == w else "the model needs square images: resize them") + \
-              " or use data of the model's size"
+        # Name the field that differs: a channel mismatch is fixed by model.in_channels, not by the image size.
+        sets = ([f"model.in_channels={c}"] if c != mc else []) + ([f"model.image_size={h}"] if (h, w) != (mh, mw)
+                                                                  and h == w else [])
+        fix = ("the model needs square images: resize them" if h != w else f"set {' '.join(sets)}") + \
+              " or use data of the model's shape"
         raise ValueError(f"{where} holds {h}x{w} images with {c} channels, but the model is built for {mh}x{mw} "
                          f"with {mc} (model.image_size={mh}, model.in_channels={mc}); {fix}")
     _check_batches_fit(cfg, num_images, world_size)

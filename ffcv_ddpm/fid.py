@@ -6,16 +6,21 @@
 
 The network and its preprocessing are pytorch-fid's (the package DDPM-family papers report): uint8 -> [0, 1] as
 its ToTensor gives, then inside the network a bilinear resize to 299x299 and [0, 1] -> [-1, 1]; the 2048-d features
-after the last average pool. Its weights are read from a local file only: the torch hub cache, where pytorch-fid
-itself would put them, or a path given. Without the file this fails with one message naming the file and where to
-put it; nothing is ever downloaded (pytorch-fid would otherwise fetch it from inside the model constructor).
+after the last average pool. Its weights come from a path given (--weights), or from the torch hub cache, where
+pytorch-fid itself would put them: fetched there once when missing (fetch_weights: pytorch-fid's URL, the SHA-256
+prefix its file name carries checked before the file takes its final name). Offline, or with FFCV_DDPM_OFFLINE=1,
+this fails with one message naming the file and where to put it. The model constructor never downloads: pytorch-fid
+would otherwise fetch the file from inside it, unchecked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 from unittest import mock
 
@@ -26,7 +31,12 @@ from torch import nn
 from ffcv_ddpm.frechet import frechet_distance_from_stats, gaussian_stats
 
 WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"  # pytorch-fid's port of the TF Inception of FID
-WEIGHTS_URL = f"https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/{WEIGHTS_NAME}"
+WEIGHTS_URL = f"https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/{WEIGHTS_NAME}"  # its source's
+# torch.hub's convention, which the file name follows: the hex digits after its last "-" begin the file's SHA-256
+# (what load_state_dict_from_url(check_hash=True) checks; pytorch-fid itself does not ask for the check).
+WEIGHTS_SHA256_PREFIX = torch.hub.HASH_REGEX.search(WEIGHTS_NAME).group(1)  # "6726825d"
+OFFLINE_ENV = "FFCV_DDPM_OFFLINE"  # =1: never download (the tests set it; so can a machine without network)
+_urlopen = urllib.request.urlopen  # the network, in one place (tests replace it)
 FEATURE_DIM = 2048
 STATS_VERSION = 1  # bump when the cached statistics change for the same data and network
 _torchvision_ops_stub = []  # keeps the stub library alive (a Library's definitions go with it)
@@ -43,11 +53,55 @@ def default_weights_path() -> Path:
 
 
 def resolve_weights(path: str | os.PathLike | None = None) -> Path:
-    p = Path(path) if path else default_weights_path()
-    if not p.is_file():
-        raise FIDError(f"Inception weights {p} not found (FID never downloads them): fetch {WEIGHTS_URL} on a machine "
-                       f"with network and put it at {default_weights_path()} or pass its path (--weights)")
-    return p
+    """The weights file: `path` as given (never downloaded), else the hub cache's, fetched there first if missing."""
+    if path:
+        if not Path(path).is_file():
+            raise FIDError(f"Inception weights {path} not found (--weights); {_where_to_put_them()}")
+        return Path(path)
+    p = default_weights_path()
+    return p if p.is_file() else fetch_weights(p)
+
+
+def _where_to_put_them() -> str:
+    return (f"fetch {WEIGHTS_URL} on a machine with network and put it at {default_weights_path()}, or pass its "
+            f"path (--weights)")
+
+
+def fetch_weights(dest: Path) -> Path:
+    """pytorch-fid's weights downloaded to `dest`, once: streamed to a temp name beside it and renamed only after the
+    SHA-256 prefix its name carries matched, so `dest` never holds a partial or a wrong file. FIDError (one line)
+    offline, with FFCV_DDPM_OFFLINE=1, or when the hash differs."""
+    if os.environ.get(OFFLINE_ENV) == "1":
+        raise FIDError(f"Inception weights {dest} not found ({OFFLINE_ENV}=1: no download); {_where_to_put_them()}")
+    print(f"fid: downloading the Inception weights (once) from {WEIGHTS_URL} to {dest}", file=sys.stderr, flush=True)
+    digest = hashlib.sha256()
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with _staged(dest) as f, _urlopen(WEIGHTS_URL, timeout=60) as response:
+            while chunk := response.read(1 << 20):
+                digest.update(chunk)
+                f.write(chunk)
+            if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
+                raise FIDError(f"the file downloaded from {WEIGHTS_URL} has SHA-256 {digest.hexdigest()[:16]}..., not "
+                               f"{WEIGHTS_SHA256_PREFIX}... as its name says: not kept; {_where_to_put_them()}")
+    except OSError as e:  # no network (URLError), a timeout, an HTTP error, an unwritable cache
+        raise FIDError(f"Inception weights {dest} not found and the download failed ({getattr(e, 'reason', e)}); "
+                       f"{_where_to_put_them()}") from None
+    return dest
+
+
+@contextlib.contextmanager
+def _staged(dest: Path):
+    """A binary file under a temp name beside `dest` (same folder: the rename is atomic), renamed to `dest` when the
+    block completes and removed when it raises."""
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+        os.replace(tmp, dest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _pytorch_fid_inception():
@@ -198,15 +252,8 @@ def reference_stats(data: str | os.PathLike, model: nn.Module, tag: str, batch_s
     feats = inception_features(model, torch.from_numpy(images).permute(0, 3, 1, 2), batch_size)
     mu, sigma = gaussian_stats(feats)
     try:
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, mu=mu, sigma=sigma, n=len(images), content_sha256=digest, network=tag,
-                         version=STATS_VERSION)
-            os.replace(tmp, cache)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with _staged(cache) as f:
+            np.savez(f, mu=mu, sigma=sigma, n=len(images), content_sha256=digest, network=tag, version=STATS_VERSION)
     except OSError as e:  # a read-only data folder: the statistics are still right, only not kept
         print(f"fid: could not cache the reference statistics beside {data} ({e}); computing them each time")
     return {"mu": mu, "sigma": sigma, "n": len(images), "content_sha256": digest, "cache": str(cache),

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Protocol
 
-from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser
+from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 
 # What a sample holds besides its timestamps, in the order the JSONL lines and the plot use.
 FIELDS = ("power_w", "gpu_util_pct", "mem_util_pct", "mem_used_gib", "sm_clock_mhz", "mem_clock_mhz", "temp_c")
@@ -385,8 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(read_jsonl(args.jsonl), images=args.images)
         png = plot_telemetry(args.jsonl, args.png or args.jsonl.with_suffix(".png"))
     except (FileNotFoundError, ValueError, KeyError) as e:
-        print(f"telemetry: error: {e}", file=sys.stderr)
-        return 2
+        return fail("telemetry", str(e))
     print(json.dumps(summary, indent=2))
     print(f"telemetry: wrote {png} (energy from the samples' trapezoid; the live summary also has NVML's counter)")
     return 0

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 4 -m ffcv_ddpm.train --preset ddpm-cifar10 --data ...   # DDP, batch_size per GPU
 
 Every run writes runs/<id>-<preset>[-desc]/: config.json, environment.json, stats.jsonl (one line per log interval),
-samples-*.png and ckpt-*.pt (atomic, newest K kept).
+samples-*.png and ckpt-*.pt (atomic, newest K kept); with train.tensorboard=True also tensorboard/ (ffcv_ddpm.tblog).
 """
 
 import json
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import Parser, fail
 from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
 from ffcv_ddpm.data import check_dataset, dataset_info, endless, make_loader, train_beton
@@ -32,6 +32,7 @@ from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.evaluate import Evaluator
 from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, resolve_device
+from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import timed_steps
 
@@ -164,6 +165,8 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     """
     # ---- set-up ---------------------------------------------------------------------------------------------
     check_config(cfg)
+    if cfg.train.tensorboard and (why := missing_package()):
+        raise TrainingError(why)
     device = resolve_device(cfg.train.device, ddp)
     # The data against the model, before any model is built or compiled or any folder made.
     check_dataset(cfg.data, (cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size), ddp.world_size)
@@ -276,6 +279,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     # NVML reads the whole GPU, so one sampler per rank's GPU would be right; rank 0 samples its own GPU only.
     telemetry = GpuTelemetry(run_dir / "telemetry.jsonl", device_index=device.index or 0,
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
+    board = TensorBoardLog(run_dir, start_step) if cfg.train.tensorboard and ddp.main else None
     t_start = time.perf_counter()
     step = start_step
 
@@ -333,6 +337,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             if ddp.main:
                 with open(run_dir / "stats.jsonl", "a") as f:
                     f.write(json.dumps(stats) + "\n")
+            if board is not None:
+                board.stats(stats)  # host numbers read above: no further sync
             if progress is not None:
                 progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}")
 
@@ -344,6 +350,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             if ddp.main and cfg.train.sample_every and (step % cfg.train.sample_every == 0
                                                         or step == cfg.train.steps):
                 sample_grid(t, cfg, run_dir / f"samples-{step:08d}.png")
+                if board is not None:
+                    board.image("samples", run_dir / f"samples-{step:08d}.png", step)
             if stop_now:
                 log(ddp, f"\ntrain: {stop.signal or 'stop'} received; checkpoint written at step {step}, exiting")
                 break
@@ -351,6 +359,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     finally:
         data.close()  # ends the loader's epoch iterator (and its prefetch thread) before the process moves on
         telemetry.stop()
+        if board is not None:
+            board.close()
         if progress is not None:
             progress.close()
     summary = telemetry.summary(images=(step - start_step) * cfg.data.batch_size)  # this rank's GPU and images
@@ -442,8 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         ddp = init_distributed()
         train(cfg, ddp, stop)
     except (TrainingError, ValueError, FileNotFoundError) as e:
-        print(f"train: error{rank()}: {e}", file=sys.stderr)
-        return 2
+        return fail("train", f"{e}{rank()}")
     except Interrupted as e:
         print(f"train{rank()}: {e}", file=sys.stderr)
         return 128 + e.signum

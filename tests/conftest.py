@@ -15,6 +15,9 @@ import os
 # before triton is first imported. Inductor's CPU backend, which the other tests compile with, does not use Triton.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# No test reaches the network: the FID weights are never downloaded here (tests/test_fid.py replaces the downloader
+# to test it). Set in the environment, so the commands tests start as child processes inherit it.
+os.environ["FFCV_DDPM_OFFLINE"] = "1"
 
 import csv
 import io

@@ -10,7 +10,7 @@ from ffcv_ddpm.config import _SECTIONS, RULES, RunConfig, field_types, load_conf
 
 
 @pytest.mark.parametrize("override,message", [
-    ("train.steps=abc", "train.steps=abc: expected an integer >= 1"),
+    ("train.steps=abc", "train.steps=abc: expected an integer in [1, 99999999]"),
     ("train.lr=abc", "train.lr=abc: expected a number > 0"),
     ("train.lr=nan", "train.lr=nan: expected a number > 0"),
     ("train.log_every=0", "train.log_every=0: expected an integer >= 1"),
@@ -23,6 +23,8 @@ from ffcv_ddpm.config import _SECTIONS, RULES, RunConfig, field_types, load_conf
     ("train.sample_steps=5000", "train.sample_steps=5000: expected at most diffusion.timesteps=1000"),
     ("data.batch_size=0", "data.batch_size=0: expected an integer >= 1"),
     ("data.batch_size=1.5", "data.batch_size=1.5: expected an integer >= 1"),
+    ("data.batch_size=1e30", "data.batch_size=1e30: expected an integer >= 1"),  # not 1000000000000000019884624838656
+    ("train.steps=1e30", "train.steps=1e30: expected an integer in [1, 99999999]"),
     ("data.loader=nope", "data.loader=nope: expected one of ffcv, torch-files, torch-memory, gpu"),
     ("model.channel_mult=()", "model.channel_mult=(): expected a tuple of integers, non-empty, each >= 1"),
     ("model.dropout=1", "model.dropout=1: expected a number in [0, 1)"),

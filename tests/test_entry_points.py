@@ -65,8 +65,53 @@ def test_a_bad_override_is_one_line_before_anything_happens(name, tmp_path, caps
         rc = e.code
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{short_name(name)}: error: "), err[0]  # found after parsing, same prefix
     assert "data.batch_size=0: expected an integer >= 1" in err[0], err[0]
     assert list(tmp_path.iterdir()) == []  # no dataset built, no run folder, no result
+
+
+def short_name(module: str) -> str:
+    return module.rsplit(".", 1)[-1]
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_error_starts_with_the_command_name(name, monkeypatch, capsys):
+    """One prefix for every command and every error, 'bench: error: ...', whether argparse or the command found it
+    (ffcv_ddpm.checks.Parser and fail; the override test above covers the errors found after parsing)."""
+    monkeypatch.setattr(sys, "argv", [name, "-Z"])  # no command has it, and no --KEY VALUE override looks like it
+    with pytest.raises(SystemExit) as e:
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"{short_name(name)}: error: "), err
+
+
+@pytest.mark.parametrize("argv,steps,device", [
+    (["--steps", "7", "--device", "cpu"], 7, "cpu"),  # as the README writes them
+    (["--steps=7", "--device=cpu"], 7, "cpu"),
+    (["steps=7", "train.device=cpu"], 7, "cpu"),
+])
+def test_overrides_as_options_with_a_space(argv, steps, device):
+    from ffcv_ddpm.train import parse_args
+
+    cfg = parse_args(["--preset", "tiny", *argv])
+    assert (cfg.train.steps, cfg.train.device) == (steps, device)
+
+
+def test_a_space_joins_only_unknown_options(capsys):
+    from ffcv_ddpm.checks import Parser
+
+    p = Parser(prog="python -m pkg.cmd", overrides=True)
+    p.add_argument("--data")
+    p.add_argument("--verbose", action="store_true")
+    args, overrides = p.parse_with_overrides(["--data", "d", "--steps", "5", "--verbose", "x.y=1", "--lr", "1e-4"])
+    assert args.data == "d" and args.verbose and overrides == ["steps=5", "x.y=1", "lr=1e-4"]
+    # An abbreviation of a known option stays argparse's; an unknown flag before a KEY=VALUE is no override.
+    assert p.parse_with_overrides(["--dat", "e"])[0].data == "e"
+    with pytest.raises(SystemExit):
+        p.parse_with_overrides(["--oops", "x.y=1"])
+    assert capsys.readouterr().err == "cmd: error: unrecognized arguments: --oops (config overrides are KEY=VALUE) " \
+                                      "(see --help)\n"
 
 
 def test_good_overrides_reach_the_config(capsys):

@@ -1,6 +1,7 @@
 """The Fréchet distance against closed forms and scipy's sqrtm; FID's whole path (data -> Inception features ->
 cached reference statistics -> distance) with a randomly initialised Inception on small generated images; the
-weights come from a local file only, and their absence is one clear message."""
+weights come from a local file or a checked download into the torch hub cache (the network replaced here), and
+offline their absence is one clear message."""
 from __future__ import annotations
 
 import warnings
@@ -124,16 +125,16 @@ def test_reference_stats_are_cached_by_content_beside_the_data(inception, small_
     assert 0 < d_other < d_noise
 
 
-def test_weights_only_from_a_local_file(tmp_path, monkeypatch, inception):
+def test_weights_from_a_local_file_and_one_line_without_them(tmp_path, monkeypatch, inception):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", _no_download)
     monkeypatch.setattr(fid._pytorch_fid_inception(), "load_state_dict_from_url", _no_download)
     expected = tmp_path / "torch" / "hub" / "checkpoints" / fid.WEIGHTS_NAME
     assert fid.default_weights_path() == expected
     with pytest.raises(fid.FIDError) as err:
-        fid.load_inception()
+        fid.load_inception()  # FFCV_DDPM_OFFLINE=1 (conftest): no download tried
     msg = str(err.value)
-    assert "\n" not in msg and str(expected) in msg and fid.WEIGHTS_URL in msg and "never downloads" in msg
+    assert "\n" not in msg and str(expected) in msg and fid.WEIGHTS_URL in msg and "FFCV_DDPM_OFFLINE=1" in msg
     # A file in the hub cache is used (here: the random network's weights saved under the real name).
     expected.parent.mkdir(parents=True)
     torch.save(fid.random_inception_state(0), expected)
@@ -148,3 +149,84 @@ def test_weights_only_from_a_local_file(tmp_path, monkeypatch, inception):
 
 def _no_download(*args, **kwargs):
     raise AssertionError("FID tried to download its weights")
+
+
+# ---- the download, with the network replaced -------------------------------------------------------------------
+
+def test_the_url_and_hash_are_pytorch_fids():
+    """The file pytorch-fid's own source names, and the SHA-256 prefix torch.hub would check for it."""
+    assert fid.WEIGHTS_URL == fid._pytorch_fid_inception().FID_WEIGHTS_URL
+    assert fid.WEIGHTS_SHA256_PREFIX == "6726825d" and fid.WEIGHTS_URL.endswith(f"-{fid.WEIGHTS_SHA256_PREFIX}.pth")
+
+
+class FakeNetwork:
+    """urlopen for WEIGHTS_URL: serves `payload`, or raises `error`; counts the calls."""
+
+    def __init__(self, payload: bytes = b"", error: Exception | None = None):
+        self.payload, self.error, self.calls = payload, error, []
+
+    def __call__(self, url, timeout=None):
+        import io
+
+        self.calls.append(url)
+        if self.error is not None:
+            raise self.error
+        return io.BytesIO(self.payload)
+
+
+@pytest.fixture
+def online(tmp_path, monkeypatch):
+    """A hub cache in tmp_path, downloads allowed, and the random network's weights as what the URL serves."""
+    import hashlib
+    import io
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.delenv(fid.OFFLINE_ENV)
+    buf = io.BytesIO()
+    torch.save(fid.random_inception_state(0), buf)
+    payload = buf.getvalue()
+    network = FakeNetwork(payload)
+    monkeypatch.setattr(fid, "_urlopen", network)
+    # The real file's hash prefix cannot be matched by other bytes: the test file's own prefix stands in for it.
+    monkeypatch.setattr(fid, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(payload).hexdigest()[:8])
+    return network
+
+
+def test_weights_are_fetched_once_into_the_hub_cache(online, inception, capsys):
+    loaded = fid.load_inception()
+    assert online.calls == [fid.WEIGHTS_URL] and fid.default_weights_path().is_file()
+    assert "downloading the Inception weights (once)" in capsys.readouterr().err
+    x = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    np.testing.assert_array_equal(fid.inception_features(loaded, x), fid.inception_features(inception, x))
+    fid.load_inception()
+    fid.network_tag()
+    assert len(online.calls) == 1  # from the cache from now on
+    assert [p.name for p in fid.default_weights_path().parent.iterdir()] == [fid.WEIGHTS_NAME]  # no temp file left
+
+
+def test_a_download_with_another_hash_is_not_kept(online, monkeypatch):
+    monkeypatch.setattr(fid, "WEIGHTS_SHA256_PREFIX", "00000000")
+    with pytest.raises(fid.FIDError) as err:
+        fid.load_inception()
+    msg = str(err.value)
+    assert "\n" not in msg and "SHA-256" in msg and "00000000" in msg and "not kept" in msg
+    assert list(fid.default_weights_path().parent.iterdir()) == []  # neither under its name nor a temp name
+    monkeypatch.setattr(fid, "WEIGHTS_SHA256_PREFIX", fid.hashlib.sha256(online.payload).hexdigest()[:8])
+    fid.load_inception()  # the next try downloads again, and keeps the right file
+    assert len(online.calls) == 2 and fid.default_weights_path().is_file()
+
+
+def test_offline_is_one_line_naming_the_file_and_where_to_put_it(online, tmp_path):
+    import urllib.error
+
+    online.error = urllib.error.URLError("[Errno -3] Temporary failure in name resolution")
+    with pytest.raises(fid.FIDError) as err:
+        fid.load_inception()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"Inception weights {fid.default_weights_path()} not found")
+    assert "name resolution" in msg and fid.WEIGHTS_URL in msg and "--weights" in msg
+    assert list(fid.default_weights_path().parent.iterdir()) == []
+    # --weights PATH is used as given: a missing one is never downloaded in its place.
+    with pytest.raises(fid.FIDError, match="--weights"):
+        fid.load_inception(tmp_path / "elsewhere.pth")
+    assert len(online.calls) == 1

@@ -244,20 +244,28 @@ def odd_betons(tmp_path_factory):
     return {(h, w): write_beton(d / f"{h}x{w}.beton", 8, height=h, width=w) for h, w in ((64, 64), (32, 48), (31, 31))}
 
 
-@pytest.mark.parametrize("shape,overrides", [((64, 64), ()), ((32, 48), ()), ((31, 31), ()),
-                                             ((32, 32), ("model.image_size=64",))])
-def test_image_size_must_match_the_model(shape, overrides, odd_betons, beton, tmp_path, capsys):
+@pytest.mark.parametrize("shape,overrides,fix", [
+    ((64, 64), (), "set model.image_size=64 or"), ((32, 48), (), "the model needs square images"),
+    ((31, 31), (), "set model.image_size=31 or"), ((32, 32), ("model.image_size=64",), "set model.image_size=32 or"),
+    # The digits are stored as RGB like every .beton: the hint names the channels, not the image size.
+    ((32, 32), ("model.in_channels=1",), "set model.in_channels=3 or"),
+    ((64, 64), ("model.in_channels=1",), "set model.in_channels=3 model.image_size=64 or")])
+def test_image_shape_must_match_the_model(shape, overrides, fix, odd_betons, beton, tmp_path, capsys):
     data = beton if shape == (32, 32) else odd_betons[shape]
     rc, err, left = _main(tmp_path, capsys, data, *overrides)
     assert rc == 2 and len(err) == 1, err
     h, w = shape
-    model = 64 if overrides else 32
+    model = 64 if "model.image_size=64" in overrides else 32
     assert f"holds {h}x{w} images" in err[0] and f"built for {model}x{model}" in err[0], err[0]
+    assert fix in err[0], err[0]
     assert left == []
 
 
 @pytest.mark.parametrize("override,words", [
-    ("train.steps=abc", "train.steps=abc: expected an integer >= 1"),
+    ("train.steps=abc", "train.steps=abc: expected an integer in [1, 99999999]"),
+    # Checkpoint names hold 8 digits; 1e30 is no integer a float can hold exactly.
+    ("train.steps=1e8", "train.steps=1e8: expected an integer in [1, 99999999]"),
+    ("train.steps=1e30", "train.steps=1e30: expected an integer in [1, 99999999]"),
     ("train.lr=abc", "train.lr=abc: expected a number > 0"),
     ("train.log_every=0", "train.log_every=0: expected an integer >= 1"),
     ("train.ckpt_every=0", "train.ckpt_every=0: expected an integer >= 1"),

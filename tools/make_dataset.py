@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from ffcv_ddpm.checks import Parser, at_least, in_range, matches, option
+from ffcv_ddpm.checks import Parser, at_least, fail, in_range, matches, option
 from tools.atomic import (Staged, abort_cleanly, partial_path, release_locks, remove_stale_partials,
                           remove_stale_segments, write_json)
 from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, ImageDataset, DatasetError, export_png_dir,
@@ -327,8 +327,7 @@ def main(argv=None) -> int:
         with stoppable:
             return run(args)
     except DatasetError as e:
-        print(f"make_dataset: error: {e}", file=sys.stderr)
-        return 2
+        return fail("make_dataset", str(e))
     except KeyboardInterrupt:  # raised by code rather than a signal: the `with` blocks have removed the temp files
         print("make_dataset: interrupted - temp files removed, no .beton was left half-written", file=sys.stderr)
         return 130
