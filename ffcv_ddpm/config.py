@@ -108,6 +108,8 @@ RULES = {
     "model.norm_impl": one_of(lambda: tuple(unet.NORM_IMPLS)),
     "model.num_classes": at_least(0),
     "model.stem_kernel": at_least(1),
+    "model.upsample": one_of(lambda: tuple(unet.UPSAMPLES)),
+    "model.pad_image_channels": at_least(0),  # 0 or at least in_channels: ModelConfig.validate
     "diffusion.schedule": one_of(("linear", "cosine")),
     "diffusion.timesteps": at_least(1),
     "diffusion.beta_start": Rule("in (0, 1)", lambda v: 0 < v < 1),

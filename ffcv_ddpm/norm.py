@@ -10,10 +10,14 @@
   Statistics in fp32, output in the input's dtype, the dropout mask recomputed in the backward from a seed instead
   of stored. On CPU tensors the op runs `reference_forward`, plain torch with the same mask.
 
-All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them.
+All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them. Each takes a
+tensor or the parts of a channel concatenation (the up path's (h, skip) with model.concat_free) and returns the
+normalised concatenation; "scale-shift" never concatenates the input, the other two concatenate it first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,7 +27,8 @@ from torch import Tensor, nn
 NORM_IMPLS = ("torch", "scale-shift", "fused")
 
 
-def scale_shift_group_norm(x: Tensor, groups: int, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+def scale_shift_group_norm(x: Tensor | Sequence[Tensor], groups: int, weight: Tensor | None, bias: Tensor | None,
+                           eps: float) -> Tensor:
     """GroupNorm computed as x * scale + shift with a scale and shift per (sample, channel): the output and the
     gradient it returns keep the input's memory layout.
 
@@ -32,26 +37,39 @@ def scale_shift_group_norm(x: Tensor, groups: int, weight: Tensor | None, bias: 
     cuDNN's convolution backward must convert it back (benchmarks/NOTES.md, attempt 4).
     Statistics: a Welford mean and variance per channel over H, W (a reduction with no layout to impose), combined
     per group by the law of total variance (channels of a group count equally).
+
+    `x` may be a sequence of tensors, the parts of a channel concatenation: the result is the normalised
+    concatenation, computed without concatenating the input (per-channel statistics per part, a group may straddle
+    two parts); torch.compile writes the output's parts straight into one buffer.
     """
-    n, c = x.shape[:2]
+    parts = (x,) if isinstance(x, Tensor) else tuple(x)
+    n, c = parts[0].shape[0], sum(p.shape[1] for p in parts)
     g, k = groups, c // groups
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in fp32 at least, as group_norm's
-    var_c, mean_c = torch.var_mean(xf, dim=tuple(range(2, x.dim())), unbiased=False)  # (N, C) each
-    mean_c, var_c = mean_c.view(n, g, k), var_c.view(n, g, k)
+    dtype = torch.promote_types(parts[0].dtype, torch.float32)  # statistics in fp32 at least, as group_norm's
+    xf = [p.to(dtype) for p in parts]
+    stats = [torch.var_mean(p, dim=tuple(range(2, p.dim())), unbiased=False) for p in xf]  # per part (N, C_i) each
+    var_c = torch.cat([v for v, _ in stats], 1).view(n, g, k)
+    mean_c = torch.cat([m for _, m in stats], 1).view(n, g, k)
     mean = mean_c.mean(2, keepdim=True)  # (N, G, 1)
     var = var_c.mean(2, keepdim=True) + (mean_c - mean).square().mean(2, keepdim=True)  # within + between
     scale = torch.rsqrt(var + eps).expand(n, g, k)
     if weight is not None:
-        scale = scale * weight.to(xf.dtype).view(1, g, k)
+        scale = scale * weight.to(dtype).view(1, g, k)
     shift = -mean * scale
     if bias is not None:
-        shift = shift + bias.to(xf.dtype).view(1, g, k)
-    per_channel = (n, c) + (1,) * (x.dim() - 2)
-    out = xf * scale.reshape(per_channel) + shift.reshape(per_channel)
+        shift = shift + bias.to(dtype).view(1, g, k)
+    scale, shift = scale.reshape(n, c), shift.reshape(n, c)
+    outs, c0 = [], 0
+    for p in xf:
+        c1 = c0 + p.shape[1]
+        per_channel = (n, c1 - c0) + (1,) * (p.dim() - 2)
+        outs.append(p * scale[:, c0:c1].reshape(per_channel) + shift[:, c0:c1].reshape(per_channel))
+        c0 = c1
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     # What nn.GroupNorm returns: fp32 under CUDA autocast (group_norm is on its fp32 list), else the input's dtype
     # (CPU autocast runs group_norm in the lower precision).
-    keep_fp32 = x.device.type == "cuda" and torch.is_autocast_enabled("cuda")
-    return out if keep_fp32 else out.to(x.dtype)
+    keep_fp32 = parts[0].device.type == "cuda" and torch.is_autocast_enabled("cuda")
+    return out if keep_fp32 else out.to(parts[0].dtype)
 
 
 class GroupNormAct(nn.GroupNorm):
@@ -74,11 +92,16 @@ class GroupNormAct(nn.GroupNorm):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}"
 
-    def forward(self, x: Tensor, add: Tensor | None = None, film: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor | Sequence[Tensor], add: Tensor | None = None,
+                film: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor.
+        Only "scale-shift" normalises the parts as they are; the others concatenate them first."""
+        if not isinstance(x, Tensor) and (self.impl != "scale-shift" or len(x) == 1):
+            x = x[0] if len(x) == 1 else torch.cat(tuple(x), 1)
         if self.impl == "fused":
             return self._fused(x, add, film)
         if add is not None:
-            x = x + add[:, :, None, None]  # (N, C) -> (N, C, 1, 1)
+            x = x + add[:, :, None, None] if isinstance(x, Tensor) else _add_per_part(x, add)  # (N, C) -> (N, C, 1, 1)
         norm = F.group_norm if self.impl == "torch" else scale_shift_group_norm
         y = norm(x, self.num_groups, self.weight, self.bias, self.eps)
         if film is not None:
@@ -103,6 +126,15 @@ class GroupNormAct(nn.GroupNorm):
                                                        None if add is None else add.to(dt).contiguous(),
                                                        seed, self.num_groups, self.eps, self.silu, p)
         return out
+
+
+def _add_per_part(parts: Sequence[Tensor], add: Tensor) -> list[Tensor]:
+    """parts[i] + add's channels of part i: (N, C) added to the parts of an (N, C, H, W) concatenation."""
+    out, c0 = [], 0
+    for p in parts:
+        out.append(p + add[:, c0:c0 + p.shape[1], None, None])
+        c0 += p.shape[1]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- the op

@@ -29,7 +29,7 @@ graph break (tests/test_unet.py compiles it with ``fullgraph=True``; the trainer
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,12 @@ class ModelConfig:
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
+    # How the network is computed, not what: each switch gives the same function (up to float rounding) and the
+    # same state_dict; benchmarks/NOTES.md item 10 has the measurements behind them.
+    concat_free: bool = False  # "ddpm" up path: blocks take (h, skip) as two inputs instead of torch.cat([h, skip])
+    upsample: str = "nearest"  # "nearest" (F.interpolate), "expand" (broadcast copy) or "transposed" (folded into the conv)
+    pad_image_channels: int = 0  # stem input and output-conv output zero-padded to this many channels; 0 = as is
+    attn_linear: bool = False  # attention's 1x1 qkv and output convs as matmuls on the NHWC view (bias in the GEMM)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -105,6 +111,27 @@ class ModelConfig:
         if self.depthwise_separable and self.conv_groups != 1:
             raise ValueError(f"depthwise_separable=True with conv_groups={self.conv_groups}: the depthwise part is "
                              "already grouped per channel; set conv_groups=1")
+        if self.upsample not in UPSAMPLES:
+            raise ValueError(f"upsample={self.upsample!r}: use one of {', '.join(map(repr, UPSAMPLES))}")
+        if self.concat_free and self.arch != "ddpm":
+            raise ValueError("concat_free=True is built for arch='ddpm' (the annotated block convolves the raw "
+                             "concatenation first); set concat_free=False")
+        if self.pad_image_channels and self.pad_image_channels < self.in_channels:
+            raise ValueError(f"pad_image_channels={self.pad_image_channels} is below in_channels={self.in_channels}; "
+                             "use 0 (no padding) or at least in_channels")
+
+
+UPSAMPLES = ("nearest", "expand", "transposed")
+
+# The computation switches' reference values: the network as the paper wrote it. benchmarks/flops.py counts the
+# FLOPs of this network, so a switch that does extra work (zero padding) or less (the folded upsample) does not
+# change the model FLOPs that MFU divides by.
+REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image_channels": 0, "attn_linear": False}
+
+
+def reference_config(cfg: ModelConfig) -> ModelConfig:
+    """The same network with every computation switch at its reference value."""
+    return replace(cfg, **REFERENCE_COMPUTATION)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -151,6 +178,77 @@ class WSConv2d(nn.Conv2d):
         return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
+class ImageConv2d(nn.Conv2d):
+    """A conv on the image side of the network: the stem (`side="in"`, reads the image's channels) or the output conv
+    (`side="out"`, writes them). With `pad_to` > 0 it runs with those image channels zero-padded to `pad_to` (zero
+    weights, the parameters keep their shapes): the same function, but cuDNN gets 16-byte channel rows at bf16
+    instead of 3 channels, for which it picks sm80 kernels (the output conv's data gradient ran at 2.6 TFLOP/s:
+    2.7 ms per step of 1024 on an H200, benchmarks/NOTES.md item 9)."""
+
+    def __init__(self, cin: int, cout: int, kernel: int, side: str, pad_to: int = 0):
+        super().__init__(cin, cout, kernel, padding=kernel // 2)
+        self.side = side  # "in": the input channels are the image's; "out": the output channels are
+        self.pad_to = pad_to  # image channels as computed; 0 = unpadded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.pad_to:
+            return super().forward(x)
+        if self.side == "in":
+            extra = self.pad_to - self.in_channels
+            x = F.pad(x, (0, 0, 0, 0, 0, extra))  # (B, C, H, W) -> (B, pad_to, H, W), zeros appended
+            return F.conv2d(x, F.pad(self.weight, (0, 0, 0, 0, 0, extra)), self.bias, padding=self.padding)
+        extra = self.pad_to - self.out_channels
+        w = F.pad(self.weight, (0, 0, 0, 0, 0, 0, 0, extra))  # (cout, cin, k, k) -> (pad_to, cin, k, k)
+        y = F.conv2d(x, w, F.pad(self.bias, (0, extra)), padding=self.padding)[:, :self.out_channels]
+        # The slice is not dense; return what the unpadded conv returns: a dense tensor in the input's layout.
+        return y.contiguous(memory_format=torch.channels_last if channels_last(x) else torch.contiguous_format)
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether a 4-D tensor is laid out NHWC (channels unit-stride); static under torch.compile."""
+    return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def conv_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """conv(torch.cat(parts, 1)) as a sum of convolutions over the parts with slices of its weight: no concatenated
+    input, whose gradient's channel slices cuDNN's backward would copy into dense tensors."""
+    out, c0 = None, 0
+    for i, part in enumerate(parts):
+        c1 = c0 + part.shape[1]
+        y = F.conv2d(part, conv.weight[:, c0:c1], conv.bias if i == 0 else None, conv.stride, conv.padding,
+                     conv.dilation, conv.groups)
+        out, c0 = (y if out is None else out + y), c1
+    return out
+
+
+def nearest_2x(x: torch.Tensor) -> torch.Tensor:
+    """F.interpolate(x, scale_factor=2, mode="nearest") as a broadcast copy in the input's memory order, so that its
+    gradient is a plain sum over each 2x2 block (inductor lowers interpolate's backward as an index_put with
+    accumulation: 3.5 ms per step of 1024 on an H200, benchmarks/NOTES.md item 9)."""
+    B, C, H, W = x.shape
+    if channels_last(x):
+        y = x.permute(0, 2, 3, 1)[:, :, None, :, None, :].expand(B, H, 2, W, 2, C)  # (B, H, 2, W, 2, C), a view
+        return y.reshape(B, 2 * H, 2 * W, C).permute(0, 3, 1, 2)  # (B, C, 2H, 2W), channels_last
+    y = x[:, :, :, None, :, None].expand(B, C, H, 2, W, 2)  # (B, C, H, 2, W, 2), a view
+    return y.reshape(B, C, 2 * H, 2 * W)
+
+
+def fold_nearest_2x(weight: torch.Tensor) -> torch.Tensor:
+    """The 3x3 conv weight (cout, cin, 3, 3) of "nearest 2x upsample, then conv (padding 1)" as the weight
+    (cin, cout, 4, 4) of one transposed conv (stride 2, padding 1) on the low-resolution input.
+
+    Output row 2m reads upsampled rows 2m-1, 2m, 2m+1 = input rows m-1, m, m: taps w0 on row m-1 and w1 + w2 on
+    row m; output row 2m+1 reads input rows m, m, m+1: w0 + w1 on row m, w2 on row m+1. A transposed conv with
+    stride 2 and padding 1 takes tap k of input row i into output row 2i - 1 + k, so its taps are
+    (w2, w1 + w2, w0 + w1, w0); the same along columns. 16 taps per output pixel instead of 36 per 2x2 block:
+    the convolution does 4/9 of the work. Zero padding at the border agrees (input row -1 is upsampled row -1)."""
+    def fold(w: torch.Tensor, dim: int) -> torch.Tensor:
+        a, b, c = w.unbind(dim)
+        return torch.stack([c, b + c, a + b, a], dim)
+
+    return fold(fold(weight, 2), 3).transpose(0, 1)  # (cout, cin, 4, 4) -> (cin, cout, 4, 4)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v on (B, heads, N, d) tensors, by SDPA or by the explicit matmul-softmax reference."""
     if impl == "sdpa":
@@ -169,11 +267,14 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
-                 norm_impl: str = "scale-shift"):
+                 norm_impl: str = "scale-shift", linear: bool = False):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
         self.impl = impl  # "sdpa" or "math"
+        # The 1x1 convs as matmuls on the NHWC view: inductor hands a conv to cuDNN without its bias and adds the bias
+        # in a kernel of its own, which nothing fuses when SDPA consumes the output; cuBLAS adds it in its epilogue.
+        self.linear = linear
         inner = self.heads * self.head_dim
         self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False)
         self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
@@ -181,13 +282,18 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x.shape
-        qkv = self.qkv(self.norm(x)).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
+        h = self.norm(x)
+        if self.linear:  # (B, H, W, C) @ (C, 3*heads*d): a view and one GEMM if channels_last
+            qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
+        else:
+            qkv = self.qkv(h).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
         qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if channels_last
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
         o = attention(q, k, v, self.impl)  # (B, heads, HW, d)
-        # Back to an image in channels_last layout: (B, HW, heads, d) -> (B, H, W, heads*d) -> (B, heads*d, H, W).
-        o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim).permute(0, 3, 1, 2)
-        return x + self.proj(o)
+        o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim)  # (B, HW, heads, d) -> (B, H, W, heads*d)
+        if self.linear:
+            return x + F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
+        return x + self.proj(o.permute(0, 3, 1, 2))  # (B, heads*d, H, W), channels_last
 
 
 class TimeEmbedding(nn.Module):
@@ -202,7 +308,8 @@ class TimeEmbedding(nn.Module):
         self.label = nn.Embedding(num_classes + 1, dim) if num_classes else None
 
     def forward(self, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        emb = self.mlp(timestep_embedding(t, self.base))  # (B, dim)
+        # In the weights' dtype: a model cast to fp64 (the exactness tests) or bf16 runs; autocast casts anyway.
+        emb = self.mlp(timestep_embedding(t, self.base).to(self.mlp[0].weight.dtype))  # (B, dim)
         if self.label is not None:
             y = torch.full_like(t, self.num_classes, dtype=torch.long) if y is None else y
             emb = emb + self.label(y)
@@ -242,10 +349,15 @@ class DDPMResBlock(nn.Module):
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(self.norm1(x))
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], temb: torch.Tensor) -> torch.Tensor:
+        """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path)."""
+        h = self.conv1(self.norm1(x))  # norm1 returns the normalised concatenation
         h = self.conv2(self.norm2(h, add=self.temb(F.silu(temb))))  # the (B, cout) time embedding added to h first
-        return self.skip(x) + h
+        if isinstance(x, torch.Tensor):
+            return self.skip(x) + h
+        if isinstance(self.skip, nn.Identity):
+            return torch.cat(x, 1) + h
+        return conv_over_parts(self.skip, x) + h
 
 
 class AnnotatedResBlock(nn.Module):
@@ -281,14 +393,18 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Doubles H and W: nearest-neighbour then 3x3 conv."""
+    """Doubles H and W: nearest-neighbour then 3x3 conv, computed as `impl` says (model.upsample): "nearest"
+    (F.interpolate), "expand" (nearest_2x) or "transposed" (one transposed conv, fold_nearest_2x)."""
 
-    def __init__(self, cin: int, cout: int):
+    def __init__(self, cin: int, cout: int, impl: str = "nearest"):
         super().__init__()
+        self.impl = impl  # one of UPSAMPLES
         self.conv = nn.Conv2d(cin, cout, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        if self.impl == "transposed":
+            return F.conv_transpose2d(x, fold_nearest_2x(self.conv.weight), self.conv.bias, stride=2, padding=1)
+        return self.conv(nearest_2x(x) if self.impl == "expand" else F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
 # ---------------------------------------------------------------------------------------------------- networks
@@ -303,11 +419,12 @@ class DDPMUNet(nn.Module):
         ch = cfg.base_channels
         temb_dim = 4 * ch
         self.num_classes = cfg.num_classes  # index of the null label (when > 0)
+        self.concat_free = cfg.concat_free  # up-path blocks take (h, skip) unconcatenated
         self.time = TimeEmbedding(ch, temb_dim, nn.SiLU, cfg.num_classes)
-        self.stem = nn.Conv2d(cfg.in_channels, ch, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
+        self.stem = ImageConv2d(cfg.in_channels, ch, cfg.stem_kernel, "in", cfg.pad_image_channels)
         block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
-                                       cfg.attn_impl, cfg.norm_impl)
+                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear)
 
         # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
         self.down = nn.ModuleList()
@@ -332,11 +449,11 @@ class DDPMUNet(nn.Module):
                 self.up.append(Stage(block(cin, ch * mult), attn(ch * mult) if res in cfg.attn_resolutions else None))
                 cur = ch * mult
             if level != 0:
-                self.up.append(Upsample(cur, cur))
+                self.up.append(Upsample(cur, cur, cfg.upsample))
                 res *= 2
         # GroupNorm + SiLU, conv; the Identity keeps the conv's state_dict key (out.2) from when SiLU was a module.
         self.out = nn.Sequential(GroupNormAct(cfg.norm_groups, cur, cfg.norm_impl), nn.Identity(),
-                                 nn.Conv2d(cur, cfg.in_channels, 3, padding=1))
+                                 ImageConv2d(cur, cfg.in_channels, 3, "out", cfg.pad_image_channels))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         temb = self.time(t, y)
@@ -347,7 +464,11 @@ class DDPMUNet(nn.Module):
             hs.append(h)
         h = self.mid(h, temb)
         for m in self.up:
-            h = m(torch.cat([h, hs.pop()], dim=1), temb) if isinstance(m, Stage) else m(h)  # concat on channels
+            if isinstance(m, Stage):
+                parts = (h, hs.pop())
+                h = m(parts if self.concat_free else torch.cat(parts, dim=1), temb)  # concat on channels
+            else:
+                h = m(h)
         return self.out(h)
 
 
@@ -362,10 +483,10 @@ class AnnotatedUNet(nn.Module):
         temb_dim = 4 * dim
         self.num_classes = cfg.num_classes  # index of the null label (when > 0)
         self.time = TimeEmbedding(dim, temb_dim, nn.GELU, cfg.num_classes)
-        self.stem = nn.Conv2d(cfg.in_channels, dim, cfg.stem_kernel, padding=cfg.stem_kernel // 2)
+        self.stem = ImageConv2d(cfg.in_channels, dim, cfg.stem_kernel, "in", cfg.pad_image_channels)
         block = lambda cin, cout: AnnotatedResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False,  # noqa: E731
-                                       cfg.attn_impl, cfg.norm_impl)
+                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear)
         dims = [dim] + [dim * m for m in cfg.channel_mult]
         in_out = list(zip(dims[:-1], dims[1:]))
         n = cfg.num_res_blocks
@@ -388,12 +509,12 @@ class AnnotatedUNet(nn.Module):
             last = level == len(in_out) - 1
             use_attn = res in cfg.attn_resolutions
             blocks = [Stage(block(cout + cin, cout), attn(cout) if use_attn and i == n - 1 else None) for i in range(n)]
-            resample = nn.Conv2d(cout, cin, 3, padding=1) if last else Upsample(cout, cin)
+            resample = nn.Conv2d(cout, cin, 3, padding=1) if last else Upsample(cout, cin, cfg.upsample)
             self.up.append(Level(blocks, resample))
             res = res if last else res * 2
 
         self.final = block(2 * dim, dim)
-        self.out = nn.Conv2d(dim, cfg.in_channels, 1)
+        self.out = ImageConv2d(dim, cfg.in_channels, 1, "out", cfg.pad_image_channels)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         temb = self.time(t, y)

@@ -43,7 +43,10 @@ TINY_ANNOTATED = ModelConfig(
 TINY_CONFIGS = {"tiny": PRESETS["tiny"], "tiny-annotated": TINY_ANNOTATED,
                 "tiny-torch-norm": dataclasses.replace(PRESETS["tiny"], norm_impl="torch"),
                 "tiny-fused-norm": dataclasses.replace(PRESETS["tiny"], norm_impl="fused", dropout=0.1),
-                "tiny-annotated-fused-norm": dataclasses.replace(TINY_ANNOTATED, norm_impl="fused", dropout=0.1)}
+                "tiny-annotated-fused-norm": dataclasses.replace(TINY_ANNOTATED, norm_impl="fused", dropout=0.1),
+                # Every model.* computation switch on (tests/test_computation_switches.py checks each is exact).
+                "tiny-switches": dataclasses.replace(PRESETS["tiny"], concat_free=True, upsample="transposed",
+                                                     pad_image_channels=8, attn_linear=True)}
 
 
 def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:

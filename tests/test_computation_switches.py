@@ -1,0 +1,242 @@
+"""The model.* computation switches (concat_free, upsample, pad_image_channels, attn_linear): the reference network's
+function (fp64, forward and gradients) and state_dict, what each removes from the step, and FLOP counts that stay
+the model's."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
+from benchmarks.rows import Row
+from benchmarks.runner import flops_of
+from ffcv_ddpm.checks import BadValue
+from ffcv_ddpm.config import load_config
+from ffcv_ddpm.unet import PRESETS, REFERENCE_COMPUTATION, Upsample, build_model, nearest_2x, reference_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALL = dict(concat_free=True, upsample="transposed", pad_image_channels=8, attn_linear=True)
+SWITCHES = {"concat_free": dict(concat_free=True), "expand": dict(upsample="expand"),
+            "transposed": dict(upsample="transposed"), "pad": dict(pad_image_channels=8),
+            "attn_linear": dict(attn_linear=True), "all": ALL}
+# Base 12, 4 groups: the up path concatenates 24 + 12 channels in groups of 9, so a group straddles h and the skip
+# (test_groups_straddle_the_concatenation checks it). Dropout on, to check that the masks line up too.
+STRADDLE = dataclasses.replace(PRESETS["tiny"], base_channels=12, norm_groups=4, dropout=0.1)
+ANNOTATED = dataclasses.replace(PRESETS["tiny"], arch="annotated", base_channels=8, attn_head_dim=8, norm_groups=4,
+                                weight_standardize=True, stem_kernel=1, attn_resolutions=(32, 16))
+
+
+def pair(cfg, switch: dict, channels_last: bool):
+    """(reference model, switched model) in fp64 with the same weights, in training mode."""
+    torch.manual_seed(0)
+    ref = build_model(cfg).double()
+    with torch.no_grad():  # GroupNorm's affine away from (1, 0), so a wrong channel-to-group map shows
+        for m in ref.modules():
+            if isinstance(m, torch.nn.GroupNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_()
+    new = build_model(dataclasses.replace(cfg, **switch)).double()
+    new.load_state_dict(ref.state_dict())  # strict: the same keys and shapes
+    if channels_last:
+        ref, new = (m.to(memory_format=torch.channels_last) for m in (ref, new))
+    return ref, new
+
+
+def run(model, x, t, seed=1):
+    """Output and the gradients of every parameter and of the input, for a fixed random cotangent."""
+    torch.manual_seed(seed)  # the same dropout masks in both models
+    x = x.detach().clone().requires_grad_()
+    out = model(x, t)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    grads = torch.autograd.grad(out, [x, *model.parameters()], dout)
+    return out, grads
+
+
+def rel_max(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("impl", ["scale-shift", "torch", "fused"])
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_switch_computes_the_reference_network(switch, impl, channels_last):
+    ref, new = pair(dataclasses.replace(STRADDLE, norm_impl=impl), SWITCHES[switch], channels_last)
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([0, 517, 999])
+    (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
+    assert rel_max(out_n, out_r) < 1e-12
+    names = ["input"] + [n for n, _ in ref.named_parameters()]
+    for name, a, b in zip(names, grads_n, grads_r):
+        assert rel_max(a, b) < 1e-11, name
+    # The same layout out as the reference: nothing on the way turned channels_last into NCHW or back.
+    assert out_n.stride() == out_r.stride() and grads_n[0].stride() == grads_r[0].stride()
+
+
+def test_annotated_network_takes_the_switches_but_concat_free():
+    switch = dict(upsample="transposed", pad_image_channels=8, attn_linear=True)
+    ref, new = pair(ANNOTATED, switch, channels_last=True)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([3, 700])
+    (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
+    assert rel_max(out_n, out_r) < 1e-12
+    assert all(rel_max(a, b) < 1e-11 for a, b in zip(grads_n, grads_r))
+    with pytest.raises(BadValue, match="model.concat_free=True is built for arch='ddpm'"):
+        load_config("annotated-small", ["model.concat_free=True"])
+
+
+def test_groups_straddle_the_concatenation():
+    """The exactness test above covers a GroupNorm group made of channels of both h and the skip."""
+    model = build_model(dataclasses.replace(STRADDLE, concat_free=True))
+    seen = []
+    for stage in model.up:
+        if hasattr(stage, "block"):
+            norm = stage.block.norm1
+            norm.register_forward_pre_hook(lambda m, args: seen.append((args[0][0].shape[1], m.num_channels // m.num_groups)))
+    model(torch.randn(1, 3, 32, 32), torch.tensor([5]))
+    assert len(seen) == len([s for s in model.up if hasattr(s, "block")])
+    assert any(boundary % group for boundary, group in seen), seen
+
+
+@pytest.mark.parametrize("preset", ["ddpm-cifar10", "annotated-small"])
+def test_state_dict_unchanged(preset):
+    switch = ALL if preset == "ddpm-cifar10" else {k: v for k, v in ALL.items() if k != "concat_free"}
+    with torch.device("meta"):
+        ref = build_model(PRESETS[preset]).state_dict()
+        new = build_model(dataclasses.replace(PRESETS[preset], **switch)).state_dict()
+    assert {k: v.shape for k, v in new.items()} == {k: v.shape for k, v in ref.items()}
+
+
+class ConvBackwardArgs(TorchDispatchMode):
+    """The layouts of what every convolution_backward receives (grad_output, input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution_backward.default:
+            self.dense.append(all(t.is_contiguous(memory_format=torch.channels_last) for t in args[:2]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_concat_free_hands_cudnn_only_dense_tensors():
+    """The reference's torch.cat([h, skip]) has a gradient whose channel slices reach convolution_backward as they are
+    (cuDNN copies each into a dense tensor: 6.7 ms per step, benchmarks/NOTES.md item 9); without the cat, none."""
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([3, 700])
+    counts = {}
+    for name, model in zip(("ref", "concat_free"), pair(STRADDLE, SWITCHES["concat_free"], channels_last=True)):
+        out = model(x, t)
+        with ConvBackwardArgs() as rec:
+            out.square().sum().backward()
+        counts[name] = (rec.dense.count(False), len(rec.dense))
+    assert counts["ref"][0] > 0, counts  # the mechanism is there in the reference, so the next line means something
+    assert counts["concat_free"][0] == 0, counts
+
+
+def backward_ops(fn, x: torch.Tensor) -> set[str]:
+    """The aten ops of fn's backward graph as AOT autograd hands it to inductor (with inductor's decompositions)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+    from torch._inductor.decomposition import select_decomp_table
+
+    ops = set()
+
+    def record(gm, _example_inputs):
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm)
+
+    traced = aot_function(fn, fw_compiler=lambda gm, _: make_boxed_func(gm), bw_compiler=record,
+                          decompositions=select_decomp_table())
+    traced(x.detach().requires_grad_()).sum().backward()
+    return ops
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_expand_upsample_backward_is_a_sum(channels_last):
+    x = torch.randn(2, 5, 3, 4, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    assert torch.equal(nearest_2x(x), F.interpolate(x, scale_factor=2.0, mode="nearest"))
+    assert nearest_2x(x).is_contiguous(memory_format=torch.channels_last) == channels_last
+    interp = backward_ops(lambda x: F.interpolate(x, scale_factor=2.0, mode="nearest"), x)
+    expand = backward_ops(nearest_2x, x)
+    assert any("index_put" in op for op in interp), interp  # what inductor runs for F.interpolate's backward
+    assert not any("index" in op for op in expand) and any("sum" in op for op in expand), expand
+
+
+def test_transposed_upsample_is_the_conv_of_the_upsampled_image_with_4_9_of_the_work():
+    torch.manual_seed(0)
+    ref, folded = Upsample(6, 5).double(), Upsample(6, 5, "transposed").double()
+    folded.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, 5, 7, dtype=torch.float64, requires_grad=True)  # odd, non-square: every border case
+    dout = torch.randn(2, 5, 10, 14, dtype=torch.float64)
+    got = []
+    for m in (ref, folded):
+        with FlopCounterMode(display=False) as counter:
+            out = m(x)
+        got.append((out, *torch.autograd.grad(out, [x, *m.parameters()], dout), counter.get_total_flops()))
+    (*r, flops_r), (*f, flops_f) = got
+    assert all(rel_max(a, b) < 1e-12 for a, b in zip(f, r))
+    assert flops_f * 9 == flops_r * 4  # 16 taps per low-resolution pixel instead of 9 per each of its 4 outputs
+
+
+def test_flops_count_the_reference_network():
+    """MFU divides by the model's FLOPs: padding (more work) must not raise it, the folded upsample (less work)
+    is not charged less; what the computation executes is recorded beside it."""
+    base = PRESETS["ddpm-cifar10"]
+    ref = train_flops_per_image(base)
+    assert ref["executed_fwd_bwd"] == ref["fwd_bwd"]
+    for switch, executed in (("pad", "more"), ("transposed", "less"), ("concat_free", "same"),
+                             ("attn_linear", "same"), ("all", "less")):
+        cfg = dataclasses.replace(base, **SWITCHES[switch])
+        assert reference_config(cfg) == base
+        f = train_flops_per_image(cfg)
+        assert f["fwd_bwd"] == ref["fwd_bwd"] and f["fwd"] == ref["fwd"], switch
+        assert published_style_flops_per_image(cfg)["fwd_bwd"] == published_style_flops_per_image(base)["fwd_bwd"]
+        diff = f["executed_fwd_bwd"] - ref["fwd_bwd"]
+        assert {"more": diff > 0, "less": diff < 0, "same": diff == 0}[executed], (switch, diff)
+    assert set(REFERENCE_COMPUTATION) <= {f.name for f in dataclasses.fields(base)}
+    # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
+    row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
+    padded = flops_of(row("model.pad_image_channels=8"), [])
+    plain = flops_of(row(), [])
+    assert padded["train"]["fwd_bwd"] == plain["train"]["fwd_bwd"]
+    assert padded["train"]["executed_fwd_bwd"] > plain["train"]["executed_fwd_bwd"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.upsample=bilinear", "model.upsample=bilinear: expected one of nearest, expand, transposed"),
+    ("model.pad_image_channels=2", "model.pad_image_channels=2 is below in_channels=3"),
+    ("model.pad_image_channels=-1", "model.pad_image_channels=-1: expected an integer >= 0"),
+])
+def test_bad_switch_values_are_one_line(override, message):
+    with pytest.raises(BadValue, match=message):
+        load_config("ddpm-cifar10", [override])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU code generation needs CUDA")
+def test_compiled_on_the_gpu_matches_eager_reference():
+    """On the GPU, torch.compile of the switched network (channels_last, fp32 without TF32) against the eager
+    reference network: forward and gradients. (Inductor's CPU backend miscompiles the concat_free GroupNorm where a
+    group straddles the parts -- its loop split drops the last channels, torch 2.13 -- and the trainer never compiles
+    on the CPU; benchmarks/NOTES.md item 10.)"""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    cfg = dataclasses.replace(STRADDLE, base_channels=24, dropout=0.0)  # groups of 18 channels across 48 + 24
+    ref, new = (m.float().cuda() for m in pair(cfg, ALL, channels_last=True))
+    x = torch.randn(4, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([0, 10, 500, 999], device="cuda")
+    compiled = torch.compile(new)
+    outs = []
+    for m in (ref, compiled):
+        out = m(x, t)
+        outs.append((out, *torch.autograd.grad(out.square().mean(), list(new.parameters()) if m is compiled
+                                               else list(ref.parameters()))))
+    for a, b in zip(*outs):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
