@@ -97,7 +97,9 @@ def test_groups_straddle_the_concatenation():
     for stage in model.up:
         if hasattr(stage, "block"):
             norm = stage.block.norm1
-            norm.register_forward_pre_hook(lambda m, args: seen.append((args[0][0].shape[1], m.num_channels // m.num_groups)))
+            # (channels of h, channels per group) of the parts the block's first GroupNorm gets
+            norm.register_forward_pre_hook(
+                lambda m, args: seen.append((args[0][0].shape[1], m.num_channels // m.num_groups)))
     model(torch.randn(1, 3, 32, 32), torch.tensor([5]))
     assert len(seen) == len([s for s in model.up if hasattr(s, "block")])
     assert any(boundary % group for boundary, group in seen), seen
