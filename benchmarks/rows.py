@@ -52,8 +52,12 @@ STACK = (
     # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels).
     ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused",), "prev"),
 )
+# The computation switches that have one setting (model.upsample has two: the rows name theirs).
+ALL_SWITCHES = ("model.concat_free=True", "model.pad_image_channels=8", "model.attn_linear=True")
+
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
-# overrides on top of that row). They run at that row's batch.
+# overrides on top of that row[, the presets they apply to]). They run at that row's batch.
+DDPM_ONLY = ("ddpm-cifar10",)  # model.concat_free is built for the DDPM network only
 VARIANTS = (
     # On the fused-AdamW row: with the foreach AdamW, GradScaler reads found_inf on the host every step (the bf16
     # rows have no such sync); the fused one takes it on the device.
@@ -65,6 +69,21 @@ VARIANTS = (
     ("inductor layout optimization forced", "+ GPU-resident data, flips on GPU", ("train.force_layout_opt=True",)),
     ("cuDNN algorithm search (cudnn.benchmark)", "+ fused GroupNorm/SiLU/dropout kernels",
      ("train.cudnn_benchmark=True",)),
+    # The model.* computation switches (issue 25; benchmarks/NOTES.md item 10): the same network computed
+    # differently; FLOPs and MFU stay the reference network's. Variants of the last row so that the rows above keep
+    # their numbers, on the default GroupNorm (scale-shift) unless the name says fused.
+    *((name, "+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=scale-shift", *added), DDPM_ONLY)
+      for name, added in (
+        ("up path without the skip concatenation (model.concat_free)", ("model.concat_free=True",)),
+        ("upsample as a broadcast copy (model.upsample=expand)", ("model.upsample=expand",)),
+        ("upsample folded into a transposed conv (model.upsample=transposed)", ("model.upsample=transposed",)),
+        ("image convs padded to 8 channels (model.pad_image_channels=8)", ("model.pad_image_channels=8",)),
+        ("attention projections as matmuls (model.attn_linear)", ("model.attn_linear=True",)),
+        ("all switches (expand upsample)", (*ALL_SWITCHES, "model.upsample=expand")),
+        ("all switches (transposed upsample)", (*ALL_SWITCHES, "model.upsample=transposed")),
+    )),
+    ("all switches + fused GroupNorm", "+ fused GroupNorm/SiLU/dropout kernels",
+     (*ALL_SWITCHES, "model.upsample=transposed"), DDPM_ONLY),
 )
 
 
@@ -104,7 +123,9 @@ def table_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
         acc = merge(acc, added)
         rows.append(Row(name, preset, acc, rows[-1].name if batch == "prev" else batch, baseline=i == 0))
     last: dict[str, str] = {}  # parent -> the row a new variant goes after (the parent, then its earlier variants)
-    for name, parent, added in VARIANTS:
+    for name, parent, added, *presets in VARIANTS:
+        if presets and preset not in presets[0]:
+            continue
         p = next(r for r in rows if r.name == parent)
         after = next(i for i, r in enumerate(rows) if r.name == last.get(parent, parent))
         rows.insert(after + 1, Row(name, preset, merge(p.overrides, added), p.name))

@@ -242,3 +242,22 @@ def test_compiled_on_the_gpu_matches_eager_reference():
                                                else list(ref.parameters()))))
     for a, b in zip(*outs):
         assert ((a - b).norm() / b.norm()).item() < 1e-4
+
+
+def test_bench_rows_of_the_switches():
+    """Each switch row is the default (scale-shift) row plus its switches; the rows before them keep their numbers;
+    the small UNet's table has none of them (concat_free is for the DDPM network)."""
+    from benchmarks.rows import table_rows
+
+    ddpm = table_rows("ddpm-cifar10", ("data.loader=torch-memory",))
+    small = table_rows("annotated-small", ("data.loader=torch-memory",))
+    switch_rows = [r for r in ddpm if "switches" in r.name or "(model." in r.name]
+    assert len(switch_rows) == 8 and not any("switches" in r.name or "(model." in r.name for r in small)
+    assert [r.name for r in ddpm[:len(small)]] == [r.name for r in small]  # appended: earlier indices unchanged
+    cfg = {r.name: load_config(r.preset, list(r.overrides)) for r in ddpm}
+    default = cfg["+ GroupNorm that keeps channels_last"].to_dict()
+    for row in switch_rows:
+        got = cfg[row.name].to_dict()
+        changed = {k for k in got["model"] if got["model"][k] != default["model"][k]}
+        assert changed and changed <= set(REFERENCE_COMPUTATION) | ({"norm_impl"} if "fused" in row.name else set())
+        assert {s: got[s] for s in ("train", "data")} == {s: default[s] for s in ("train", "data")}, row.name
