@@ -69,7 +69,7 @@ VARIANTS = (
     ("inductor layout optimization forced", "+ GPU-resident data, flips on GPU", ("train.force_layout_opt=True",)),
     ("cuDNN algorithm search (cudnn.benchmark)", "+ fused GroupNorm/SiLU/dropout kernels",
      ("train.cudnn_benchmark=True",)),
-    # The model.* computation switches (issue 25; benchmarks/NOTES.md item 10): the same network computed
+    # The model.* computation switches (issue 25; benchmarks/NOTES.md item 11): the same network computed
     # differently; FLOPs and MFU stay the reference network's. Variants of the last row so that the rows above keep
     # their numbers, on the default GroupNorm (scale-shift) unless the name says fused.
     *((name, "+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=scale-shift", *added), DDPM_ONLY)

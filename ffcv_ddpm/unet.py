@@ -59,7 +59,7 @@ class ModelConfig:
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
     # How the network is computed, not what: each switch gives the same function (up to float rounding) and the
-    # same state_dict; benchmarks/NOTES.md item 10 has the measurements behind them.
+    # same state_dict; benchmarks/NOTES.md item 11 has the measurements behind them.
     concat_free: bool = False  # "ddpm" up path: blocks take (h, skip) as two inputs instead of torch.cat([h, skip])
     upsample: str = "nearest"  # "nearest" (F.interpolate), "expand" (broadcast copy) or "transposed" (folded into the conv)
     pad_image_channels: int = 0  # stem input and output-conv output zero-padded to this many channels; 0 = as is

@@ -228,7 +228,7 @@ def test_compiled_on_the_gpu_matches_eager_reference():
     """On the GPU, torch.compile of the switched network (channels_last, fp32 without TF32) against the eager
     reference network: forward and gradients. (Inductor's CPU backend miscompiles the concat_free GroupNorm where a
     group straddles the parts -- its loop split drops the last channels, torch 2.13 -- and the trainer never compiles
-    on the CPU; benchmarks/NOTES.md item 10.)"""
+    on the CPU; benchmarks/NOTES.md item 11.)"""
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     cfg = dataclasses.replace(STRADDLE, base_channels=24, dropout=0.0)  # groups of 18 channels across 48 + 24
     ref, new = (m.float().cuda() for m in pair(cfg, ALL, channels_last=True))
