@@ -229,19 +229,21 @@ def test_compiled_on_the_gpu_matches_eager_reference():
     reference network: forward and gradients. (Inductor's CPU backend miscompiles the concat_free GroupNorm where a
     group straddles the parts -- its loop split drops the last channels, torch 2.13 -- and the trainer never compiles
     on the CPU; benchmarks/NOTES.md item 11.)"""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    cfg = dataclasses.replace(STRADDLE, base_channels=24, dropout=0.0)  # groups of 18 channels across 48 + 24
-    ref, new = (m.float().cuda() for m in pair(cfg, ALL, channels_last=True))
-    x = torch.randn(4, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
-    t = torch.tensor([0, 10, 500, 999], device="cuda")
-    compiled = torch.compile(new)
-    outs = []
-    for m in (ref, compiled):
-        out = m(x, t)
-        outs.append((out, *torch.autograd.grad(out.square().mean(), list(new.parameters()) if m is compiled
-                                               else list(ref.parameters()))))
-    for a, b in zip(*outs):
-        assert ((a - b).norm() / b.norm()).item() < 1e-4
+    try:
+        cfg = dataclasses.replace(STRADDLE, base_channels=24, dropout=0.0)  # groups of 18 channels across 48 + 24
+        ref, new = (m.float().cuda() for m in pair(cfg, ALL, channels_last=True))
+        x = torch.randn(4, 3, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
+        t = torch.tensor([0, 10, 500, 999], device="cuda")
+        outs = []
+        for model, run_as in ((ref, ref), (new, torch.compile(new))):
+            out = run_as(x, t)
+            outs.append((out, *torch.autograd.grad(out.square().mean(), list(model.parameters()))))
+        for a, b in zip(*outs):
+            assert ((a - b).norm() / b.norm()).item() < 1e-4
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 def test_bench_rows_of_the_switches():
