@@ -146,7 +146,8 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
     out = (args.out or results_dir(gpu if cuda else None)) / "trainer-vs-bench.json"
     kept = out.parent / "trainer-vs-bench"
     with tempfile.TemporaryDirectory(prefix="trainer-vs-bench-") as tmp:
-        cmd = [sys.executable, "-m", "ffcv_ddpm.train", "--preset", args.preset, "--data", str(beton), *overrides,
+        cmd = [sys.executable, "-m", "ffcv_ddpm.train", "--preset", args.preset, "--data", str(beton.resolve()),
+               *overrides,
                f"train.steps={args.steps}", f"train.log_every={args.log_every}", f"train.ckpt_every={args.steps}",
                "train.sample_every=0", "train.progress=False", f"train.out_dir={tmp}", "train.desc=trainer-vs-bench"]
         try:
