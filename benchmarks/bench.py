@@ -1,17 +1,21 @@
-"""`make bench`: the training-step table (the published MFU table's rows, then ours), each row in a fresh process.
+"""`make bench`: the training-step tables (the published MFU table's rows, then ours), each row in a fresh process.
 
-    python -m benchmarks.bench --data data               # CUDA: both models; no CUDA: the CPU-sized 'quick' table
+    python -m benchmarks.bench --data data               # CUDA: the headline (4 rows, minutes); no CUDA: 'quick'
+    python -m benchmarks.bench --data data --table full  # both models, every row (= --table both; ~45 min cold)
     python -m benchmarks.bench --data data --table small --measure-peak --sampling
+    python -m benchmarks.bench --table sampling          # DDIM and DDPM sampling, eager vs compiled (no data read)
     python -m benchmarks.bench --list --table both               # print the rows and their overrides, run nothing
-    python -m benchmarks.bench --data data --table loaders-e2e   # end to end per loader, both models (issue 6)
-    python -m benchmarks.bench --data data --table ddpm --rows 15,16 data.batch_size=1024   # every row at 1024
+    python -m benchmarks.bench --data data --table loaders-e2e   # end to end per loader (issue 6)
+    python -m benchmarks.bench --data data --rows best --name headline-cudnn train.cudnn_benchmark=True   # a switch
 
 A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule (benchmarks.rows). For each row a child
 process (benchmarks.jobs, started by benchmarks.runner) builds the trainer and loader, runs the first step
-(compilation: reported as seconds to first step, not timed), `--warmup` more steps, then times `--iters` steps with
-timing.timed_steps: CUDA events per iteration, the wait for the next batch inside each iteration, one sync at the
-end. Results (raw per-iteration times, environment, full configs, dataset source) go to
-benchmarks/results/<card>/<table>.json, with the Markdown table and PNG chart beside it (benchmarks.report).
+(compilation: reported as seconds to first step, not timed, with the compile cache's size before it), `--warmup`
+more steps, then times `--iters` steps with timing.timed_steps: CUDA events per iteration, the wait for the next
+batch inside each iteration, one sync at the end. Compiled kernels are kept in the compile cache folder
+(ffcv_ddpm.env.compile_cache): a row whose graph an earlier row or run compiled starts in seconds. Results (raw
+per-iteration times, environment, full configs, dataset source) go to benchmarks/results/<card>/<table>.json,
+with the Markdown table and PNG chart beside it (benchmarks.report), rewritten after every row.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from benchmarks.common import BenchError
 from benchmarks.rows import TABLES, resolve_rows
 from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser, fail
+from ffcv_ddpm.env import compile_cache
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = Parser(prog="python -m benchmarks.bench", doc=__doc__, overrides=True,
                epilog="The overrides apply to every row, after its own; data.batch_size=N runs every row at N (no "
                       "probing).")
-    p.add_argument("--table", choices=sorted(TABLES), help="row set (default: both with CUDA, quick without)")
+    p.add_argument("--table", choices=sorted(TABLES), help="row set (default: headline with CUDA, quick without)")
     p.add_argument("--list", action="store_true", help="print the rows and their overrides and exit")
     p.add_argument("--name", help="output file stem (default: the table name)")
     add_options(p)
@@ -38,9 +43,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    compile_cache()  # the rows' processes inherit the folder: a graph compiled by one row is loaded by the next
     try:
         args, overrides = parse_args(argv)
-        table = args.table or ("both" if cuda_available() else "quick")
+        table = args.table or ("headline" if cuda_available() else "quick")
         rows = resolve_rows(TABLES[table](baseline_loader(args)), args.rows)
         if args.list:
             check_overrides(rows, overrides)

@@ -59,6 +59,7 @@ def run_row(spec: dict) -> dict:
 
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.data import endless, make_loader
+    from ffcv_ddpm.env import cache_size, compile_cache
     from ffcv_ddpm.step import build
     from ffcv_ddpm.timing import timed_steps, untimed_steps
 
@@ -66,6 +67,9 @@ def run_row(spec: dict) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg.train.device = str(device)
     torch.manual_seed(cfg.train.seed)
+    # What the compile cache held before this row: with the first step's seconds, "cold vs warm, same row".
+    dirs = compile_cache()
+    cache = {**dirs, **cache_size(dirs)}
 
     t0 = time.perf_counter()
     loader = make_loader(cfg.data, device)
@@ -108,6 +112,7 @@ def run_row(spec: dict) -> dict:
         "iter_ms": iter_ms,
         "wait_ms": wait_ms,
         "first_step_s": first_step_s,
+        "compile_cache_before": cache,
         "warmup_s": warmup_s,
         "loader_build_s": loader_s,
         "trainer_build_s": build_s,
@@ -176,50 +181,70 @@ def measure_peaks(_spec: dict) -> dict:
 
 
 def run_sampling(spec: dict) -> list[dict]:
-    """Images/s of DDPM (all T steps) and DDIM sampling, bf16 on CUDA (random weights: speed only)."""
+    """Whole sampling calls of one model in one mode ("eager" or a ffcv_ddpm.sampling compile mode), timed with CUDA
+    events: images/s and TFLOP/s per sampler (DDIM with spec["ddim_steps"], ancestral DDPM over all T steps). bf16
+    autocast and channels_last on CUDA, fp32 on a CPU; random weights (speed only).
+
+    The first call (DDIM, 3 network calls at the measured batch: compilation, and a CUDA graph's recording) is
+    reported as first_call_s, not timed. A compiled mode also samples DDIM eagerly (untimed) from the same seed and
+    records how far its images are from those, in uint8 levels: the compiled sampler must draw the same images."""
     import torch
 
     from benchmarks.flops import train_flops_per_image
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.diffusion import GaussianDiffusion
-    from ffcv_ddpm.timing import sync
+    from ffcv_ddpm.sampling import compile_denoiser
+    from ffcv_ddpm.timing import sync, timed_call
     from ffcv_ddpm.unet import build_model
 
-    cfg = load_config(spec["preset"], [])
+    cfg = load_config(spec["preset"], spec.get("overrides", []))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(device).to(memory_format=torch.channels_last).eval()
-    net = torch.compile(model) if device.type == "cuda" else model
+    layout = torch.channels_last if cuda else torch.contiguous_format
+    model = build_model(cfg.model).to(device, memory_format=layout).eval()
+    mode = spec["mode"]
+    net = model if mode == "eager" else compile_denoiser(model, mode)
     diffusion = GaussianDiffusion(cfg.diffusion).to(device)
     shape = (cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size)
     fwd = train_flops_per_image(cfg.model)["fwd"]
     # bf16 on the GPU (the figure asked for); CPUs without bf16 units run autocast-bf16 slower than fp32.
-    precision = "bf16" if device.type == "cuda" else "fp32"
+    precision = "bf16" if cuda else "fp32"
+    n = spec["n"]
 
-    def sample(sampler: str, steps: int, n: int):
+    def sample(m, sampler: str, steps: int):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            return diffusion.sample(net, n, sampler=sampler, steps=steps, seed=0, shape=shape, device=device,
-                                    memory_format=torch.channels_last)
+            return diffusion.sample(m, n, sampler=sampler, steps=steps, seed=0, shape=shape, device=device,
+                                    memory_format=layout)
 
     t0 = time.perf_counter()
-    sample("ddim", 2, spec["n"])  # compiles the model at this batch
+    sample(net, "ddim", min(3, cfg.diffusion.timesteps))
     sync(device)
-    compile_s = time.perf_counter() - t0
+    first_call_s = time.perf_counter() - t0
+    eager_ddim = None if mode == "eager" else sample(model, "ddim", spec["ddim_steps"])
     out = []
-    for sampler, steps in (("ddim", spec["ddim_steps"]), ("ddpm", cfg.diffusion.timesteps)):
-        t0 = time.perf_counter()
-        images = sample(sampler, steps, spec["n"])
-        sync(device)
-        seconds = time.perf_counter() - t0
+    for sampler in spec["samplers"]:
+        steps = spec["ddim_steps"] if sampler == "ddim" else cfg.diffusion.timesteps
+        images, ms = timed_call(lambda: sample(net, sampler, steps), device)
         if images.float().std() == 0:
             raise RuntimeError(f"{sampler} sampling returned constant images")
-        out.append({
-            "name": spec["preset"], "sampler": sampler, "steps": steps, "n": spec["n"], "seconds": seconds,
-            "img_per_s": spec["n"] / seconds, "precision": precision, "compiled": device.type == "cuda",
-            "compile_s": compile_s,
-            "tflops": fwd * spec["n"] * steps / seconds / 1e12,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        })
+        entry = {
+            "name": spec["preset"], "sampler": sampler, "steps": steps, "n": n, "mode": mode,
+            "compiled": mode != "eager", "precision": precision, "first_call_s": first_call_s,
+            "seconds": ms / 1e3, "img_per_s": n / (ms / 1e3), "tflops": fwd * n * steps / (ms / 1e3) / 1e12,
+            "fwd_flops_per_img": fwd,
+            "device_name": torch.cuda.get_device_name(device) if cuda else None,
+        }
+        if mode == "reduce-overhead":
+            from torch._dynamo.utils import counters
+
+            # Inductor runs the graph without CUDA graphs when it cannot capture it (and logs why): count those.
+            entry["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
+        if sampler == "ddim" and eager_ddim is not None:
+            diff = (images.int() - eager_ddim.int()).abs()
+            entry["vs_eager_max_abs"] = int(diff.max())
+            entry["vs_eager_mean_abs"] = float(diff.float().mean())
+        out.append(entry)
     return out
 
 
@@ -234,6 +259,9 @@ WORKERS = {"row": run_row, "probe": probe_batch, "peaks": measure_peaks, "sampli
 
 def worker_main(kind: str, spec_path: str, result_path: str) -> int:
     """Child entry: run one job, write {"status": "ok", "result": ...} or {"status": "failed", "error": ...}."""
+    from ffcv_ddpm.env import compile_cache
+
+    compile_cache()  # before any job compiles (inherited from bench's process when it started this one)
     spec = json.loads(Path(spec_path).read_text())
     try:
         out = {"status": "ok", "result": WORKERS[kind](spec)}

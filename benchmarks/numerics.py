@@ -3,6 +3,8 @@
     python -m benchmarks.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
     python -m benchmarks.numerics --data data --precision fp16  # fp16 + GradScaler instead
     python -m benchmarks.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
+    python -m benchmarks.numerics --data data data.batch_size=32 model.norm_impl=fused --control \
+        train.cudnn_benchmark=True --parallel --gpus 2,3 --time-limit 480 --out OUT   # fused: its own control
     python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu
 
 Runs of the trainer (ffcv_ddpm.train, everything else as configured) on the same data with the same seed, called
@@ -19,7 +21,12 @@ only (e.g. train.compile=False); plain KEY=VALUE overrides apply to every leg. L
 (seeds, batches; with dropout on, a compiled graph or the fused GroupNorm in one leg but not another) are refused:
 they would not be paired.
 --parallel runs the legs as concurrent `python -m ffcv_ddpm.train` processes (on a GPU, one leg's compilation
-overlaps another's compute); without it they run one after another in this process.
+overlaps another's compute); without it they run one after another in this process. With several GPUs visible the
+parallel legs are spread over them (leg i on the i-th of --gpus, round robin; each leg sees only its GPU), so two
+commands with --gpus 0,1 and --gpus 2,3 run two studies (scale-shift and fused) at once on four GPUs. On one GPU
+the legs share it: its time is sliced between the processes, so each leg runs at about the GPU's rate divided by
+the legs that are still running (benchmarks/NOTES.md, item 12). --time-limit SECONDS stops the legs (SIGTERM: each
+trainer checkpoints and exits) when the time is up and compares them on the intervals all of them logged.
 
 Writes numerics-<precision>.json (the curves from the runs' stats.jsonl, the checks, environment, config), .md and
 .png under benchmarks/results/<card>/ (or --out).
@@ -29,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,15 +47,17 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
-from ffcv_ddpm.checks import Parser, at_least, fail, in_range, option
+from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, results_dir,
+                               write_json)
+from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, int_list, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
-from ffcv_ddpm.env import environment
+from ffcv_ddpm.env import compile_cache, environment
 from ffcv_ddpm.step import TrainingError, resolve_device
 from ffcv_ddpm.train import train
 
 LOG_TAIL_LINES = 40  # of a failed leg's log, printed before the error line
+PROGRESS_EVERY_S = 60  # a line with every parallel leg's step, so that a long run shows how far it is
 
 
 class LegFailed(Exception):
@@ -59,6 +70,7 @@ class Leg:
     precision: str         # train.precision of this leg
     overrides: list[str]   # beyond the common ones: --ref for the reference, --ref then --control for the control
     cfg: RunConfig | None = None  # the whole config, built from the common + own overrides (Leg.build)
+    gpu: str | None = None  # --parallel on several GPUs: the CUDA_VISIBLE_DEVICES entry this leg's process sees
 
     def trainer_overrides(self, common: list[str], tmp: Path) -> list[str]:
         """Everything that makes this leg's config from the preset: the same list in-process and in a subprocess."""
@@ -117,31 +129,81 @@ def run_sequential(legs: list[Leg]) -> None:
             raise LegFailed(f"the {leg.name} leg ({leg.describe()}) failed: {e}") from e
 
 
-def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, tmp: Path) -> None:
-    """Each leg a `python -m ffcv_ddpm.train` process, output to <tmp>/<leg>.log; the first failure stops the rest."""
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES entries (indices or UUIDs) a child can be given."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g.strip() for g in listed.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]  # counting creates no context on any GPU
+
+
+def place_legs(legs: list[Leg], visible: list[str], chosen: list[int] | None) -> None:
+    """Leg i on GPU chosen[i % len(chosen)] (indices into `visible`; default all of them). One GPU: the legs share it
+    and no leg's view is narrowed (its train.device still applies)."""
+    chosen = list(range(len(visible))) if chosen is None else chosen
+    bad = [i for i in chosen if i >= len(visible)]
+    if bad:
+        raise ValueError(f"--gpus {','.join(map(str, chosen))}: this process sees {len(visible)} GPU(s) (indices "
+                         f"0..{len(visible) - 1}); {', '.join(map(str, bad))} is not one of them")
+    if len(visible) < 2 and len(chosen) < 2:
+        return
+    for i, leg in enumerate(legs):
+        leg.gpu = visible[chosen[i % len(chosen)]]
+
+
+def _last_step(leg_dir: Path) -> int:
+    """The last logged step of a running leg (0 before its first stats line)."""
+    for stats in leg_dir.glob("*/stats.jsonl"):
+        lines = stats.read_text().splitlines()
+        return json.loads(lines[-1])["step"] if lines else 0
+    return 0
+
+
+def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, tmp: Path,
+                 time_limit: float | None = None) -> float | None:
+    """Each leg a `python -m ffcv_ddpm.train` process (on its GPU, Leg.gpu), output to <tmp>/<leg>.log; the first
+    failure stops the rest. After `time_limit` seconds every leg still running gets SIGTERM (its trainer writes a
+    checkpoint and exits); returns the seconds at which that happened, or None when all finished."""
     procs = {}
+    stopped_at = None
     try:
         for leg in legs:
             cmd = [sys.executable, "-m", "ffcv_ddpm.train", "--preset", preset, "--data", str(beton.resolve()),
                    *leg.trainer_overrides(common, tmp)]
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": leg.gpu} if leg.gpu is not None else {})}
             with open(tmp / f"{leg.name}.log", "w") as log:  # the child keeps its own handle
-                procs[leg.name] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        print(f"numerics: {', '.join(procs)} running in parallel (logs in {tmp})", flush=True)
-        t0, running = time.perf_counter(), set(procs)
+                procs[leg.name] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        where = "" if legs[0].gpu is None else " on GPUs " + ", ".join(f"{leg.name}: {leg.gpu}" for leg in legs)
+        print(f"numerics: {', '.join(procs)} running in parallel{where} (logs in {tmp})", flush=True)
+        t0, running, shown = time.perf_counter(), set(procs), 0.0
         while running:
             time.sleep(0.5)
+            now = time.perf_counter() - t0
+            if time_limit is not None and stopped_at is None and now > time_limit:
+                stopped_at = now
+                print(f"numerics: --time-limit {time_limit:.0f} s reached; stopping {', '.join(sorted(running))} "
+                      "(SIGTERM: each writes a checkpoint and exits)", flush=True)
+                for name in running:
+                    procs[name].send_signal(signal.SIGTERM)
+            if now - shown >= PROGRESS_EVERY_S:
+                shown = now
+                print(f"numerics: {now:.0f} s: " + ", ".join(f"{leg.name} step {_last_step(tmp / leg.name)}"
+                                                             for leg in legs), flush=True)
             for leg in [leg for leg in legs if leg.name in running]:
                 rc = procs[leg.name].poll()
                 if rc is None:
                     continue
                 running.discard(leg.name)
-                if rc != 0:
+                if rc != 0 and stopped_at is None:
                     lines = (tmp / f"{leg.name}.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
                     print(f"---- the last {len(lines)} lines of the {leg.name} leg's log ----", *lines,
                           "----", sep="\n", file=sys.stderr)
                     raise LegFailed(f"the {leg.name} leg ({leg.describe()}) failed with exit status {rc}; "
                                     "the end of its log is above")
-                print(f"numerics: the {leg.name} leg finished after {time.perf_counter() - t0:.0f} s", flush=True)
+                how = "stopped" if stopped_at is not None else "finished"
+                print(f"numerics: the {leg.name} leg {how} after {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         for p in procs.values():  # a failure or an interrupt: the other legs would only burn the device
             if p.poll() is None:
@@ -152,13 +214,37 @@ def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, t
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    return stopped_at
 
 
-def read_run(leg_dir: Path) -> dict:
-    """A finished leg's stats.jsonl lines and the config it ran with, as its run folder has them."""
-    (run_dir,) = [p for p in leg_dir.iterdir() if p.is_dir()]  # one run per leg folder
+def read_run(leg_dir: Path, cfg: RunConfig) -> dict:
+    """A leg's stats.jsonl lines and the config it ran with, as its run folder has them. A leg stopped before its
+    first stats line left no folder (the trainer removes it): no lines, and the config it was given."""
+    runs = [p for p in leg_dir.iterdir() if p.is_dir()] if leg_dir.is_dir() else []  # one run per leg folder
+    if not runs:
+        return {"config": cfg.to_dict(), "stats": []}
+    (run_dir,) = runs
     return {"config": json.loads((run_dir / "config.json").read_text()),
             "stats": [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]}
+
+
+def common_intervals(stats: dict[str, list[dict]], log_every: int) -> dict[str, list[dict]]:
+    """Each leg's full log intervals (a leg stopped mid-interval logs a partial one last: dropped), cut to the number
+    that every leg reached, so the curves are compared step for step."""
+    full = {leg: [r for r in lines if r["step"] % log_every == 0] for leg, lines in stats.items()}
+    n = min(len(lines) for lines in full.values())
+    return {leg: lines[:n] for leg, lines in full.items()}
+
+
+def leg_timing(stats: list[dict], gpu: str | None) -> dict:
+    """How a leg's time went, from its stats lines (wall_s counts from the start of its training loop): seconds to
+    its first line (the compiling first step and the rest of the first interval), to its last, the steps it reached,
+    and its median step time after the first interval."""
+    if not stats:
+        return {"gpu": gpu, "steps": 0, "first_line_s": None, "last_line_s": None, "median_step_ms": None}
+    later = [r["iter_ms_median"] for r in stats[1:]] or [stats[0]["iter_ms_median"]]
+    return {"gpu": gpu, "steps": stats[-1]["step"], "first_line_s": stats[0]["wall_s"],
+            "last_line_s": stats[-1]["wall_s"], "median_step_ms": float(np.median(later))}
 
 
 def check(reference: list[dict], candidate: list[dict], tol: float, skip: float, smooth: int) -> dict:
@@ -214,9 +300,11 @@ def render(result: dict, out: Path) -> None:
              f"loss logged every {result['log_every']} steps (mean over the interval), seed {result['seed']}",
              (f"- compared from finished run folders (--from-runs) on the {result['steps']} steps all of them "
               f"logged ({result['planned_steps']} planned): {', '.join(r['run_dir'] for r in (ref, cand, ctl) if r)}"
-              if result.get("planned_steps") else
+              if "run_dir" in ref else
               f"- overrides for every leg: `{' '.join(result['common_overrides']) or 'none'}`; legs run "
-              f"{'in parallel processes' if result['parallel'] else 'one after another'}"),
+              f"{'in parallel processes' if result['parallel'] else 'one after another'}"
+              + (f"; stopped by --time-limit after {result['stopped_at_s']:.0f} s: compared on the {result['steps']} "
+                 f"steps every leg logged ({result['planned_steps']} planned)" if result.get("stopped_at_s") else "")),
              f"- reference: {ref['description']}; candidate: {cand['description']}"
              + (f"; control: {ctl['description']}" if ctl else ""), "",
              f"**{verdict} tolerance**: the moving average over {c['smooth_intervals']} intervals of "
@@ -236,6 +324,16 @@ def render(result: dict, out: Path) -> None:
                   f"(noise floor) {pct(nf['control'])}, {ratio}: the candidate's deviation "
                   f"{'EXCEEDS' if nf['exceeds'] else 'does not exceed'} the noise floor. One control run: the floor "
                   "is one draw of the fp32-vs-fp32 deviation, not a bound.", ""]
+    timing = result.get("leg_timing")
+    if timing:
+        lines += ["Where each leg's time went (its stats.jsonl; seconds counted from the start of its training loop, "
+                  "so the first line includes the compiling first step):", ""]
+        lines += md_table(["leg", "GPU", "steps reached", "first log line s", "last log line s",
+                           "median step ms (after the first interval)"],
+                          [[leg, t["gpu"] or "-", str(t["steps"]),
+                            *(f"{t[k]:.0f}" if t[k] is not None else "-" for k in ("first_line_s", "last_line_s")),
+                            f"{t['median_step_ms']:.1f}" if t["median_step_ms"] is not None else "-"]
+                           for leg, t in timing.items()]) + [""]
     out.with_suffix(".md").write_text("\n".join(lines))
 
     import matplotlib
@@ -271,6 +369,7 @@ def render(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    compile_cache()  # the legs (in this process or started by it) keep their compiled graphs for the next run
     p = Parser(prog="python -m benchmarks.numerics", doc=__doc__, overrides=True,
                epilog="The overrides (anywhere but right after --ref or --control) go to every leg; data.batch_size "
                       "is the preset's (128) unless given.")
@@ -290,6 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="overrides for the reference and control legs only (e.g. train.compile=False)")
     p.add_argument("--parallel", action="store_true", help="run the legs as concurrent trainer processes")
+    p.add_argument("--gpus", type=int_list(at_least(0)),
+                   help="with --parallel: indices of the visible GPUs to spread the legs over, round robin "
+                        "(default: all visible; one GPU: the legs share it)")
+    p.add_argument("--time-limit", type=option(float, above(0)),
+                   help="with --parallel: stop every leg after this many seconds and compare the intervals all of "
+                        "them logged")
     p.add_argument("--from-runs", nargs="+", type=Path, metavar="RUN_DIR",
                    help="compare finished runs instead of training: REFERENCE CANDIDATE [CONTROL] run folders "
                         "(config.json + stats.jsonl), on their common logged steps")
@@ -321,6 +426,8 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     """Run the legs (checked to be paired first) and compare their curves: the result that the JSON holds."""
     if args.steps < 2 * args.log_every:
         raise ValueError(f"--steps {args.steps} gives fewer than two logged intervals of {args.log_every}")
+    if (args.gpus is not None or args.time_limit is not None) and not args.parallel:
+        raise ValueError("--gpus and --time-limit place and stop the legs' processes: add --parallel")
     for item in [*args.overrides, *args.ref, *args.control]:
         if item.split("=", 1)[0].lstrip("-").replace("-", "_") in ("precision", "train.precision"):
             raise ValueError(f"override {item!r}: each leg's precision is set here (--precision for the "
@@ -341,17 +448,32 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         for leg in legs:
             leg.build(args.preset, common, beton, tmp)
         check_paired(legs)
+        stopped_at = None
         if args.parallel:
-            run_parallel(legs, args.preset, common, beton, tmp)
+            if device.type == "cuda":
+                place_legs(legs, visible_gpus(), args.gpus)
+            stopped_at = run_parallel(legs, args.preset, common, beton, tmp, args.time_limit)
         else:
             run_sequential(legs)
-        runs = {leg.name: read_run(tmp / leg.name) for leg in legs}
-    curves = {leg: run["stats"] for leg, run in runs.items()}
+        runs = {leg.name: read_run(tmp / leg.name, leg.cfg) for leg in legs}
+    timing = {leg.name: leg_timing(runs[leg.name]["stats"], leg.gpu) for leg in legs}
+    for leg, t in timing.items():
+        print(f"numerics: {leg}: {t['steps']} steps" + (f" on GPU {t['gpu']}" if t["gpu"] is not None else "")
+              + (f"; first log line at {t['first_line_s']:.0f} s of its loop, last at {t['last_line_s']:.0f} s, "
+                 f"median step {t['median_step_ms']:.1f} ms" if t["steps"] else ""), flush=True)
+    curves = common_intervals({leg: run["stats"] for leg, run in runs.items()}, args.log_every)
+    steps = curves["reference"][-1]["step"] if len(curves["reference"]) else 0
+    if len(curves["reference"]) < 2:
+        raise ValueError(f"--time-limit {args.time_limit} s stopped the legs with fewer than two logged intervals "
+                         "common to all of them: raise --time-limit, or lower --log-every")
+    for leg in runs:
+        runs[leg]["stats"] = curves[leg]
     return {
         "preset": args.preset, "device": name or "CPU", "batch_size": cfg.data.batch_size,
-        "steps": args.steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
+        "steps": steps, "log_every": args.log_every, "seed": cfg.train.seed, "command": command,
         "environment": environment(), "config": cfg.to_dict(), "common_overrides": args.overrides,
-        "parallel": args.parallel,
+        "parallel": args.parallel, "planned_steps": args.steps if steps < args.steps else None,
+        "time_limit": args.time_limit, "stopped_at_s": stopped_at, "leg_timing": timing,
         "dataset": f"{beton}" + (" (SYNTHETIC)" if built or dataset_info(beton)["synthetic"] else ""),
         "control": None,
         **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
@@ -376,16 +498,14 @@ def from_runs(args: argparse.Namespace, command: str) -> dict:
         if cfg.train.device == "auto":  # where it ran, not where it is analysed, decides the random stream
             cfg.train.device = "cuda" if envs[name].get("cuda_available") else "cpu"
         legs.append(Leg(name, cfg.train.precision, [], cfg))
-        stats = [json.loads(line) for line in files["stats.jsonl"].read_text().splitlines()]
         runs[name] = {"config": cfg.to_dict(), "run_dir": str(run_dir),
-                      "stats": [r for r in stats if r["step"] % cfg.train.log_every == 0]}
+                      "stats": [json.loads(line) for line in files["stats.jsonl"].read_text().splitlines()]}
     if [leg.precision for leg in legs[::2]] != ["fp32"] * len(legs[::2]):
         raise ValueError("--from-runs: the reference and control runs must be train.precision=fp32")
-    check_paired(legs)
-    n = min(len(r["stats"]) for r in runs.values())
-    if n < 2:
+    check_paired(legs)  # the same train.log_every in every run, among the rest
+    curves = common_intervals({name: r["stats"] for name, r in runs.items()}, legs[0].cfg.train.log_every)
+    if len(curves["reference"]) < 2:
         raise ValueError("--from-runs: the runs share fewer than two logged intervals")
-    curves = {name: r["stats"][:n] for name, r in runs.items()}
     cfg = legs[1].cfg
     env = envs["candidate"]
     return {
@@ -394,6 +514,7 @@ def from_runs(args: argparse.Namespace, command: str) -> dict:
         "log_every": cfg.train.log_every, "seed": cfg.train.seed, "command": command,
         "environment": env, "analysed_with": environment(), "config": cfg.to_dict(), "common_overrides": [],
         "parallel": None, "dataset": f"{cfg.data.path} (as the runs recorded it)", "control": None,
+        "leg_timing": {leg.name: leg_timing(runs[leg.name]["stats"], None) for leg in legs},
         **{leg.name: {"precision": leg.precision, "overrides": [], "description": leg.describe(),
                       **{**runs[leg.name], "stats": curves[leg.name]}} for leg in legs},
         **compare(curves, args),

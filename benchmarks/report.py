@@ -129,14 +129,27 @@ def _header(result: dict) -> list[str]:
     data_line += ", SYNTHETIC images: throughput only, not a training result)" if synthetic else ")"
     if result.get("dataset_built_now"):
         data_line += "; built by this run because no .beton was present"
+    if not ds:
+        data_line = "none (sampling rows only: random weights, no data read)"
+    sources = result.get("sources")
+    if sources:  # a merged file (benchmarks.merge): each part's commit, date and command
+        runs = [f"- Part {i}: `{src['file']}`: commit {commit_text(src['environment'])}, torch "
+                f"{src['environment'].get('torch')}, {src['environment'].get('date_utc')}, {len(src['rows'])} row(s), "
+                f"{src['sampling']} sampling row(s)" + (f", {src['settings']['warmup']} warm-up + "
+                                                         f"{src['settings']['iters']} timed iterations per row"
+                                                         if src.get("settings") else "")
+                + f"; command `{' '.join(src.get('command', []))}`" for i, src in enumerate(sources, 1)]
+    else:
+        runs = [f"- Commit {commit_text(env)}, {env.get('date_utc')}; command: `{' '.join(result.get('command', []))}`"]
     lines = [
         f"- Device: {gpu}; torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, "
-        f"Python {env.get('python')}",
-        f"- Commit {commit_text(env)}, {env.get('date_utc')}; command: `{' '.join(result.get('command', []))}`",
+        f"Python {env.get('python')}" + (" (of part 1)" if sources else ""),
+        *runs,
         f"- Data: {data_line}",
-        f"- Timing: {result['settings']['warmup']} warm-up iterations (plus the first, compiling, step), then "
-        f"{result['settings']['iters']} timed iterations per row, each row in a fresh process; the wait for data is "
-        "inside every timed iteration.",
+        (f"- Timing: {result['settings']['warmup']} warm-up iterations (plus the first, compiling, step), then "
+         f"{result['settings']['iters']} timed iterations per row" if not sources else
+         "- Timing: the first (compiling) step, the warm-up iterations, then the timed ones (counts per part above)")
+        + ", each row in a fresh process; the wait for data is inside every timed iteration.",
     ]
     if result.get("note"):
         lines.append(f"- {result['note']}")
@@ -174,6 +187,12 @@ def _row_cells(row: dict, measured: bool) -> list[str]:
         notes.append(f"attention: {raw['sdpa_backend']}")
     if raw.get("batch_note"):
         notes.append(raw["batch_note"])
+    if row.get("part"):
+        notes.append(f"part {row['part']} (header)")  # a merged file: the part whose commit and call it came from
+    cache = raw.get("compile_cache_before")
+    if cache and raw.get("compiled"):
+        notes.append("compile cache cold (empty)" if not cache["files"] else
+                     f"compile cache warm ({cache['bytes'] / 2**20:,.0f} MB before the row)")
     cells = [
         row["name"],
         batch,
@@ -193,6 +212,37 @@ def _row_cells(row: dict, measured: bool) -> list[str]:
         "; ".join(notes),
     ]
     return cells
+
+
+_SAMPLING_COLUMNS = ("model", "sampler", "steps", "mode", "precision", "images", "first call s", "seconds", "img/s",
+                     "TFLOP/s", "vs eager", "images vs eager")
+
+
+def _mode(s: dict) -> str:
+    # Files from before the sampling rows had modes hold one compiled row per sampler.
+    return s.get("mode") or ("compiled" if s.get("compiled") else "eager")
+
+
+def sampling_speedup(entry: dict, result: dict) -> float | None:
+    """img/s of a sampling row over the eager row of the same model and sampler in the same file."""
+    eager = next((s for s in result.get("sampling") or [] if s.get("status", "ok") == "ok" and _mode(s) == "eager"
+                  and s["name"] == entry["name"] and s["sampler"] == entry["sampler"]
+                  and s["steps"] == entry["steps"] and s["n"] == entry["n"]), None)
+    return entry["img_per_s"] / eager["img_per_s"] if eager else None
+
+
+def _sampling_cells(s: dict, result: dict) -> list[str]:
+    if s.get("status", "ok") != "ok":
+        return [s["name"], "-", "-", _mode(s)] + ["-"] * (len(_SAMPLING_COLUMNS) - 5) + [f"FAILED: {s['error']}"]
+    speedup = sampling_speedup(s, result)
+    diff = (f"max {s['vs_eager_max_abs']}, mean {s['vs_eager_mean_abs']:.3f}" if "vs_eager_max_abs" in s else "-")
+    mode = _mode(s)
+    if s.get("cudagraph_skips"):
+        mode += " (CUDA graph skipped: inductor's log says why)"
+    return [s["name"], s["sampler"], str(s["steps"]), mode,
+            s["precision"], str(s["n"]), f"{s['first_call_s']:.1f}" if "first_call_s" in s else "-",
+            f"{s['seconds']:.3f}", _num(s["img_per_s"]), _num(s["tflops"]) if s.get("tflops") is not None else "-",
+            f"{speedup:.2f}x" if speedup else "-", diff]
 
 
 def published_lines(result: dict) -> list[str]:
@@ -242,10 +292,18 @@ def terminal_table(result: dict) -> str:
         for row in rows:
             cells = dict(zip(_COLUMNS, _row_cells(row, measured=False)))
             table.append([cells[c] for c in _TERMINAL_COLUMNS] + ([cells["notes"]] if row["metrics"] is None else []))
-        widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(len(_TERMINAL_COLUMNS))]
-        out += ["", group] + ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                              + ("  " + r[-1] if len(r) > len(widths) else "") for r in table]
+        out += ["", group] + _aligned(table, len(_TERMINAL_COLUMNS))
+    if result.get("sampling"):
+        table = [list(_SAMPLING_COLUMNS)] + [_sampling_cells(s, result) for s in result["sampling"]]
+        out += ["", "sampling"] + _aligned(table, len(_SAMPLING_COLUMNS))
     return "\n".join(out)
+
+
+def _aligned(table: list[list[str]], ncols: int) -> list[str]:
+    """First column left-aligned, the others right-aligned; cells past ncols (a failure's note) trail the line."""
+    widths = [max(len(r[i]) for r in table if i < len(r)) for i in range(ncols)]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            + ("  " + r[-1] if len(r) > len(widths) else "") for r in table]
 
 
 def render_markdown(result: dict) -> str:
@@ -261,15 +319,13 @@ def render_markdown(result: dict) -> str:
         lines += [f"Overrides per row (on top of `load_config({rows[0]['preset']!r})`):", ""]
         lines += [f"- {r['name']}: `{' '.join(r['overrides'])}`" for r in rows] + [""]
     if result.get("sampling"):
-        lines += ["## Sampling throughput", ""]
-        srows = [
-            [s["name"], s["sampler"], s["precision"], str(s["steps"]), str(s["n"]), f"{s['seconds']:.2f}",
-             _num(s["img_per_s"]),
-             _num(s["tflops"]) if s.get("tflops") is not None else "-"]
-            for s in result["sampling"]
-        ]
-        lines += md_table(["model", "sampler", "precision", "steps", "images", "seconds", "img/s", "TFLOP/s"],
-                        srows) + [""]
+        lines += ["## Sampling throughput", "",
+                  "Whole sampling calls timed with CUDA events (one call per row, after an untimed first call that "
+                  "compiles and records the CUDA graph); TFLOP/s = forward FLOPs per image x images x network calls "
+                  "/ seconds; *vs eager*: img/s over the eager row of the same model, sampler and batch in this file; "
+                  "*images vs eager*: max and mean |difference| in uint8 levels from the eager sampler's images, "
+                  "same seed (DDIM).", ""]
+        lines += md_table(list(_SAMPLING_COLUMNS), [_sampling_cells(s, result) for s in result["sampling"]]) + [""]
     lines += published_lines(result) + [""]
     return "\n".join(lines)
 
@@ -284,20 +340,29 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = _groups(result)
-    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 1.0 + 0.45 * len(result["rows"]) + len(groups)),
+    # One panel per model of training rows, one for the sampling rows: (title, bar names, img/s, labels, x label).
+    panels = []
+    for group, rows in _groups(result).items():
+        ms = [r["metrics"] for r in rows]
+        labels = ["FAILED" if m is None else f" {_num(m['img_per_s'])} img/s, MFU {_mfu(m.get('mfu'), m['peak_note'])}"
+                  for m in ms]
+        panels.append((group, [r["name"] for r in rows], [m["img_per_s"] if m else 0.0 for m in ms], labels,
+                       "images / s (training step, data loading in the loop)"))
+    ok = [s for s in result.get("sampling") or [] if s.get("status", "ok") == "ok"]
+    if ok:
+        panels.append(("sampling", [f"{s['name']} {s['sampler']}-{s['steps']} {_mode(s)}" for s in ok],
+                       [s["img_per_s"] for s in ok],
+                       [f" {_num(s['img_per_s'])} img/s, {_num(s['tflops'])} TFLOP/s" for s in ok],
+                       "images / s (whole sampling calls)"))
+    bars_total = sum(len(p[1]) for p in panels)
+    fig, axes = plt.subplots(max(1, len(panels)), 1, figsize=(10, 1.0 + 0.45 * bars_total + len(panels)),
                              squeeze=False)
-    for ax, (group, rows) in zip(axes[:, 0], groups.items()):
-        names = [r["name"] for r in rows][::-1]
-        values = [r["metrics"]["img_per_s"] if r["metrics"] else 0.0 for r in rows][::-1]
-        bars = ax.barh(names, values, color="#4c72b0")
-        for bar, r in zip(bars, rows[::-1]):
-            m = r["metrics"]
-            mfu = None if m is None else _mfu(m.get("mfu"), m["peak_note"])
-            label = "FAILED" if m is None else f" {_num(m['img_per_s'])} img/s, MFU {mfu}"
+    for ax, (title, names, values, labels, xlabel) in zip(axes[:, 0], panels):
+        bars = ax.barh(names[::-1], values[::-1], color="#4c72b0")
+        for bar, label in zip(bars, labels[::-1]):
             ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
-        ax.set_title(group, fontsize=10)
-        ax.set_xlabel("images / s (training step, data loading in the loop)")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
         ax.set_xlim(0, max(values + [1.0]) * 1.45)  # room for the labels
     env = result["environment"]
     fig.suptitle(f"{result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "

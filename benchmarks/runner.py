@@ -21,7 +21,10 @@ from pathlib import Path
 
 from benchmarks.common import DATA_HELP, PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
 from benchmarks.rows import BATCH_LADDER, Row, row_overrides
-from ffcv_ddpm.checks import above, at_least, matches, option
+from ffcv_ddpm.checks import above, at_least, choice_list, matches, option
+
+# The sampling rows' modes: the eager model, then ffcv_ddpm.sampling's compile modes ("off" is spelled eager here).
+SAMPLING_MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -40,15 +43,31 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-fraction", type=option(float, matches("a number in (0, 1]", lambda v: 0 < v <= 1)),
                    default=0.9, help="GPU memory share a probed batch may use")
     p.add_argument("--measure-peak", action="store_true", help="also time large matmuls for a measured peak")
-    p.add_argument("--sampling", action="store_true", help="also time DDPM (1000 steps) and DDIM sampling, bf16")
+    p.add_argument("--sampling", action="store_true",
+                   help="also time whole sampling calls (DDIM, ancestral DDPM), eager and compiled, in bf16 "
+                        "(implied by --table sampling)")
     p.add_argument("--sample-n", type=option(int, at_least(1)),
-                   help="images per sampling run (default: 1024 on CUDA, 4 on CPU)")
-    p.add_argument("--ddim-steps", type=option(int, at_least(1)), default=50, help="DDIM steps for the sampling figure")
+                   help="images per sampling call, the network's batch (default: 256 on CUDA, 4 on CPU)")
+    p.add_argument("--ddim-steps", type=option(int, at_least(1)), default=50, help="DDIM steps for the sampling rows")
+    p.add_argument("--samplers", type=choice_list(("ddim", "ddpm")), default=["ddim", "ddpm"],
+                   help="samplers of the sampling rows, comma-separated: ddim, ddpm (all T steps)")
+    p.add_argument("--sample-modes", type=choice_list(SAMPLING_MODES),
+                   help="eager and compile modes of the sampling rows, each in a process of its own (default: "
+                        "eager,default,reduce-overhead on CUDA; eager,default on CPU)")
+    p.add_argument("--sample-presets", type=choice_list(_presets),
+                   help="models of the sampling rows (default: the table's models on CUDA, ddpm-cifar10 for "
+                        "--table sampling; tiny on CPU)")
     p.add_argument("--num-synthetic", type=option(int, at_least(1)),
                    help="images in a synthetic dataset built when none exists (default: 50000 on CUDA, 4096 on CPU)")
     p.add_argument("--row-timeout", type=option(float, above(0)), default=1800,
                    help="seconds before a row's process is stopped")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
+
+
+def _presets() -> tuple[str, ...]:
+    from ffcv_ddpm.unet import PRESETS  # imports torch: only when the option is given
+
+    return tuple(PRESETS)
 
 
 def cuda_available() -> bool:
@@ -138,6 +157,44 @@ def _summary_line(raw: dict, flops: dict, device_name: str | None) -> str:
             f"{m['tflops']:.3g} TFLOP/s, MFU {mfu}, first step {raw['first_step_s']:.1f} s")
 
 
+def sampling_presets(args: argparse.Namespace, cuda: bool, table_presets: list[str]) -> list[str]:
+    return args.sample_presets or ((table_presets or ["ddpm-cifar10"]) if cuda else ["tiny"])
+
+
+def run_sampling_rows(result: dict, json_path: Path, args: argparse.Namespace, cuda: bool, presets: list[str],
+                      overrides: list[str]) -> None:
+    """The sampling rows: per model (its config with the command's overrides), each mode in a fresh process
+    (benchmarks.jobs.run_sampling), eager first so that every compiled row has its eager figure from the same run
+    and card; the JSON is rewritten after each."""
+    modes = args.sample_modes or (["eager", "default", "reduce-overhead"] if cuda else ["eager", "default"])
+    n = args.sample_n or (256 if cuda else 4)
+    result["sampling"] = []
+    for preset in presets:
+        for mode in modes:
+            print(f"\nbench: sampling, {preset}, {mode}, {'bf16' if cuda else 'fp32'}, {n} images per call: "
+                  f"{', '.join(args.samplers)}", flush=True)
+            got = spawn("sampling", {"preset": preset, "overrides": overrides, "mode": mode, "n": n,
+                                     "ddim_steps": args.ddim_steps, "samplers": args.samplers}, args.row_timeout)
+            if got["status"] != "ok":
+                result["sampling"].append({"name": preset, "mode": mode, "status": "failed", "error": got["error"]})
+                print(f"bench:   sampling FAILED: {got['error']}", flush=True)
+            for s in got.get("result") or []:
+                result["sampling"].append({**s, "status": "ok"})
+                print(f"bench:   {s['sampler']} {s['steps']} steps: {s['img_per_s']:,.1f} img/s, "
+                      f"{s['tflops']:.3g} TFLOP/s ({s['seconds']:.2f} s; first call {s['first_call_s']:.1f} s)"
+                      + (f"; vs eager: max |diff| {s['vs_eager_max_abs']} of 255" if "vs_eager_max_abs" in s
+                         else ""), flush=True)
+            save(result, json_path)
+
+
+def save(result: dict, json_path: Path) -> None:
+    """The JSON and its Markdown + PNG as they stand (a call cut short keeps a readable report, too)."""
+    from benchmarks.report import write_reports
+
+    write_json(json_path, result)
+    write_reports(result, json_path)
+
+
 def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: list[str], argv: list[str],
               command: str = "benchmarks.bench", name: str | None = None, note: str | None = None) -> tuple[int, Path]:
     """Runs `rows` (each in its own process, the command's `overrides` after each row's) and writes
@@ -152,25 +209,31 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     loader = baseline_loader(args)
     check_overrides(rows, overrides)
     batch_fixed, overrides = fixed_batch(overrides)
+    sampling = args.sampling or table == "sampling"
+    sample_presets = sampling_presets(args, cuda, list(dict.fromkeys(r.preset for r in rows))) if sampling else []
+    check_overrides([Row("sampling", preset, (), 1) for preset in sample_presets], overrides)  # their configs too
 
     # ---- first lines: what runs, on what, with which data --------------------------------------------------------
     env, gpu = environment(cuda)
     where = f"CUDA ({gpu})" if cuda else "CPU only: MFU is n/a (no CUDA)"
     print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "
-          "each row in a fresh process", flush=True)
-    if not cuda and table != "quick":
+          "each row in a fresh process" + (f"; then sampling rows of {', '.join(sample_presets)}" if sampling else ""),
+          flush=True)
+    if not cuda and table not in ("quick", "sampling"):
         print(f"bench: WARNING: table '{table}' on a CPU will take a long time; --table quick is sized for CPUs")
-    beton, built = ensure_dataset(args.data, args.num_synthetic or (50_000 if cuda else 4096))
-    data_dir = beton.parent
-    try:
-        dataset = dataset_info(beton)
-    except (FileNotFoundError, ValueError) as e:
-        raise BenchError(str(e)) from None
-    print(f"bench: data {beton}: {dataset['num_images']} images, source {dataset['source']}"
-          + (" -- SYNTHETIC: speed only, not a training result" if dataset["synthetic"] else "")
-          + (f"; baseline loader reads PNGs from {data_dir / PNG_TRAIN}" if loader[0].endswith("torch-files")
-             else ""), flush=True)
-    data_overrides = (f"data.path={beton}",)
+    dataset, built, data_dir, data_overrides = None, False, None, ()
+    if rows:  # the sampling rows read no data
+        beton, built = ensure_dataset(args.data, args.num_synthetic or (50_000 if cuda else 4096))
+        data_dir = beton.parent
+        try:
+            dataset = dataset_info(beton)
+        except (FileNotFoundError, ValueError) as e:
+            raise BenchError(str(e)) from None
+        print(f"bench: data {beton}: {dataset['num_images']} images, source {dataset['source']}"
+              + (" -- SYNTHETIC: speed only, not a training result" if dataset["synthetic"] else "")
+              + (f"; baseline loader reads PNGs from {data_dir / PNG_TRAIN}" if loader[0].endswith("torch-files")
+                 else ""), flush=True)
+        data_overrides = (f"data.path={beton}",)
 
     # ---- FLOPs per image of each row's own model config (meta device, no GPU; counted once per config) -------------
     from benchmarks.peaks import card_slug
@@ -216,11 +279,14 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
 
     # ---- the rows --------------------------------------------------------------------------------------------------
     resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
-    cap = min(args.max_batch, dataset["num_images"])
+    cap = min(args.max_batch, dataset["num_images"]) if dataset else None
     for i, (row, row_f) in enumerate(zip(rows, row_flops), 1):
         row_over = [*row_overrides(row, data_overrides, data_dir), *overrides]
-        entry = {"name": row.name, "group": row.preset, "preset": row.preset, "baseline": row.baseline,
-                 "overrides": row_over, "batch_rule": row.batch, "flops": row_f, "status": None, "raw": None}
+        # The command's own overrides are part of what the row ran: named in it, so that a table merged from several
+        # calls (benchmarks.merge) cannot mistake a row with a switch for the row without it.
+        entry = {"name": row.name + (f" [{' '.join(overrides)}]" if overrides else ""), "group": row.preset,
+                 "preset": row.preset, "baseline": row.baseline, "overrides": row_over, "batch_rule": row.batch,
+                 "flops": row_f, "status": None, "raw": None}
         batch_note, probe, why = None, None, None
         if batch_fixed:
             batch, batch_note = batch_fixed, "fixed by data.batch_size"
@@ -239,7 +305,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
             batch = resolved.get((row.preset, row.batch))
             why = (f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass "
                    "data.batch_size=N")
-        print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {row.name} (batch {batch})", flush=True)
+        print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {entry['name']} (batch {batch})", flush=True)
         if batch is None:
             entry.update(status="failed", error=why)
         else:
@@ -252,29 +318,22 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
                 entry["config"] = entry["raw"].pop("config")
                 resolved[(row.preset, row.name)] = batch
         result["rows"].append(entry)
-        write_json(json_path, result)  # after every row: a crash or timeout mid-table keeps the rows measured
+        save(result, json_path)  # after every row: a crash or timeout mid-table keeps the rows measured
         if entry["status"] == "ok":
             print(f"bench:   {_summary_line(entry['raw'], row_f, result['device_name'])}", flush=True)
         else:
             print(f"bench:   FAILED: {entry['error']}", flush=True)
 
-    if args.sampling:
-        preset = "ddpm-cifar10" if cuda else "tiny"
-        n = args.sample_n or (1024 if cuda else 4)
-        print(f"\nbench: sampling throughput, {preset}, {'bf16' if cuda else 'fp32'}, {n} images", flush=True)
-        got = spawn("sampling", {"preset": preset, "n": n, "ddim_steps": args.ddim_steps}, args.row_timeout)
-        result["sampling"] = got.get("result")
-        if got["status"] != "ok":
-            print(f"bench:   sampling FAILED: {got['error']}")
-        for s in result["sampling"] or []:
-            print(f"bench:   {s['sampler']} {s['steps']} steps: {s['img_per_s']:,.1f} img/s ({s['seconds']:.1f} s)")
+    if sampling:
+        run_sampling_rows(result, json_path, args, cuda, sample_presets, overrides)
 
     # ---- write ---------------------------------------------------------------------------------------------------
     result["complete"] = True
     add_metrics(result)
     write_json(json_path, result)
     md, png = write_reports(result, json_path)
-    failed = [r["name"] for r in result["rows"] if r["status"] != "ok"]
+    failed = [r["name"] for r in result["rows"] if r["status"] != "ok"] + [
+        f"sampling {s['name']} {s['mode']}" for s in result["sampling"] or [] if s["status"] != "ok"]
     print(terminal_table(result))
     print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"
           + (f"; {len(failed)} row(s) FAILED: {', '.join(failed)}" if failed else ""))

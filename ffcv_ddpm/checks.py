@@ -216,6 +216,20 @@ def int_list(rule: Rule | None = None) -> Callable[[str], list[int]]:
     return convert
 
 
+def choice_list(choices) -> Callable[[str], list[str]]:
+    """Comma-separated names ('ddim,ddpm'), each one of `choices` (a tuple, or a function returning one)."""
+    get = choices if callable(choices) else (lambda: choices)
+
+    def convert(text: str) -> list[str]:
+        values = [t.strip() for t in text.split(",") if t.strip()]
+        if not values or any(v not in get() for v in values):
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected comma-separated names, each one of "
+                                             f"{', '.join(get())}")
+        return values
+
+    return convert
+
+
 OVERRIDES_HELP = ("Any other KEY=VALUE (or --KEY=VALUE) overrides a config field (ffcv_ddpm.config), e.g.\n"
                   "  data.batch_size=256 train.precision=fp32 train.compile=False")
 

@@ -18,6 +18,7 @@ from ffcv_ddpm import unet
 from ffcv_ddpm.checks import BadValue, Rule, above, at_least, coerce, each, in_range, matches, one_of
 from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
 from ffcv_ddpm.diffusion import DiffusionConfig
+from ffcv_ddpm.sampling import SAMPLE_COMPILE_MODES
 from ffcv_ddpm.unet import PRESETS, ModelConfig
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
@@ -51,6 +52,7 @@ class TrainConfig:
     sample_every: int = 10_000           # steps between sample grids from the EMA model; 0 disables
     sample_n: int = 64                   # images per sample grid
     sample_steps: int = 100              # steps for the grids and evaluations: DDIM (ddpm process) or predictor-corrector (ve)
+    sample_compile: str = "off"          # compile the denoiser of grids and evaluations (CUDA only): off | default | reduce-overhead (ffcv_ddpm.sampling)
     eval_every: int = 0                  # steps between quality metrics in stats.jsonl (rounded up to a multiple of log_every); 0 = off
     eval_n: int = 1000                   # samples per evaluation (EMA weights, DDIM, plain conditional: see ffcv_ddpm.evaluate)
     eval_judge: str = ""                 # a saved digits judge: log FD-digits + conditional accuracy; "" = FID (Inception weights in the torch hub cache)
@@ -143,6 +145,7 @@ RULES = {
     "train.sample_every": at_least(0),
     "train.sample_n": at_least(1),
     "train.sample_steps": at_least(1),
+    "train.sample_compile": one_of(SAMPLE_COMPILE_MODES),
     "train.eval_every": at_least(0),
     "train.eval_n": at_least(1),
     "train.out_dir": _NONEMPTY,

@@ -141,6 +141,10 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
 
+        from ffcv_ddpm.env import compile_cache
+
+        compile_cache()  # kernels compiled here are kept for the next process (a no-op after the entry point's call)
+
         # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
         inductor_config.force_layout_optimization = cfg.train.force_layout_opt
         # The DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket boundaries, so each bucket's

@@ -29,8 +29,9 @@ from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
 from ffcv_ddpm.data import check_dataset, dataset_info, endless, make_loader, train_beton
 from ffcv_ddpm.diffusion import save_grid
-from ffcv_ddpm.env import environment
+from ffcv_ddpm.env import compile_cache, environment
 from ffcv_ddpm.evaluate import Evaluator
+from ffcv_ddpm.sampling import compile_denoiser
 from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, resolve_device
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
@@ -231,6 +232,10 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
 
     # ---- model, optimizer -----------------------------------------------------------------------------------
     t = build(cfg, device, ddp)
+    # The EMA weights for sample grids and evaluations; with train.sample_compile compiled at its first use and kept
+    # (the EMA is updated in place, so the compiled graph always reads the current weights).
+    sampling_net = compile_denoiser(t.ema.module if t.ema is not None else t.model,
+                                    cfg.train.sample_compile if device.type == "cuda" else "off")
     start_step = 0
     if cfg.train.resume:
         state, path = load_latest(run_dir, map_location=device)
@@ -333,7 +338,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             if ddp.world_size > 1:
                 stats.update(per_rank_times(wait_ms, iter_ms, device))
             if evaluator is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-                stats.update(evaluator(t.ema.module if t.ema is not None else t.model, t.diffusion))
+                stats.update(evaluator(sampling_net, t.diffusion))
             if ddp.main:
                 with open(run_dir / "stats.jsonl", "a") as f:
                     f.write(json.dumps(stats) + "\n")
@@ -349,7 +354,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 checkpoint(step)
             if ddp.main and cfg.train.sample_every and (step % cfg.train.sample_every == 0
                                                         or step == cfg.train.steps):
-                sample_grid(t, cfg, run_dir / f"samples-{step:08d}.png")
+                sample_grid(t, cfg, run_dir / f"samples-{step:08d}.png", sampling_net)
                 if board is not None:
                     board.image("samples", run_dir / f"samples-{step:08d}.png", step)
             if stop_now:
@@ -408,8 +413,7 @@ def oom_message(cfg: RunConfig, device: torch.device, t: Trainer) -> str:
 
 
 @torch.no_grad()
-def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
-    model = t.ema.module if t.ema is not None else t.model
+def sample_grid(t: Trainer, cfg: RunConfig, path: Path, model: torch.nn.Module) -> None:
     amp_dtype = AMP_DTYPES[cfg.train.precision]
     labels = (torch.arange(cfg.train.sample_n, device=t.device) % cfg.model.num_classes
               if cfg.model.num_classes > 0 else None)
@@ -418,7 +422,9 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path) -> None:
         sampler = "ddim" if cfg.diffusion.process == "ddpm" else "pc"
         images = t.diffusion.sample(model, cfg.train.sample_n, sampler=sampler, steps=cfg.train.sample_steps,
                                     seed=cfg.train.seed, y=labels, device=t.device,
-                                    shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size))
+                                    shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size),
+                                    memory_format=torch.channels_last if cfg.train.channels_last
+                                    else torch.contiguous_format)
     save_grid(images, path)
 
 
@@ -447,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     ddp = Dist()
     stop = StopRequest()  # from the first moment after the imports: a signal always gets its message
     rank = lambda: f" (rank {ddp.rank})" if ddp.world_size > 1 else ""  # noqa: E731
+    compile_cache()  # before anything compiles: the compiled step is kept for the next run (ffcv_ddpm.env)
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         ddp = init_distributed()

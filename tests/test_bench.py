@@ -216,3 +216,100 @@ def test_quick_table_end_to_end(tmp_path):
     assert len(result["rows"][0]["raw"]["wait_ms"]) == 2
     assert result["environment"]["torch"] and "commit" in result["environment"]
     assert "n/a (no CUDA)" in (out / "quick.md").read_text() and (out / "quick.png").is_file()
+
+
+def test_headline_is_four_rows_from_the_stack_and_the_trainer_defaults():
+    """`make bench` on a GPU: the published baseline, compile + SDPA + bf16, + FFCV, and the trainer's defaults with
+    the GPU-resident loader; the compile and FFCV rows share one model graph (so one compilation, via the cache)."""
+    from benchmarks.rows import BEST, headline_rows
+
+    rows = headline_rows("ddpm-cifar10", ("data.loader=torch-memory",))
+    names = [r.name for r in rows]
+    assert names == [STACK[0][0], "+ torch.compile + SDPA + bf16 autocast", "+ FFCV loading", BEST]
+    cfg = [load_config(r.preset, list(r.overrides)) for r in rows]
+    full = {r.name: load_config(r.preset, list(r.overrides))
+            for r in table_rows("ddpm-cifar10", ("data.loader=torch-memory",))}
+    assert cfg[0] == full[STACK[0][0]] and rows[0].baseline and rows[0].batch == 128
+    assert cfg[1] == full["+ bf16 autocast"]  # the full table's three steps in one row
+    assert cfg[2] == full["+ FFCV loading"]
+    assert cfg[1].model == cfg[2].model and cfg[1].train == cfg[2].train  # the same compiled graph
+    default = load_config("ddpm-cifar10")
+    assert (cfg[3].model, cfg[3].train) == (default.model, default.train) and cfg[3].data.loader == "gpu"
+    assert [r.batch for r in rows[1:]] == [1024] * 3
+    assert TABLES["headline"](("data.loader=torch-memory",)) == rows and TABLES["full"] == TABLES["both"]
+
+
+def test_the_default_table_is_the_headline_on_a_gpu_and_quick_without(monkeypatch, capsys):
+    from benchmarks import bench
+
+    monkeypatch.setattr(bench, "cuda_available", lambda: True)
+    assert bench.main(["--list"]) == 0
+    assert capsys.readouterr().out.count("[ddpm-cifar10]") == 4
+    monkeypatch.setattr(bench, "cuda_available", lambda: False)
+    assert bench.main(["--list"]) == 0
+    assert "[tiny]" in capsys.readouterr().out
+
+
+def test_sampling_rows_render_with_their_speedup_over_eager_and_failures():
+    result = _fake_result("NVIDIA H100 80GB HBM3")
+    eager = {**result["sampling"][0], "mode": "eager", "first_call_s": 2.0, "status": "ok"}
+    graphs = {**eager, "mode": "reduce-overhead", "seconds": 0.5, "img_per_s": 16.0, "tflops": 4.0,
+              "first_call_s": 40.0, "vs_eager_max_abs": 1, "vs_eager_mean_abs": 0.004}
+    result["sampling"] = [eager, graphs, {"name": "annotated-small", "mode": "default", "status": "failed",
+                                          "error": "out of memory"}]
+    md = render_markdown(add_metrics(result))
+    assert ("| ddpm-cifar10 | ddim | 50 | reduce-overhead | bf16 | 8 | 40.0 | 0.500 | 16 | 4 | 4.00x | "
+            "max 1, mean 0.004 |") in md
+    assert "FAILED: out of memory" in md
+    text = terminal_table(result)
+    assert "4.00x" in text and "FAILED: out of memory" in text
+
+
+def test_a_row_names_the_command_overrides_it_ran_with(small_dataset, tmp_path, monkeypatch):
+    """`--rows best train.cudnn_benchmark=True`: the switch is in the row's name, so a merged table cannot take it
+    for the row without it; the compile-cache state a row's process saw is in its notes."""
+    import argparse
+
+    from benchmarks import runner
+    from benchmarks.rows import Row
+
+    def spawned(kind, spec, timeout):
+        got = _spawned(kind, spec, timeout)
+        if kind == "row":
+            got["result"].update(compiled=True, compile_cache_before={"files": 0, "bytes": 0})
+        return got
+
+    monkeypatch.setattr(runner, "spawn", spawned)
+    monkeypatch.setattr(runner, "cuda_available", lambda: False)
+    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
+                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
+                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows=None)
+    rc, path = runner.run_table([Row("best", "tiny", ("data.loader=torch-memory",), 4, baseline=True)], "t", args,
+                                ["train.cudnn_benchmark=True", "data.batch_size=4"], [])
+    result = json.loads(path.read_text())
+    assert rc == 0 and result["rows"][0]["name"] == "best [train.cudnn_benchmark=True]"  # the batch is a batch rule
+    assert "compile cache cold (empty)" in path.with_suffix(".md").read_text()
+
+
+def test_sampling_table_end_to_end(tmp_path):
+    """`--table sampling` on a CPU: the eager and the compiled sampler of one model, each in a process of its own;
+    the compiled rows carry their speedup over eager and how far their DDIM images are from eager's (same seed).
+    The model is tests/test_sampling.py's (same config, batch and seed), so one of the two compiles from the cache."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "benchmarks.bench", "--table", "sampling", "--sample-modes", "eager,default",
+           "--sample-n", "2", "--ddim-steps", "5", "--out", str(out), "--data", str(tmp_path / "data"),
+           "model.num_classes=3", "diffusion.timesteps=20", "train.sample_every=0"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "sampling.json").read_text())
+    assert result["rows"] == [] and result["dataset"] is None and not (tmp_path / "data").exists()  # no data read
+    got = {(s["mode"], s["sampler"]): s for s in result["sampling"]}
+    assert set(got) == {(m, s) for m in ("eager", "default") for s in ("ddim", "ddpm")}
+    assert [got[("default", s)]["steps"] for s in ("ddim", "ddpm")] == [5, 20]  # DDPM: all T steps
+    assert got[("default", "ddim")]["vs_eager_max_abs"] <= 1 and "vs_eager_max_abs" not in got[("eager", "ddim")]
+    for s in got.values():
+        assert s["name"] == "tiny" and s["n"] == 2 and s["precision"] == "fp32" and s["img_per_s"] > 0
+        assert s["tflops"] == pytest.approx(s["fwd_flops_per_img"] * 2 * s["steps"] / s["seconds"] / 1e12)
+    md = (out / "sampling.md").read_text()
+    assert "## Sampling throughput" in md and "| tiny | ddim | 5 | default | fp32 | 2 |" in md
+    assert "1.00x" in md and (out / "sampling.png").is_file()

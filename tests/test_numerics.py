@@ -150,3 +150,43 @@ def test_from_runs_compares_finished_runs_on_their_common_steps(small_dataset, t
     capsys.readouterr()
     assert numerics.main(["--from-runs", str(tmp_path / "nothing"), str(runs["candidate"])]) == 2
     assert "is not a finished run folder" in capsys.readouterr().err
+
+
+def test_legs_are_spread_over_the_gpus_round_robin():
+    legs = _legs([], [], [])
+    numerics.place_legs(legs, ["0", "1", "2", "3"], [2, 3])  # --gpus 2,3: the second study of a 4-GPU machine
+    assert [leg.gpu for leg in legs] == ["2", "3", "2"]
+    numerics.place_legs(legs, ["GPU-a", "GPU-b"], None)  # default: every visible GPU, named as the parent sees them
+    assert [leg.gpu for leg in legs] == ["GPU-a", "GPU-b", "GPU-a"]
+    fresh = _legs([], [], [])
+    numerics.place_legs(fresh, ["0"], None)  # one GPU: shared, no leg's view narrowed
+    assert [leg.gpu for leg in fresh] == [None, None, None]
+    with pytest.raises(ValueError, match="--gpus 0,4: this process sees 2 GPU"):
+        numerics.place_legs(fresh, ["0", "1"], [0, 4])
+
+
+def test_gpus_and_time_limit_need_parallel(tmp_path, capsys):
+    assert numerics.main(["--data", str(tmp_path), *TINY, "--steps", "20", "--time-limit", "60"]) == 2
+    assert "add --parallel" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_time_limit_stops_the_legs_and_compares_the_intervals_all_logged(small_dataset, tmp_path, capsys):
+    """Legs that could not finish: stopped (SIGTERM, each trainer checkpoints and exits 0), compared on the full
+    intervals every leg logged, and the report says so; each leg's timing comes from its own stats lines."""
+    args = ["--data", str(small_dataset), *TINY, "--steps", "1000000", "--out", str(tmp_path), "--parallel",
+            "--time-limit", "90", "--control", "model.norm_impl=torch", "--tol", "0.5"]
+    assert numerics.main(args) == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert "--time-limit 90 s reached; stopping" in printed and "leg stopped after" in printed
+    r = json.loads((tmp_path / "numerics-bf16.json").read_text())
+    steps = [s["step"] for s in r["reference"]["stats"]]
+    assert len(steps) >= 2 and steps == [5 * (i + 1) for i in range(len(steps))]  # full intervals only
+    assert [s["step"] for s in r["candidate"]["stats"]] == [s["step"] for s in r["control"]["stats"]] == steps
+    assert r["steps"] == steps[-1] and r["planned_steps"] == 1000000 and r["stopped_at_s"] >= 90
+    for leg, t in r["leg_timing"].items():
+        assert t["steps"] >= steps[-1] and t["gpu"] is None  # no GPU here: nothing placed
+        assert 0 < t["first_line_s"] <= t["last_line_s"] < r["stopped_at_s"] + 30 and t["median_step_ms"] > 0
+    md = (tmp_path / "numerics-bf16.md").read_text()
+    assert "stopped by --time-limit after" in md and "steps every leg logged (1000000 planned)" in md
+    assert "| reference | - |" in md  # the leg timing table

@@ -1,0 +1,80 @@
+"""benchmarks.merge: one table from result files of several calls, each row keeping its commit and card."""
+
+import copy
+import json
+
+from benchmarks import merge
+from tests.test_bench import _fake_result
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _part(tmp_path, name, commit, rows, sampling=(), device=H100, complete=True):
+    result = _fake_result(device)
+    by_name = {r["name"]: r for r in result["rows"]}
+    result["rows"] = [copy.deepcopy(by_name[r]) for r in rows]
+    result["sampling"] = list(sampling)
+    result["environment"]["commit"] = commit
+    result["complete"] = complete
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(result))
+    return path
+
+
+def _sampling(mode, img_per_s):
+    return {"name": "ddpm-cifar10", "sampler": "ddim", "steps": 50, "n": 8, "mode": mode, "precision": "bf16",
+            "seconds": 8 / img_per_s, "img_per_s": img_per_s, "tflops": 1.0, "first_call_s": 1.0, "status": "ok"}
+
+
+def test_parts_merge_into_one_table_and_each_row_keeps_its_commit(tmp_path, capsys):
+    # Call 1 ran the baseline and hit OOM on "oom"; call 2 (another commit) ran "oom" again and "fast"; a third call
+    # timed compiled sampling against the eager sampling of call 1.
+    a = _part(tmp_path, "a", "aaa1111", ["base", "oom"], [_sampling("eager", 4.0)], complete=False)
+    b = _part(tmp_path, "b", "bbb2222", ["fast"])
+    ok_oom = json.loads(b.read_text())
+    ok_oom["rows"] = [{**ok_oom["rows"][0], "name": "oom"}, ok_oom["rows"][0]]
+    b.write_text(json.dumps(ok_oom))
+    c = _part(tmp_path, "c", "ccc3333", [], [_sampling("reduce-overhead", 16.0)])
+    out = tmp_path / "merged" / "small.json"
+    assert merge.main([str(out), str(a), str(b), str(c)]) == 0
+    got = json.loads(out.read_text())
+    assert [(r["name"], r["status"], r["part"], r["source"]["commit"]) for r in got["rows"]] == [
+        ("base", "ok", 1, "aaa1111"), ("oom", "ok", 2, "bbb2222"), ("fast", "ok", 2, "bbb2222")]  # in its place
+    assert all(r["source"]["device_name"] == H100 for r in got["rows"])
+    assert [s["mode"] for s in got["sampling"]] == ["eager", "reduce-overhead"] and not got["complete"]
+    assert [src["environment"]["commit"] for src in got["sources"]] == ["aaa1111", "bbb2222", "ccc3333"]
+    assert got["rows"][2]["metrics"]["speedup"] == 2.0  # over the baseline row of call 1, same card
+    md = out.with_suffix(".md").read_text()
+    assert "Part 2: `" in md and "commit bbb2222" in md and "part 2 (header)" in md
+    assert "4.00x" in md  # compiled sampling of call 3 over the eager sampling of call 1
+    assert out.with_suffix(".png").is_file() and "merge: wrote" in capsys.readouterr().out
+
+
+def test_different_cards_datasets_or_twice_measured_rows_are_refused(tmp_path, capsys):
+    a = _part(tmp_path, "a", "aaa", ["base"])
+    out = tmp_path / "m.json"
+    h200 = _part(tmp_path, "h200", "bbb", ["fast"], device="NVIDIA H200")
+    assert merge.main([str(out), str(a), str(h200)]) == 2
+    assert "different cards (a.json: NVIDIA H100 80GB HBM3, h200.json: NVIDIA H200)" in capsys.readouterr().err
+
+    cifar = json.loads(_part(tmp_path, "cifar", "bbb", ["fast"]).read_text())
+    cifar["dataset"] = {**cifar["dataset"], "source": "cifar10", "synthetic": False}
+    (tmp_path / "cifar.json").write_text(json.dumps(cifar))
+    assert merge.main([str(out), str(a), str(tmp_path / "cifar.json")]) == 2
+    assert "different datasets" in capsys.readouterr().err
+
+    again = _part(tmp_path, "again", "bbb", ["base"])
+    assert merge.main([str(out), str(a), str(again)]) == 2
+    assert "'annotated-small / base' was measured in a.json and in again.json" in capsys.readouterr().err
+    assert not out.exists()
+    assert merge.main([str(out), str(a), str(again), "--prefer-later"]) == 0
+    assert json.loads(out.read_text())["rows"][0]["source"]["commit"] == "bbb"
+
+
+def test_a_file_that_is_not_a_result_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("[]")
+    assert merge.main([str(tmp_path / "m.json"), str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == f"merge: error: {bad} is not a benchmarks.bench result (no 'rows'/'environment')"
+    assert merge.main([str(tmp_path / "m.md"), str(bad)]) == 2
+    assert "must end in .json" in capsys.readouterr().err
