@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import JPEG_BETON, PNG_TRAIN, BenchError
+from ffcv_ddpm.unet import PRESETS, REFERENCE_COMPUTATION
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Row:
 # The published table's starting point: true fp32 (no TF32), eager, explicit matmul-softmax attention, NCHW, the
 # default (foreach) AdamW, flips done in the loader's worker processes as torchvision transforms do, nn.GroupNorm.
 BASELINE = (
+    *(f"model.{k}={v}" for k, v in REFERENCE_COMPUTATION.items()),  # the network computed as the paper wrote it
     "model.norm_impl=torch",
     "train.precision=fp32",
     "train.compile=False",
@@ -39,6 +41,10 @@ BASELINE = (
     "train.fused_adam=False",
     "data.flip=cpu",
 )
+
+# The computation switches every network takes (model.concat_free only the DDPM one: table_rows).
+ALL_SWITCHES = ("model.upsample=transposed", "model.pad_image_channels=8", "model.attn_linear=True")
+SWITCHES_ROW = "+ exact reformulations (no skip concat, folded upsample, padded image convs, linear attention projections)"
 
 # Each step adds its overrides to everything above it: (name, added overrides, batch rule).
 STACK = (
@@ -53,11 +59,13 @@ STACK = (
     ("+ GPU-resident data, flips on GPU", ("data.loader=gpu", "data.flip=gpu"), "prev"),
     # A candidate fix for the layout copies inside cuDNN's convolution backward (benchmarks/NOTES.md, attempt 4).
     ("+ GroupNorm that keeps channels_last", ("model.norm_impl=scale-shift",), "prev"),
+    # The same network computed differently (issue 25, NOTES item 11): no skip concatenation, the upsample folded
+    # into its conv, the 3-channel convs padded to 8, the attention projections as matmuls. MFU keeps the
+    # reference network's FLOPs. model.concat_free is built for the DDPM network only (the small UNet skips it).
+    (SWITCHES_ROW, (*ALL_SWITCHES, "model.concat_free=True"), "prev"),
     # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels).
     ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused",), "prev"),
 )
-# The computation switches that have one setting (model.upsample has two: the rows name theirs).
-ALL_SWITCHES = ("model.concat_free=True", "model.pad_image_channels=8", "model.attn_linear=True")
 
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
 # overrides on top of that row[, the presets they apply to]). They run at that row's batch.
@@ -73,23 +81,16 @@ VARIANTS = (
     ("inductor layout optimization forced", "+ GPU-resident data, flips on GPU", ("train.force_layout_opt=True",)),
     ("cuDNN algorithm search (cudnn.benchmark)", "+ fused GroupNorm/SiLU/dropout kernels",
      ("train.cudnn_benchmark=True",)),
-    # The model.* computation switches (issue 25; benchmarks/NOTES.md item 11): the same network computed
-    # differently; FLOPs and MFU stay the reference network's. Variants of the last row so that the rows above keep
-    # their numbers, on the default GroupNorm (scale-shift) unless the name says fused.
-    *((name, "+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=scale-shift", *added), DDPM_ONLY)
-      for name, added in (
-        ("up path without the skip concatenation (model.concat_free)", ("model.concat_free=True",)),
-        ("upsample as a broadcast copy (model.upsample=expand)", ("model.upsample=expand",)),
-        ("upsample folded into a transposed conv (model.upsample=transposed)", ("model.upsample=transposed",)),
-        ("image convs padded to 8 channels (model.pad_image_channels=8)", ("model.pad_image_channels=8",)),
-        ("attention projections as matmuls (model.attn_linear)", ("model.attn_linear=True",)),
-        ("all switches (expand upsample)", (*ALL_SWITCHES, "model.upsample=expand")),
-        ("all switches (transposed upsample)", (*ALL_SWITCHES, "model.upsample=transposed")),
+    # Ablations of the reformulations row (issue 25): each switch back to the paper's computation, or the other
+    # exact upsample, so each switch's share of the gain is measured against the row that has them all.
+    *((name, SWITCHES_ROW, added, DDPM_ONLY) for name, added in (
+        ("without concat-free skips (model.concat_free=False)", ("model.concat_free=False",)),
+        ("upsample as a broadcast copy instead (model.upsample=expand)", ("model.upsample=expand",)),
+        ("upsample as F.interpolate (model.upsample=nearest)", ("model.upsample=nearest",)),
+        ("image convs not padded (model.pad_image_channels=0)", ("model.pad_image_channels=0",)),
+        ("attention projections as 1x1 convs (model.attn_linear=False)", ("model.attn_linear=False",)),
     )),
-    ("all switches + fused GroupNorm", "+ fused GroupNorm/SiLU/dropout kernels",
-     (*ALL_SWITCHES, "model.upsample=transposed"), DDPM_ONLY),
 )
-
 
 # End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
 # the GPU, 8 workers or the cores there are) and only the loader changes. "{data}" stands for the --data folder.
@@ -124,6 +125,8 @@ def table_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
     """The published table's rows and ours beyond it, for one model preset."""
     rows, acc = [], merge(BASELINE, baseline_loader)
     for i, (name, added, batch) in enumerate(STACK):
+        if PRESETS[preset].arch != "ddpm":
+            added = tuple(o for o in added if not o.startswith("model.concat_free"))
         acc = merge(acc, added)
         rows.append(Row(name, preset, acc, rows[-1].name if batch == "prev" else batch, baseline=i == 0))
     last: dict[str, str] = {}  # parent -> the row a new variant goes after (the parent, then its earlier variants)

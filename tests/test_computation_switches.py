@@ -192,9 +192,10 @@ def test_transposed_upsample_is_the_conv_of_the_upsampled_image_with_4_9_of_the_
 def test_flops_count_the_reference_network():
     """MFU divides by the model's FLOPs: padding (more work) must not raise it, the folded upsample (less work)
     is not charged less; what the computation executes is recorded beside it."""
-    base = PRESETS["ddpm-cifar10"]
+    base = reference_config(PRESETS["ddpm-cifar10"])  # the preset itself has the switches on
     ref = train_flops_per_image(base)
     assert ref["executed_fwd_bwd"] == ref["fwd_bwd"]
+    assert train_flops_per_image(PRESETS["ddpm-cifar10"])["fwd_bwd"] == ref["fwd_bwd"]
     for switch, executed in (("pad", "more"), ("transposed", "less"), ("concat_free", "same"),
                              ("attn_linear", "same"), ("all", "less")):
         cfg = dataclasses.replace(base, **SWITCHES[switch])
@@ -208,7 +209,7 @@ def test_flops_count_the_reference_network():
     # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
     row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
     padded = flops_of(row("model.pad_image_channels=8"), [])
-    plain = flops_of(row(), [])
+    plain = flops_of(row("model.pad_image_channels=0"), [])
     assert padded["train"]["fwd_bwd"] == plain["train"]["fwd_bwd"]
     assert padded["train"]["executed_fwd_bwd"] > plain["train"]["executed_fwd_bwd"]
 
@@ -247,19 +248,25 @@ def test_compiled_on_the_gpu_matches_eager_reference():
 
 
 def test_bench_rows_of_the_switches():
-    """Each switch row is the default (scale-shift) row plus its switches; the rows before them keep their numbers;
-    the small UNet's table has none of them (concat_free is for the DDPM network)."""
-    from benchmarks.rows import table_rows
+    """The reformulations row turns every switch on over the scale-shift row (the small UNet all but concat_free);
+    each ablation turns one back; the rows before keep the paper's computation; the defaults are the switches on."""
+    from benchmarks.rows import SWITCHES_ROW, table_rows
 
     ddpm = table_rows("ddpm-cifar10", ("data.loader=torch-memory",))
     small = table_rows("annotated-small", ("data.loader=torch-memory",))
-    switch_rows = [r for r in ddpm if "switches" in r.name or "(model." in r.name]
-    assert len(switch_rows) == 8 and not any("switches" in r.name or "(model." in r.name for r in small)
-    assert [r.name for r in ddpm[:len(small)]] == [r.name for r in small]  # appended: earlier indices unchanged
     cfg = {r.name: load_config(r.preset, list(r.overrides)) for r in ddpm}
-    default = cfg["+ GroupNorm that keeps channels_last"].to_dict()
-    for row in switch_rows:
+    names = [r.name for r in ddpm]
+    before, switched = cfg["+ GroupNorm that keeps channels_last"].to_dict(), cfg[SWITCHES_ROW].to_dict()
+    changed = {k for k in switched["model"] if switched["model"][k] != before["model"][k]}
+    assert changed == set(REFERENCE_COMPUTATION)
+    assert {k: switched["model"][k] for k in changed} == {k: getattr(PRESETS["ddpm-cifar10"], k) for k in changed}
+    for name in names[:names.index(SWITCHES_ROW)]:
+        assert all(getattr(cfg[name].model, k) == v for k, v in REFERENCE_COMPUTATION.items()), name
+    ablations = [r for r in ddpm if r.batch == SWITCHES_ROW and r.name != "+ fused GroupNorm/SiLU/dropout kernels"]
+    assert len(ablations) == 5 and not any("model.concat_free" in r.name for r in small)
+    for row in ablations:
         got = cfg[row.name].to_dict()
-        changed = {k for k in got["model"] if got["model"][k] != default["model"][k]}
-        assert changed and changed <= set(REFERENCE_COMPUTATION) | ({"norm_impl"} if "fused" in row.name else set())
-        assert {s: got[s] for s in ("train", "data")} == {s: default[s] for s in ("train", "data")}, row.name
+        assert len({k for k in got["model"] if got["model"][k] != switched["model"][k]}) == 1, row.name
+        assert {s: got[s] for s in ("train", "data")} == {s: switched[s] for s in ("train", "data")}, row.name
+    small_cfg = load_config("annotated-small", list(next(r for r in small if r.name == SWITCHES_ROW).overrides))
+    assert not small_cfg.model.concat_free and small_cfg.model.upsample == "transposed"
