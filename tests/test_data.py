@@ -234,3 +234,17 @@ def test_default_workers_fit_the_machine(monkeypatch):
     assert data_mod.DataConfig().num_workers == 2
     monkeypatch.setattr(data_mod, "cpu_count", lambda: 64)
     assert data_mod.DataConfig().num_workers == 8
+
+
+def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
+    """FFCV's Loader sets torch's intra-op threads to its worker count; a one-shot read must not change the process's
+    (the CPU tests run their convolutions on one thread, and two on a busy 2-core machine were 10-30x slower)."""
+    from ffcv_ddpm.data import read_beton
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        images, _ = read_beton(small_dataset / "cifar10_test_raw.beton", num_workers=2)
+        assert len(images) > 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
