@@ -201,14 +201,23 @@ def option(typ, rule: Rule | None = None) -> Callable[[str], Any]:
 
 def int_list(rule: Rule | None = None) -> Callable[[str], list[int]]:
     """Comma-separated integers ('1,2,4'), each checked against `rule`."""
-    expected = "comma-separated integers" + (f" {rule.allowed}" if rule else "")
+    return _value_list(int, rule)
 
-    def convert(text: str) -> list[int]:
+
+def float_list(rule: Rule | None = None) -> Callable[[str], list[float]]:
+    """Comma-separated numbers ('0,0.5,2'), each checked against `rule`."""
+    return _value_list(float, rule)
+
+
+def _value_list(typ, rule: Rule | None) -> Callable[[str], list]:
+    expected = f"comma-separated {'integers' if typ is int else 'numbers'}" + (f" {rule.allowed}" if rule else "")
+
+    def convert(text: str) -> list:
         try:
-            values = [int(t) for t in text.split(",") if t.strip()]
-        except ValueError:
+            values = [coerce("", t, typ, rule) for t in text.split(",") if t.strip()]
+        except BadValue:
             values = []
-        if not values or (rule is not None and not all(rule.ok(v) for v in values)):
+        if not values:
             raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {expected}")
         return values
 
