@@ -26,8 +26,8 @@ accuracy from the judge. The reference rows: the judge's test accuracy and the f
 Time on one H100, estimated (the eager version of this command was measured there at commit 44a0e9b: two trainings
 of 2,000 steps at batch 128, 140 s and 120 s, launch-bound at ~2,200 img/s): start-up and judge ~25 s; the first
 compilation ~60 s, the second (same network, warm kernel cache) ~20 s; 3,000 steps of 512 per model at 12-25k img/s
-~60-130 s each; the rows ~3,800 network evaluations of 500 images in fp32 (~0.4 TFLOP each) ~60-90 s. About 4.5-7
-minutes in all; the default --budget-s 150 bounds the sampling part.
+~60-130 s each; the rows ~3,900 network evaluations of 500 images in fp32 (~0.4 TFLOP each, ~15 ms) ~60-90 s.
+About 5-7.5 minutes in all; the default --budget-s 120 bounds the sampling part (the ODE rows' NFE is the unknown).
 
 SIGTERM/SIGINT stop the whole command (benchmarks.study): the report keeps what was measured, exit 128 + signal.
 Writes sde_quality.json, .md, .png and samples-<process>.png (a grid of the best row by FD) into --out.
@@ -308,7 +308,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="sampling seed (the same noise for every row of a model)")
     p.add_argument("--judge", type=Path, help="a judge saved by ffcv_ddpm.quality.save_judge (default: train one)")
     p.add_argument("--judge-steps", type=count, default=2000, help="training steps of the judge")
-    p.add_argument("--budget-s", type=option(float, at_least(0)), default=150.0,
+    p.add_argument("--budget-s", type=option(float, at_least(0)), default=120.0,
                    help="seconds of sampling: rows that would end later are not run (the trainings are not counted)")
     p.add_argument("--preset", default="ddpm-cifar10", type=option(str, one_of(lambda: tuple(PRESETS))),
                    help="preset the MODEL overrides start from")
