@@ -67,8 +67,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from benchmarks.compress_report import BASELINE, SCRATCH_REFERENCE, by_model, findings, write_report
-from ffcv_ddpm.checks import Parser, Rule, above, at_least, float_list, in_range, matches, one_of, option
+from benchmarks.compress_report import BASELINE, FAMILIES, SCRATCH_REFERENCE, by_model, findings, write_report
+from ffcv_ddpm.checks import Parser, Rule, above, at_least, float_list, in_range, matches, one_of, option, str_list
 from ffcv_ddpm.timing import timed_call
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,6 +117,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speed-preset", default="ddpm-cifar10", type=option(str, matches(
                    f"a preset ({', '.join(PRESETS)}) or '' (none)", lambda v: v in ("", *PRESETS))),
                    help="preset for speed/size-only rows ('' = none)")
+    p.add_argument("--families", type=str_list(one_of(FAMILIES)), default=list(FAMILIES),
+                   help=f"the families of rows to run, comma-separated (default: all: {','.join(FAMILIES)})")
     p.add_argument("--budget-s", type=option(float, at_least(0)), default=485,
                    help="no row starts that would end after this many seconds from the start")
     p.add_argument("--seed", type=option(int, at_least(0)), default=0)
@@ -371,6 +373,7 @@ def variants(study: Study) -> list[Variant]:
         rows += [unstructured(studied, dense, "l1", s, r, shape, fine_tune=True,
                               rank=0 if (s, r) == ("global", mid) and not can_prune else 3)
                  for s in compress.PRUNE_SCOPES for r in ratios]
+    rows = [v for v in rows if v.family in a.families or v.name == BASELINE]  # every ratio is to the baseline
     return sorted(rows, key=lambda v: v.rank)  # stable: within a rank, as listed
 
 

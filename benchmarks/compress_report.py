@@ -141,6 +141,9 @@ def render_markdown(result: dict) -> str:
              + ", eagerly, with the dense run's settings; raw weights; their reference is the dense network trained "
              "the same way (`dense convs (reference)`), not the dense model above",
              f"- elapsed {result.get('elapsed_s', 0):.0f} s of a {result['budget_s']:.0f} s budget for starting rows"]
+    left_out = [f for f in FAMILIES if f not in s.get("families", FAMILIES)]
+    if left_out:
+        lines.append(f"- not studied (--families): {', '.join(left_out)}")
     if result.get("stopped"):
         lines.append(f"- **STOPPED** ({result['stopped']}): below is what it measured before")
     elif not result["complete"]:

@@ -209,12 +209,19 @@ def float_list(rule: Rule | None = None) -> Callable[[str], list[float]]:
     return _value_list(float, rule)
 
 
+def str_list(rule: Rule | None = None) -> Callable[[str], list[str]]:
+    """Comma-separated words ('int8,structured'), each checked against `rule`."""
+    return _value_list(str, rule)
+
+
 def _value_list(typ, rule: Rule | None) -> Callable[[str], list]:
-    expected = f"comma-separated {'integers' if typ is int else 'numbers'}" + (f" {rule.allowed}" if rule else "")
+    kind = {int: "integers", float: "numbers", str: "words"}[typ]
+    expected = f"comma-separated {kind}" + (f", each {rule.allowed}" if rule and rule.replaces_type else
+                                           f" {rule.allowed}" if rule else "")
 
     def convert(text: str) -> list:
         try:
-            values = [coerce("", t, typ, rule) for t in text.split(",") if t.strip()]
+            values = [coerce("", t.strip(), typ, rule) for t in text.split(",") if t.strip()]
         except BadValue:
             values = []
         if not values:

@@ -117,21 +117,25 @@ def test_findings_follow_the_numbers():
 
 
 def test_run_dir_rows_run_with_its_overrides_applied_to_the_network(study, tmp_path):
-    """RUN_DIR with model.attn_impl=math: the network is built with it (not only the report's config), every row
-    of this smaller plan runs, nothing is trained but the from-scratch rows."""
+    """RUN_DIR with model.attn_impl=math: the network is built with it (not only the report's config), and the rows
+    of the families asked for run."""
     from benchmarks.study import StudyStop
 
     _, work, first = study
     run_dir = first["dense"]["run_dir"]
     out = tmp_path / "out"
     args = [run_dir, *TOY, "--judge", str(work / "compress-judge.pt"), "--out", str(out), "--work",
-            str(tmp_path / "w"), "--speed-preset", "", "--ft-steps", "0", "model.attn_impl=math"]
+            str(tmp_path / "w"), "--speed-preset", "", "--families", "reference,structured", "model.attn_impl=math"]
     assert compress.main(args) == 0
     r = json.loads((out / "compress.json").read_text())
     assert r["complete"] and not r["dense"]["trained_here"] and r["dense"]["step"] == 2
     assert r["dense"]["config"]["model"]["attn_impl"] == "math" and r["judge"]["path"].endswith("compress-judge.pt")
-    assert r["rows"] and all(x["status"] == "ok" and not x["fine_tune_steps"] for x in r["rows"])
-    assert {x["family"] for x in r["rows"]} == {"reference", "int8", "unstructured", "structured", "architecture"}
+    assert [(x["family"], x["variant"], x["fine_tune_steps"], x["status"]) for x in r["rows"]] == [
+        ("reference", "dense (baseline)", 0, "ok"), ("structured", "channels 50%", 0, "ok"),
+        ("structured", "channels 50%", 2, "ok"), ("reference", "fp32 (TF32 off)", 0, "ok"),
+        ("reference", "bf16 weights", 0, "ok"), ("reference", "fp16 weights", 0, "ok")]
+    assert "not studied (--families): int8, unstructured, architecture" in (out / "compress.md").read_text()
+    assert not (tmp_path / "w").exists()  # nothing trained
     stop = StudyStop()
     try:
         _, model, _, _ = compress.dense_run(compress.parse_args(args), stop)
@@ -169,6 +173,7 @@ def test_bad_run_dir_is_one_error_line(tmp_path, capsys):
                                            (["--reps", "1"], "--reps: invalid value '1': expected an integer >= 2"),
                                            (["--budget-s", "-1"], "--budget-s: invalid value '-1'"),
                                            (["--judge", "missing.pt"], "--judge missing.pt: no such file"),
+                                           (["--families", "int8,foo"], "--families: invalid value 'int8,foo'"),
                                            (["a", "b"], "unrecognized arguments: b")])
 def test_bad_options_are_one_line(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
