@@ -182,7 +182,7 @@ def run(args, argv: list[str], stop) -> Path:
                      "snr": args.snr, "ode_method": args.ode_method, "budget_s": args.budget_s, "steps": args.steps},
         "reference": {"judge": judge_desc, "test_images": len(test_u8),
                       "floor_n": floor and floor["n"], "fd_floor": floor and floor["fd_digits"],
-                      "judge_test_acc": quality.evaluate_samples(judge, test_u8, test_labels, train_u8)["cond_acc"]},
+                      "judge_test_acc": quality.accuracy(judge, test_u8, test_labels)},
         "models": {}, "rows": [], "skipped": [], "complete": False,
     }
 
