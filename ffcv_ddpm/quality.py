@@ -4,7 +4,7 @@
     accuracy(judge, *beton_tensors("data/digits/digits_test_raw.beton"))    # expect >= 0.97
     save_judge(judge, "judge.pt"); judge = load_judge("judge.pt", device)
     evaluate_samples(judge, samples_u8, labels, test_u8)   # {"fd_digits": ..., "cond_acc": ..., "n": ...}
-    fd_floor(judge, train_u8, test_u8, 500)                # {"n": 500, "fd_digits": ...} from the held-out images
+    fd_floor(judge, train_u8, train_labels, test_u8, 500)  # {"n": 500, "fd_digits": ...} from the held-out images
 
 FD-digits is the Fréchet distance (ffcv_ddpm.frechet) between Gaussians fitted to the judge's penultimate features
 (the 64-d global average pool of its last conv block, as FID uses Inception's pool) of two image sets. Its floor
