@@ -7,38 +7,46 @@ depthwise-separable convolutions and int8 side by side: size, speed and quality 
 
 In this order (the report is rewritten after every row; a row whose estimated time would end past --budget-s is
 recorded as skipped, with the estimate; a row that fails is recorded with its error and the study goes on):
-1. the dense model: RUN_DIR's newest checkpoint (EMA weights), or the `digits` preset trained here for --steps steps
-   (`make dataset SOURCE=digits` first if --data has none); the judge (ffcv_ddpm.quality): --judge, RUN_DIR's
-   train.eval_judge, or trained here when the data is the digits; without one, speed and size only;
-2. references: the baseline (fp32 weights, bf16 autocast: how every other row samples), fp32 (TF32 off), bf16 and
-   fp16 weights;
-3. int8 (torchao, ffcv_ddpm.compress): weight-only, dynamic (weights and activations), dynamic on Linear layers only;
-4. unstructured pruning as pruned: L1 and random x global and local x --ratios;
-5. structured pruning as pruned: --ratios of every residual block's inner channels (whole GroupNorm groups);
-6. res-block 3x3 convs grouped (conv_groups = 2, 4) and depthwise-separable, trained from scratch for the dense run's
-   steps (--scratch-steps) with its settings;
-7. --speed-preset (ddpm-cifar10): the same conversions of that preset with random weights, speed and size only;
-8. every structured and unstructured row again after --ft-steps fine-tuning steps (masks kept; EMA of the steps).
+1. the dense model: RUN_DIR's newest checkpoint (EMA weights; KEY=VALUE overrides applied before its network is
+   built, and one that changes its shape refused), or trained here exactly as `make quality` trains it (the `digits`
+   preset, benchmarks.quality's settings, --steps 4000, bf16, torch.compile on a GPU), so that it has learned: the
+   report says whether it passed the quality bar (>= 90% conditional accuracy) and says so plainly when it did not;
+   the judge (ffcv_ddpm.quality): --judge, RUN_DIR's train.eval_judge, or trained here on the digits with the rows'
+   sample count held out for the floor; without one, speed and size only;
+2. the rows, in rounds so that every family runs before any family's second row (rank in variants()):
+   - references: the baseline (fp32 weights, bf16 autocast: how every other row samples), fp32 (TF32 off), bf16 and
+     fp16 weights;
+   - int8 (torchao, ffcv_ddpm.compress): weight-only, dynamic (weights and activations; a conv's activations get one
+     scale per (n, c, h) pixel row), dynamic on Linear layers only;
+   - unstructured pruning as pruned: L1 and random x global and local x --ratios;
+   - structured pruning as pruned: --ratios of every residual block's inner channels (whole GroupNorm groups);
+   - architectures from scratch: res-block 3x3 convs grouped (conv_groups = 2, 4) and depthwise-separable, and the
+     dense network beside them as their reference, each trained --scratch-steps with the dense run's settings
+     (eagerly) and sampled with its raw weights (an EMA of 0.998 over a few hundred steps is still mostly the
+     random initialisation);
+   - --speed-preset (ddpm-cifar10): the same conversions of that preset with random weights, speed and size only;
+   - fine-tuned: the L1 and structured pruning rows again after --ft-steps steps (masks kept; EMA of the steps).
 
 Per row: parameters, non-zero parameters, weight sparsity (of the compressed layers), forward GFLOP per image,
 checkpoint MB (what torch.save writes for the state_dict; unstructured rows also as CSR), sampling latency: one
-DDIM --ddim-steps call at --sample-batch images timed with CUDA events, the median of --reps - 1 calls after a first
-(warm-up) call, and images/s from it; the training step time (ms, median) where it trains; FD-digits to the test
-set and conditional accuracy of all --reps x --sample-batch samples (the guidance weight --guidance).
+sampling call (the process's default sampler, DDIM for DDPM, --ddim-steps steps) at --sample-batch images timed
+with CUDA events, the median of --reps - 1 calls after a first (warm-up) call, and images/s from it; the training
+step time (ms, median) where it trains; FD-digits to the test set and conditional accuracy of all --reps x
+--sample-batch samples (the guidance weight --guidance). The findings printed above each table are computed from
+these numbers (compress_report.findings). Variants run eagerly (a compilation per variant would cost more than the
+study), channels_last, cuDNN benchmark mode; training steps are the trainer's (ffcv_ddpm.step.make_step).
 
-What the numbers mean: a zero in a dense tensor is still multiplied, so unstructured sparsity leaves latency
-where it was (the rows show it) and the checkpoint size too unless stored sparse; structured pruning and grouped
-convolutions cut FLOPs, which becomes latency only where kernels are not bound by launches or memory; int8 here
-saves storage but cannot save GPU time: PyTorch has no int8 convolution for CUDA, so each layer dequantizes its
-weights and runs the float convolution (the rows show what that costs). Everything is eager PyTorch (no torch.compile: a compilation per variant would cost more than the study),
-channels_last, cuDNN benchmark mode; training steps are the trainer's (ffcv_ddpm.step.make_step).
+Time on one H100 (8.5 minutes for this report): the dense training as `make quality`'s, measured there at commit
+44a0e9b, ~225 s with compilation (without its evaluations); judge ~10 s; the rows, estimated from that run (eager
+DDIM sampling of this model at >= ~14,000 image-evaluations per second) and FLOP counts: ~1-2 s per sampled digits
+row, ~20 s per model trained from scratch (400 eager steps), ~3 s per fine-tuning, ~50 s for the speed preset's 18
+rows: ~240 s, so the default --budget-s 485 may leave the last fine-tuned rows out (the report lists them as
+skipped). The sizes chosen to fit that call: --reps 2 (512 samples per row), --scratch-steps 400 (the dense model:
+4000), --ft-steps 50, random-pruning rows not fine-tuned. The int8 rows need torchao (requirements.txt: 0.18.0,
+`pip install --no-deps`); without it they are recorded as failed, saying so.
 
-Time on one H100/H200, estimated from FLOP counts and eager overheads, not yet measured: about 6.5 minutes, within
-the default --budget-s 420 for starting rows (the GPU machine's 10-minute call leaves room for the last row): start-up
-and data ~20 s, dense 1,500 steps ~35 s, judge ~15 s, 7 reference/int8 rows ~20 s, 20 pruned rows ~1.5 s each (3 x
-DDIM 50 at batch 256, 3.2 GFLOP per image forward), three models from scratch ~40 s each, 18 ddpm-cifar10 rows ~80 s
-(its fp32 row alone ~12 s), 20 fine-tunings of 100 steps ~3.5 s each. The int8 rows need torchao
-(requirements.txt: 0.18.0, `pip install --no-deps`); without it they are recorded as failed, saying so.
+SIGTERM/SIGINT stop the whole command (benchmarks.study): the report keeps what was measured, a training run that
+was cut short is removed, exit 128 + signal.
 """
 
 from __future__ import annotations
@@ -59,8 +67,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from benchmarks.compress_report import write_report
-from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, matches, one_of, option
+from benchmarks.compress_report import BASELINE, FAMILIES, SCRATCH_REFERENCE, by_model, findings, write_report
+from ffcv_ddpm.checks import Parser, Rule, above, at_least, float_list, in_range, matches, one_of, option, str_list
 from ffcv_ddpm.timing import timed_call
 
 REPO = Path(__file__).resolve().parent.parent
@@ -68,15 +76,16 @@ WARMUP_STEPS = 10  # training steps left out of a step-time median (cuDNN's algo
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Every option checked, and the config the study will use built from the overrides, before anything runs."""
     from benchmarks.quality import TRAIN_DEFAULTS
-    from ffcv_ddpm.config import load_config
     from ffcv_ddpm.unet import PRESETS
 
     count = option(int, at_least(1))
     p = Parser(prog="python -m benchmarks.compress", doc=__doc__, overrides=True,
                epilog="Without RUN_DIR the overrides go to the dense model's training after the digits quality "
-                      f"run's settings ({' '.join(TRAIN_DEFAULTS)}); with RUN_DIR they change the run's config for "
-                      "the study (e.g. train.device=cpu).")
+                      f"run's settings ({' '.join(TRAIN_DEFAULTS)}); with RUN_DIR they change the run's config "
+                      "before its network is built (e.g. train.device=cpu, model.attn_impl=math; one that changes "
+                      "the network's shape is refused).")
     p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
                    help="a run folder to study (default: train the digits model here)")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (without RUN_DIR)")
@@ -85,49 +94,71 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--judge", type=Path, help="a saved digits judge (default: the run's, or trained here)")
     p.add_argument("--preset", default="digits", type=option(str, one_of(lambda: tuple(PRESETS))),
                    help="model preset trained without RUN_DIR")
-    p.add_argument("--steps", type=count, default=1500, help="dense training steps, train.steps (without RUN_DIR)")
+    p.add_argument("--steps", type=count, default=4000,
+                   help="dense training steps, train.steps (without RUN_DIR; make quality's)")
     p.add_argument("--judge-steps", type=count, default=2000, help="judge training steps (when trained here)")
-    p.add_argument("--scratch-steps", type=count, help="steps of the grouped/separable models (default: the dense run's)")
-    p.add_argument("--ratios", type=_ratios, default=[0.3, 0.5, 0.7, 0.9],
+    p.add_argument("--scratch-steps", type=count, default=400,
+                   help="training steps of the from-scratch models (grouped, separable and their dense reference)")
+    p.add_argument("--ratios", type=float_list(Rule("in (0, 1)", lambda v: 0 < v < 1)), default=[0.3, 0.5, 0.7, 0.9],
                    help="pruning ratios (the share removed), comma-separated (default 0.3,0.5,0.7,0.9)")
-    p.add_argument("--ft-steps", type=option(int, at_least(0)), default=100,
+    p.add_argument("--ft-steps", type=option(int, at_least(0)), default=50,
                    help="fine-tuning steps after pruning (0: no fine-tuned rows)")
     p.add_argument("--ft-lr", type=option(float, above(0)), default=1e-4, help="fine-tuning learning rate (constant)")
-    p.add_argument("--ft-ema", type=option(float, in_range(0, 1, high_open=True)), default=0.99,
+    p.add_argument("--ft-ema", type=option(float, in_range(0, 1, high_open=True)), default=0.95,
                    help="EMA decay over the fine-tuning steps")
-    p.add_argument("--time-steps", type=count, default=30,
-                   help="steps that time the training step of the dense and from-scratch models")
-    p.add_argument("--ddim-steps", type=count, default=50, help="DDIM steps of every sampling call")
+    p.add_argument("--time-steps", type=option(int, at_least(2)), default=20,
+                   help="steps that time the dense model's training step")
+    p.add_argument("--ddim-steps", type=count, default=50, help="sampler steps of every sampling call")
     p.add_argument("--sample-batch", type=count, default=256, help="images per sampling call")
-    p.add_argument("--reps", type=count, default=3, help="sampling calls per row (the first is not timed)")
+    p.add_argument("--reps", type=option(int, at_least(2)), default=2,
+                   help="sampling calls per row (the first is not timed)")
     p.add_argument("--guidance", type=option(float, at_least(0)), default=0.0,
                    help="guidance weight w (0: one forward per step)")
     p.add_argument("--speed-preset", default="ddpm-cifar10", type=option(str, matches(
                    f"a preset ({', '.join(PRESETS)}) or '' (none)", lambda v: v in ("", *PRESETS))),
                    help="preset for speed/size-only rows ('' = none)")
-    p.add_argument("--budget-s", type=option(float, at_least(0)), default=420,
-                   help="no row starts that would end after this (s)")
+    p.add_argument("--families", type=str_list(one_of(FAMILIES)), default=list(FAMILIES),
+                   help=f"the families of rows to run, comma-separated (default: all: {','.join(FAMILIES)})")
+    p.add_argument("--budget-s", type=option(float, at_least(0)), default=485,
+                   help="no row starts that would end after this many seconds from the start")
     p.add_argument("--seed", type=option(int, at_least(0)), default=0)
     args, args.overrides = p.parse_with_overrides(argv)
     if args.run_dir is not None and "=" in str(args.run_dir):  # an override where RUN_DIR would be
         args.overrides.insert(0, str(args.run_dir))
         args.run_dir = None
-    try:  # a bad override is one line before anything is read, trained or written
-        load_config(args.preset, [*TRAIN_DEFAULTS, "train.sample_every=0", f"train.sample_steps={args.ddim_steps}",
-                                  *args.overrides])
-    except ValueError as e:
+    if args.judge is not None and not args.judge.is_file():
+        p.error(f"--judge {args.judge}: no such file (leave it out to use the run's judge or train one)")
+    try:  # a bad override is one line before anything is built, trained or written
+        args.cfg = study_config(args)
+    except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    if args.ft_steps and args.ft_steps < 2:
+        p.error(f"--ft-steps {args.ft_steps}: 0 (no fine-tuning) or at least 2")
     return args
 
 
-def _ratios(text: str) -> list[float]:
-    try:
-        ratios = [float(t) for t in text.split(",")]
-    except ValueError:
-        ratios = []
-    if not ratios or not all(0 < r < 1 for r in ratios):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected comma-separated numbers in (0, 1)")
-    return ratios
+def study_config(args):
+    """The dense run's config the study works with: RUN_DIR's config.json with the overrides, or the config of the
+    digits model trained here (benchmarks.quality's, evaluating nothing while it trains: the judge is the study's)."""
+    from benchmarks.quality import train_config
+    from ffcv_ddpm.config import RunConfig, apply_override, check_config
+
+    if args.run_dir is not None:
+        path = args.run_dir / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{args.run_dir} has no config.json: give a run folder written by ffcv_ddpm.train")
+        cfg = RunConfig.from_dict(json.loads(path.read_text()))
+        for item in args.overrides:
+            apply_override(cfg, item)
+        cfg = check_config(cfg)
+    else:
+        ns = SimpleNamespace(preset=args.preset, seed=args.seed, steps=args.steps, n_per_class=1,
+                             ddim_steps=[args.ddim_steps], work=args.work,
+                             overrides=["train.eval_every=0", "train.desc=compress-dense", *args.overrides])
+        cfg = train_config(ns, args.data / "digits_train_raw.beton", args.data / "digits_test_raw.beton", "")
+    if args.ddim_steps > cfg.diffusion.timesteps:
+        raise ValueError(f"--ddim-steps {args.ddim_steps}: at most diffusion.timesteps={cfg.diffusion.timesteps}")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -182,6 +213,7 @@ class Variant:
     quality: bool = True  # score samples with the judge
     source: nn.Module | None = None  # int8 rows: the float network, whose counts and FLOPs describe it
     extra: dict = field(default_factory=dict)  # recorded in the row (ratio, method, scope, override, ...)
+    rank: int = 1  # the round it runs in (0: the first row of each family; see variants)
 
 
 @dataclass
@@ -198,12 +230,15 @@ class Study:
     data: tuple | None = None  # train (uint8 images, labels) on the device, for fine-tuning
     sample_s: dict = field(default_factory=dict)  # model -> seconds of each sampling call so far
     row_s: dict = field(default_factory=dict)  # (model, family, fine_tune) -> seconds the last such row took
-    train_step_s: float = 0.0  # the dense model's training step (the unit of the time estimates)
+    train_step_s: float = 0.0  # the dense model's eager training step (the unit of the time estimates)
+    sampler: str = "ddim"  # the process's default sampler (evaluate.default_sampler): every row's
+    stop: object = None  # the command's benchmarks.study.StudyStop (training runs inside the study)
+    scratch_ms: float | None = None  # the eager step time of the last model trained from scratch
     gflops: dict = field(default_factory=dict)  # parameter shapes -> forward GFLOP/img (counting costs ~1 s)
 
 
 def sample_calls(study: Study, model: nn.Module, precision: str, shape) -> tuple:
-    """--reps DDIM calls of --sample-batch images (seeds seed, seed+1, ...): (uint8 samples, labels, ms per call)."""
+    """--reps sampling calls of --sample-batch images (seeds seed, seed+1, ...): (uint8 samples, labels, ms per call)."""
     from ffcv_ddpm.evaluate import class_labels, generate
     from ffcv_ddpm.step import set_precision
 
@@ -214,11 +249,11 @@ def sample_calls(study: Study, model: nn.Module, precision: str, shape) -> tuple
     samples, ms = [], []
     try:
         for i in range(a.reps):
-            out, t = timed_call(lambda: generate(model, study.diffusion, a.sample_batch, labels=labels, steps=a.ddim_steps,
-                                            guidance=a.guidance if labels is not None else 0.0, batch=a.sample_batch,
-                                            seed=a.seed + i, amp_dtype=amp,
-                                            shape=(shape.in_channels, shape.image_size, shape.image_size),
-                                            memory_format=torch.channels_last), study.device)
+            out, t = timed_call(lambda: generate(
+                model, study.diffusion, a.sample_batch, labels=labels, sampler=study.sampler, steps=a.ddim_steps,
+                guidance=a.guidance if labels is not None else 0.0, batch=a.sample_batch, seed=a.seed + i,
+                amp_dtype=amp, shape=(shape.in_channels, shape.image_size, shape.image_size),
+                memory_format=torch.channels_last), study.device)
             samples.append(out)
             ms.append(t)
     finally:
@@ -255,8 +290,7 @@ def estimate_s(study: Study, v: Variant) -> float:
     last row of its kind took if that was longer (start-up, slower kernels); 0 for a new model's first row."""
     calls = study.sample_s.get(v.model)
     sampling = study.args.reps * statistics.median(calls) if calls else 0.0
-    scratch = v.extra.get("scratch_steps")
-    steps = (study.args.ft_steps if v.fine_tune else 0) + (scratch + study.args.time_steps if scratch else 0)
+    steps = (study.args.ft_steps if v.fine_tune else 0) + v.extra.get("scratch_steps", 0)
     return max(sampling + steps * study.train_step_s, study.row_s.get((v.model, v.family, v.fine_tune), 0.0))
 
 
@@ -267,15 +301,18 @@ ARCHITECTURES = [("grouped convs (2 groups)", {"conv_groups": 2}), ("grouped con
 
 
 def variants(study: Study) -> list[Variant]:
-    """Every row in priority order (see the module docstring)."""
+    """Every row, in the order they run: by rank (0: one row of every family, so that a budget cut never leaves a
+    family out; 1: the studied model's other rows; 2: the speed preset's other rows; 3: the other fine-tunings),
+    then as listed."""
     from ffcv_ddpm import compress
     from ffcv_ddpm.unet import PRESETS
 
     a, dense, studied = study.args, study.dense, study.cfg.preset
     pct = lambda r: f"{r:.0%}"  # noqa: E731
+    mid = a.ratios[(len(a.ratios) - 1) // 2]  # the ratio of the first round (0.5 of the default four)
 
-    def conversions(name: str, model: nn.Module, shape, quality: bool) -> list[Variant]:
-        """The references and the int8 rows of one network."""
+    def conversions(name: str, model: nn.Module, shape, quality: bool, rank: int) -> list[Variant]:
+        """The references and the int8 rows of one network (the baseline and int8 weight-only at `rank`)."""
         def to(dtype):
             return lambda: copy.deepcopy(model).to(dtype)
 
@@ -283,47 +320,61 @@ def variants(study: Study) -> list[Variant]:
             return lambda: compress.quantize_int8(copy.deepcopy(model), mode)
 
         same = dict(shape=shape, quality=quality)
-        return [Variant(name, "reference", "dense (baseline)", lambda: model, **same),
+        return [Variant(name, "reference", BASELINE, lambda: model, rank=rank, **same),
                 Variant(name, "reference", "fp32 (TF32 off)", lambda: model, precision="fp32", **same),
                 Variant(name, "reference", "bf16 weights", to(torch.bfloat16), precision="bf16", **same),
                 Variant(name, "reference", "fp16 weights", to(torch.float16), precision="fp16", **same),
-                *[Variant(name, "int8", f"int8 {mode}", int8(mode), source=model, extra={"mode": mode}, **same)
-                  for mode in compress.QUANT_MODES]]
+                *[Variant(name, "int8", compress.QUANT_LABELS[mode], int8(mode), source=model, extra={"mode": mode},
+                          rank=rank if mode == "weight-only" else 1, **same) for mode in compress.QUANT_MODES]]
 
-    def unstructured(name, model, method, scope, ratio, shape, quality=True, fine_tune=False) -> Variant:
+    def unstructured(name, model, method, scope, ratio, shape, quality=True, fine_tune=False, rank=1) -> Variant:
         label = f"{'L1' if method == 'l1' else method} {scope} {pct(ratio)}"
         return Variant(name, "unstructured", label, lambda: compress.prune_unstructured(
             copy.deepcopy(model), ratio, method=method, scope=scope, seed=a.seed), shape=shape, quality=quality,
-            fine_tune=fine_tune, extra={"method": method, "scope": scope, "ratio": ratio})
+            fine_tune=fine_tune, extra={"method": method, "scope": scope, "ratio": ratio}, rank=rank)
 
-    def structured(name, model, ratio, shape, quality=True, fine_tune=False) -> Variant:
+    def structured(name, model, ratio, shape, quality=True, fine_tune=False, rank=1) -> Variant:
         return Variant(name, "structured", f"channels {pct(ratio)}", lambda: compress.prune_structured(model, ratio),
-                       shape=shape, quality=quality, fine_tune=fine_tune, extra={"ratio": ratio})
+                       shape=shape, quality=quality, fine_tune=fine_tune, extra={"ratio": ratio}, rank=rank)
+
+    def scratch(name, override, rank) -> Variant:
+        return Variant(studied, "architecture", name, lambda: train_scratch(study, override, a.scratch_steps),
+                       shape=dataclasses.replace(shape, **override), rank=rank,
+                       extra={"override": override, "scratch_steps": a.scratch_steps})
 
     shape, ratios = study.cfg.model, a.ratios
-    prunings = [(m, s, r) for m in compress.PRUNE_METHODS for s in compress.PRUNE_SCOPES for r in ratios]
-    rows = conversions(studied, dense, shape, True)
-    rows += [unstructured(studied, dense, m, s, r, shape) for m, s, r in prunings]
-    rows += [structured(studied, dense, r, shape) for r in ratios]
-    steps = a.scratch_steps or study.cfg.train.steps
-    rows += [Variant(studied, "architecture", name, lambda o=o: train_scratch(study, o, steps),
-                     shape=dataclasses.replace(shape, **o), extra={"override": o, "scratch_steps": steps})
-             for name, o in ARCHITECTURES]
+    can_prune = compress.structured_refusal(dense) is None  # the refusal is in the report (run)
+    rows = conversions(studied, dense, shape, True, rank=0)
+    rows += [unstructured(studied, dense, m, s, r, shape, rank=0 if (m, s, r) == ("l1", "global", mid) else 1)
+             for m in compress.PRUNE_METHODS for s in compress.PRUNE_SCOPES for r in ratios]
+    rows += [structured(studied, dense, r, shape, rank=0 if r == mid else 1) for r in ratios if can_prune]
+    rows += [scratch(SCRATCH_REFERENCE, {}, 0)]
+    rows += [scratch(name, o, 0 if i == 0 else 1) for i, (name, o) in enumerate(ARCHITECTURES)]
     if a.speed_preset:
         speed = f"{a.speed_preset} (random weights)"
         scfg = PRESETS[a.speed_preset]
         net = random_model(study, scfg)
-        rows += conversions(speed, net, scfg, False)
-        # One unstructured method per ratio: which weights are zero changes neither shapes nor kernels.
-        rows += [unstructured(speed, net, "l1", "global", r, scfg, quality=False) for r in ratios]
-        rows += [structured(speed, net, r, scfg, quality=False) for r in ratios]
-        rows += [Variant(speed, "architecture", name, lambda o=o: random_model(study, dataclasses.replace(scfg, **o)),
-                         shape=dataclasses.replace(scfg, **o), quality=False, extra={"override": o})
-                 for name, o in ARCHITECTURES]
-    if a.ft_steps:  # fine-tuned last: the most rows, each the cheapest to lose
-        rows += [structured(studied, dense, r, shape, fine_tune=True) for r in ratios]
-        rows += [unstructured(studied, dense, m, s, r, shape, fine_tune=True) for m, s, r in prunings]
-    return rows
+        speed_rows = conversions(speed, net, scfg, False, rank=0)
+        # One unstructured method: which weights are zero changes neither shapes nor kernels.
+        speed_rows += [unstructured(speed, net, "l1", "global", r, scfg, quality=False) for r in ratios]
+        if compress.structured_refusal(net) is None:
+            speed_rows += [structured(speed, net, r, scfg, quality=False) for r in ratios]
+        speed_rows += [Variant(speed, "architecture", name,
+                               lambda o=o: random_model(study, dataclasses.replace(scfg, **o)),
+                               shape=dataclasses.replace(scfg, **o), quality=False, extra={"override": o})
+                       for name, o in ARCHITECTURES]
+        for v in speed_rows:
+            v.rank = 0 if v.name == BASELINE else 2
+        rows += speed_rows
+    if a.ft_steps:
+        # Fine-tuned: L1 and structured pruning (random pruning is the control of L1, shown as pruned only).
+        rows += [structured(studied, dense, r, shape, fine_tune=True, rank=0 if r == mid else 3)
+                 for r in ratios if can_prune]
+        rows += [unstructured(studied, dense, "l1", s, r, shape, fine_tune=True,
+                              rank=0 if (s, r) == ("global", mid) and not can_prune else 3)
+                 for s in compress.PRUNE_SCOPES for r in ratios]
+    rows = [v for v in rows if v.family in a.families or v.name == BASELINE]  # every ratio is to the baseline
+    return sorted(rows, key=lambda v: v.rank)  # stable: within a rank, as listed
 
 
 def random_model(study: Study, cfg) -> nn.Module:
@@ -334,55 +385,53 @@ def random_model(study: Study, cfg) -> nn.Module:
 
 
 def train_scratch(study: Study, override: dict, steps: int) -> nn.Module:
-    """The dense run's training (config, data, seed) with other res-block convs, from scratch, for `steps` steps."""
+    """The dense run's training (config, data, seed) with other res-block convs (or none: the reference), from
+    scratch, eagerly, for `steps` steps; the raw weights (eval mode). Its step time goes to study.scratch_ms."""
+    from benchmarks.study import train_run
     from ffcv_ddpm.evaluate import load_run
-    from ffcv_ddpm.train import train
 
     cfg = copy.deepcopy(study.cfg)
     cfg.model = dataclasses.replace(cfg.model, **override)
     cfg.train.steps, cfg.train.ckpt_every, cfg.train.log_every = steps, steps, min(100, steps)
     cfg.train.resume, cfg.train.eval_every, cfg.train.sample_every = "", 0, 0
     cfg.train.compile, cfg.train.cudnn_benchmark, cfg.train.progress = False, True, False
+    cfg.train.telemetry = False
     cfg.train.out_dir = str(study.args.work)
-    cfg.train.desc = "compress-" + "-".join(f"{k}{v}" for k, v in override.items())
-    run_dir = train(cfg)
-    return load_run(run_dir, study.device, ema=True)[1]
+    cfg.train.desc = "compress-" + ("-".join(f"{k}{v}" for k, v in override.items()) or "dense-scratch")
+    run_dir = train_run(cfg, study.stop)
+    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    study.scratch_ms = stats[-1]["iter_ms_median"]  # the last interval: after cuDNN's algorithm search
+    return load_run(run_dir, study.device, ema=False)[1]
 
 
-def dense_run(args) -> tuple:
-    """(run config, EMA model, diffusion, run info) of RUN_DIR, or of the digits model trained here."""
-    from benchmarks.quality import ensure_digits, train_config
-    from ffcv_ddpm.config import apply_override
+def dense_run(args, stop) -> tuple:
+    """(run config, EMA model, process, run info) of RUN_DIR, or of the digits model trained here."""
+    from benchmarks.quality import ensure_digits
+    from benchmarks.study import train_run
     from ffcv_ddpm.evaluate import load_run
     from ffcv_ddpm.step import resolve_device
-    from ffcv_ddpm.train import train
 
+    device = resolve_device(args.cfg.train.device)
     if args.run_dir is not None:
-        cfg, model, diffusion, step = load_run(args.run_dir, "cpu")
-        for item in args.overrides:  # e.g. train.device=cpu, and the settings of the from-scratch runs
-            apply_override(cfg, item)
-        device = resolve_device(cfg.train.device)
-        return cfg, model.to(device), diffusion.to(device), {"run_dir": str(args.run_dir), "step": step,
-                                                             "trained_here": False}
+        stop.where = f"loading {args.run_dir}"
+        cfg, model, diffusion, step = load_run(args.run_dir, device, overrides=args.overrides)
+        return cfg, model, diffusion, {"run_dir": str(args.run_dir), "step": step, "trained_here": False}
+    stop.where = "building the digits dataset"
     built = ensure_digits(args.data)
-    # The digits quality run's settings, eager, evaluating nothing while it trains (the judge is the study's).
-    eager = ["train.eval_every=0", "train.compile=False", "train.cudnn_benchmark=True", "train.desc=compress-dense"]
-    ns = SimpleNamespace(preset=args.preset, seed=args.seed, steps=args.steps, n_per_class=1,
-                         ddim_steps=[args.ddim_steps], work=args.work, overrides=[*eager, *args.overrides])
     args.work.mkdir(parents=True, exist_ok=True)
-    cfg = train_config(ns, args.data / "digits_train_raw.beton", args.data / "digits_test_raw.beton", "")
     t0 = time.perf_counter()
-    run_dir = train(cfg)
+    run_dir = train_run(args.cfg, stop)
+    stop.kept["run"] = f"the dense run {run_dir}"
     seconds = time.perf_counter() - t0
-    device = resolve_device(cfg.train.device)
-    _, model, diffusion, step = load_run(run_dir, device)
+    cfg, model, diffusion, step = load_run(run_dir, device)
     stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     return cfg, model, diffusion, {"run_dir": str(run_dir), "step": step, "trained_here": True,
                                    "dataset_built_now": built, "seconds": seconds, "stats": stats}
 
 
-def load_or_train_judge(args, cfg, device) -> tuple:
-    """(judge, test images, info) or (None, None, reason) when this run's data has no digits judge."""
+def load_or_train_judge(args, cfg, device, n: int) -> tuple:
+    """(judge, test images, info) or (None, None, reason) when this run's data has no digits judge. A judge trained
+    here holds n class-balanced train images out for the floor."""
     from ffcv_ddpm import quality
 
     train_beton = Path(cfg.data.path)
@@ -393,25 +442,30 @@ def load_or_train_judge(args, cfg, device) -> tuple:
         info = {"path": str(path), "trained_here": False}
     elif train_beton.name.startswith("digits_") and test_beton.is_file():
         t0 = time.perf_counter()
-        judge = quality.train_judge(train_beton, device, steps=args.judge_steps, seed=args.seed)
+        judge = quality.train_judge(train_beton, device, steps=args.judge_steps, seed=args.seed, hold_out=n)
         path = args.work / "compress-judge.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
         quality.save_judge(judge, path)
-        info = {"path": str(path), "trained_here": True, "seconds": time.perf_counter() - t0, **judge.info}
+        info = {"path": str(path), "trained_here": True, "seconds": time.perf_counter() - t0,
+                **{k: v for k, v in judge.info.items() if k != "held_out"}}
     else:
         return None, None, {"none": f"no digits judge for {train_beton} (give --judge and a digits run): "
                                     "speed and size only"}
     test_x, test_y = quality.beton_tensors(test_beton, device)
-    info.update(test_beton=str(test_beton), test_accuracy=quality.accuracy(judge, test_x, test_y))
+    info.update(test_beton=str(test_beton), test_accuracy=quality.accuracy(judge, test_x, test_y),
+                held_out=len(judge.info.get("held_out") or []))
     return judge, test_x, info
 
 
-def run(args, argv: list[str], t_start: float) -> dict:
+def run(args, argv: list[str], t_start: float, stop) -> dict:
     from benchmarks.peaks import card_slug
+    from benchmarks.study import saved_when_stopped
     from ffcv_ddpm import compress, quality
     from ffcv_ddpm.env import environment
+    from ffcv_ddpm.evaluate import default_sampler
     from ffcv_ddpm.step import AMP_DTYPES
 
-    cfg, dense, diffusion, dense_info = dense_run(args)
+    cfg, dense, diffusion, dense_info = dense_run(args, stop)
     device = next(dense.parameters()).device
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every row: each conv shape's fastest algorithm (warm-up call pays)
@@ -422,67 +476,78 @@ def run(args, argv: list[str], t_start: float) -> dict:
     except ImportError:
         torchao_version = None
     study = Study(args, device, cfg, dense, diffusion, AMP_DTYPES[cfg.train.precision] if device.type == "cuda"
-                  else None)
+                  else None, sampler=default_sampler(diffusion), stop=stop)
     result = {"command": "python -m benchmarks.compress " + " ".join(argv), "device": card or "CPU",
               "environment": {**environment(), "torchao": torchao_version}, "budget_s": args.budget_s,
               "complete": False, "model": cfg.preset, "dense": {**dense_info, "config": cfg.to_dict()},
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "rows": []}
+              "sampler": study.sampler,
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "cfg"},
+              "notes": [], "rows": []}
+    reason = compress.structured_refusal(dense)
+    if reason:
+        result["notes"].append(f"no structured pruning rows: {reason}")
 
-    def save(message: str, draw: bool = False) -> None:
+    def save(message: str | None = None, draw: bool = False) -> None:
         result["elapsed_s"] = time.perf_counter() - t_start
         write_report(result, out, draw)
-        print(f"compress: [{result['elapsed_s']:.0f} s] {message}", flush=True)
+        stop.kept["report"] = f"the report {out} ({sum(r['status'] == 'ok' for r in result['rows'])} rows measured)"
+        if message:
+            print(f"compress: [{result['elapsed_s']:.0f} s] {message}", flush=True)
 
-    study.judge, study.test_x, result["judge"] = load_or_train_judge(args, cfg, device)
-    study.data = train_x, train_y = quality.beton_tensors(cfg.data.path, device)
-    if study.judge is not None:
+    with saved_when_stopped(stop, result, save):
+        stop.where = "training the judge"
         n = args.reps * args.sample_batch
-        subset = torch.from_numpy(quality.class_balanced_subset(train_y, min(n, len(train_y)), args.seed))
-        result["floor"] = {"n": len(subset), "fd_digits": quality.evaluate_samples(
-            study.judge, train_x[subset.to(device)], None, study.test_x)["fd_digits"]}
-    # The dense model's training step, timed like every fine-tuning (eager, this study's loop): the estimates' unit.
-    _, iter_ms = fine_tune(copy.deepcopy(dense), cfg, diffusion, study.data, args.time_steps, args.ft_lr, args.ft_ema,
-                           args.seed)
-    dense_step_ms = step_ms(iter_ms)
-    study.train_step_s = dense_step_ms / 1e3
-    judged = f"judge test accuracy {result['judge']['test_accuracy']:.1%}" if study.judge else "no judge"
-    save(f"dense model {dense_info['run_dir']} ready, {dense_step_ms:.1f} ms per training step; {judged}")
+        study.judge, study.test_x, result["judge"] = load_or_train_judge(args, cfg, device, n)
+        if study.judge is not None:
+            stop.kept["judge"] = f"the judge {result['judge']['path']}"
+        study.data = train_x, train_y = quality.beton_tensors(cfg.data.path, device)
+        if study.judge is not None:
+            result["floor"] = quality.fd_floor(study.judge, train_x, train_y, study.test_x, n)
+        # The dense model's training step, eager like every fine-tuning and from-scratch run: the estimates' unit.
+        stop.where = "timing the dense model's training step"
+        _, iter_ms = fine_tune(copy.deepcopy(dense), cfg, diffusion, study.data, args.time_steps, args.ft_lr,
+                               args.ft_ema, args.seed)
+        dense_step_ms = step_ms(iter_ms)
+        study.train_step_s = dense_step_ms / 1e3
+        judged = f"judge test accuracy {result['judge']['test_accuracy']:.1%}" if study.judge else "no judge"
+        save(f"dense model {dense_info['run_dir']} ready, {dense_step_ms:.1f} ms per eager training step; {judged}")
 
-    for v in variants(study):
-        label = f"{v.model} / {v.name}{' (fine-tuned)' if v.fine_tune else ''}"
-        row = {"model": v.model, "family": v.family, "variant": v.name, "precision": v.precision,
-               "fine_tune_steps": args.ft_steps if v.fine_tune else 0, **v.extra}
-        est = estimate_s(study, v)
-        if time.perf_counter() - t_start + est > args.budget_s:
-            row["status"] = f"skipped: estimated {est:.0f} s would end past the {args.budget_s:.0f} s budget"
+        for v in variants(study):
+            label = f"{v.model} / {v.name}{' (fine-tuned)' if v.fine_tune else ''}"
+            stop.where = f"row {label}"
+            row = {"model": v.model, "family": v.family, "variant": v.name, "precision": v.precision,
+                   "fine_tune_steps": args.ft_steps if v.fine_tune else 0, "rank": v.rank, **v.extra}
+            est = estimate_s(study, v)
+            if time.perf_counter() - t_start + est > args.budget_s:
+                row["status"] = f"skipped: estimated {est:.0f} s would end past the {args.budget_s:.0f} s budget"
+                result["rows"].append(row)
+                save(f"{label}: {row['status']}")
+                continue
+            t0 = time.perf_counter()
+            try:
+                model = v.make()
+                if v.fine_tune:
+                    ema, iter_ms = fine_tune(model, cfg, diffusion, study.data, args.ft_steps, args.ft_lr,
+                                             args.ft_ema, args.seed)
+                    model = compress.make_permanent(ema)
+                    row["train_step_ms"] = step_ms(iter_ms)
+                elif "scratch_steps" in v.extra:  # trained from scratch: the step time of its own training
+                    row["train_step_ms"] = study.scratch_ms
+                    row["weights"] = "raw"
+                elif v.model == cfg.preset and v.name == BASELINE:
+                    row["train_step_ms"] = dense_step_ms
+                # Measured as deployed: pruning masks baked into the weights, no per-call mask multiply.
+                row.update(measure(study, v, compress.make_permanent(model)))
+                row["status"] = "ok"
+            except Exception as e:  # one broken conversion must not end the study: the row says what happened
+                traceback.print_exc()
+                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            row["seconds"] = study.row_s[v.model, v.family, v.fine_tune] = time.perf_counter() - t0
             result["rows"].append(row)
-            save(f"{label}: {row['status']}")
-            continue
-        t0 = time.perf_counter()
-        try:
-            model = v.make()
-            if v.fine_tune:
-                ema, iter_ms = fine_tune(model, cfg, diffusion, study.data, args.ft_steps, args.ft_lr, args.ft_ema,
-                                         args.seed)
-                model = compress.make_permanent(ema)
-                row["train_step_ms"] = step_ms(iter_ms)
-            elif "scratch_steps" in v.extra:  # trained from scratch: its step timed like the dense model's
-                row["train_step_ms"] = step_ms(fine_tune(copy.deepcopy(model), cfg, diffusion, study.data,
-                                                         args.time_steps, args.ft_lr, args.ft_ema, args.seed)[1])
-            elif v.model == cfg.preset and v.name == "dense (baseline)":
-                row["train_step_ms"] = dense_step_ms
-            # Measured as deployed: pruning masks baked into the weights, no per-call mask multiply.
-            row.update(measure(study, v, compress.make_permanent(model)))
-            row["status"] = "ok"
-        except Exception as e:  # one broken conversion must not end the study: the row says what happened
-            traceback.print_exc()
-            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        row["seconds"] = study.row_s[v.model, v.family, v.fine_tune] = time.perf_counter() - t0
-        result["rows"].append(row)
-        save(f"{label}: {_summary(row)}", draw=len(result["rows"]) % 10 == 0)  # a plot costs ~1 s: not every row
-    result["complete"] = True
-    save("done", draw=True)
+            save(f"{label}: {_summary(row)}", draw=len(result["rows"]) % 10 == 0)  # a plot costs ~1 s
+        stop.phase = "stopping"  # measured: the last save completes
+        result["complete"] = True
+        save("done", draw=True)
     return result
 
 
@@ -494,16 +559,19 @@ def _summary(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.study import run_study
+
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.step import TrainingError
 
-    try:
-        run(args, argv, t_start)
-    except (TrainingError, ValueError, FileNotFoundError) as e:
-        return fail("compress", str(e))
-    return 0
+    def body(stop) -> None:
+        result = run(args, argv, t_start, stop)
+        for model_rows in by_model(result["rows"]).values():
+            for line in findings(model_rows):
+                print(f"compress: {line}")
+
+    return run_study("compress", body)
 
 
 if __name__ == "__main__":

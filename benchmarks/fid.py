@@ -2,6 +2,7 @@
 
     python -m benchmarks.fid --data data/cifar10_train_raw.beton --run runs/00000-ddpm-cifar10 --n 50000
     python -m benchmarks.fid --data data/cifar10_train_raw.beton --run RUN --sampler ddpm --raw   # 1000 steps, no EMA
+    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run VE_RUN --sampler ode      # a VE run: em/pc/ode
     python -m benchmarks.fid --data data/cifar10_train_raw.beton --run RUN train.precision=fp32  # sample in fp32
     python -m benchmarks.fid --data data/cifar10_train_raw.beton --images data/cifar10_test_raw.beton
     make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
@@ -9,7 +10,9 @@
 Weights: pt_inception-2015-12-05-6726825d.pth in the torch hub cache ($TORCH_HOME/hub/checkpoints/, where
 pytorch-fid would download it) or --weights PATH; without it, one line says where to put it, and nothing is
 downloaded. The reference statistics are cached beside the reference data (keyed by its pixels' hash), so only the
-first run pays for them. Samples are generated and scored in batches on the GPU.
+first run pays for them. Samples are generated and scored in batches on the GPU, with the run's own process (DDPM or
+VE) and by default its sampler; every option is checked against the run before any statistics are computed.
+SIGTERM/SIGINT stop it with one line (exit 128 + signal); the report is written only when the score exists.
 
 Writes fid-<name>.json and .md under benchmarks/results/<card>/ (or --out). On synthetic reference data (the
 manifest's flag) and with --random-inception (a randomly initialised network, for testing the path without the
@@ -28,65 +31,101 @@ import torch
 from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
-from ffcv_ddpm.evaluate import class_labels, generate, load_run
-from ffcv_ddpm.checks import Parser
+from ffcv_ddpm.checks import Parser, at_least, one_of, option
+from ffcv_ddpm.evaluate import check_sampler, class_labels, generate, load_run
 from tools.atomic import Staged
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Every option checked (and a bad KEY=VALUE refused) before anything is loaded."""
+    from ffcv_ddpm.config import RULES, load_config
+    from ffcv_ddpm.sde_sampling import DDPM_SAMPLERS, SDE_SAMPLERS
+
+    count = option(int, at_least(1))
     p = Parser(prog="python -m benchmarks.fid", doc=__doc__, overrides=True,
                epilog="The overrides change the run's config for sampling (e.g. train.precision=fp32, "
-                      "model.attn_impl=math); fields that change the network's shape are refused.")
+                      "model.attn_impl=math); fields that change the network's shape or process are refused.")
     p.add_argument("--data", type=Path, required=True,
                    help="the reference: one .beton file or a PNG folder (e.g. the train split)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--run", type=Path, help="run folder: sample from its newest checkpoint")
     what.add_argument("--images", type=Path, help="a .beton or PNG folder to score instead of samples")
-    p.add_argument("--n", type=int, default=10_000, help="samples to generate (the published CIFAR-10 FIDs use 50,000)")
-    p.add_argument("--sampler", choices=("ddim", "ddpm"), default="ddim", help="ddpm = all T ancestral steps")
-    p.add_argument("--sample-steps", type=int, default=100, help="DDIM steps (as train.sample_steps)")
-    p.add_argument("--guidance", type=float, default=0.0, help="classifier-free guidance weight w (conditional runs)")
+    p.add_argument("--n", type=option(int, at_least(2)), default=10_000,
+                   help="samples to generate (the published CIFAR-10 FIDs use 50,000)")
+    p.add_argument("--sampler", type=option(str, one_of(DDPM_SAMPLERS + SDE_SAMPLERS)),
+                   help="default: the run's process's (ddim for DDPM, pc for VE); ddpm = all T ancestral steps")
+    p.add_argument("--sample-steps", type=count, default=100, help="sampler steps (as train.sample_steps)")
+    p.add_argument("--guidance", type=option(float, at_least(0)), default=0.0,
+                   help="classifier-free guidance weight w (conditional runs; 0: none)")
     p.add_argument("--raw", action="store_true", help="the raw weights instead of the EMA")
-    p.add_argument("--sample-batch", type=int, default=500, help="images per sampling / Inception batch")
-    p.add_argument("--max-ref", type=int, help="use the first N reference images only")
+    p.add_argument("--sample-batch", type=count, default=500, help="images per sampling / Inception batch")
+    p.add_argument("--max-ref", type=option(int, at_least(2)), help="use the first N reference images only")
     p.add_argument("--weights", type=Path, help=f"the Inception weights file (default: {fid.default_weights_path()})")
-    p.add_argument("--random-inception", type=int, metavar="SEED",
+    p.add_argument("--random-inception", type=option(int, at_least(0)), metavar="SEED",
                    help="a randomly initialised Inception instead of the weights: tests the path, is NOT FID")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--device", default="auto", type=option(str, RULES["train.device"]), help=DEVICE_HELP)
+    p.add_argument("--seed", type=option(int, at_least(0)), default=0, help="sampling seed")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     args, args.overrides = p.parse_with_overrides(argv)
+    if args.overrides and args.run is None:
+        p.error("KEY=VALUE overrides change a run's config for sampling: they need --run")
+    try:
+        load_config("ddpm-cifar10", args.overrides)  # a bad KEY=VALUE is one line before anything is loaded
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
-def score(args: argparse.Namespace, device: torch.device) -> dict:
+def sampling_plan(args: argparse.Namespace, device: torch.device):
+    """(config, model, process, step, sampler, steps) of --run, every choice checked against the run (its process,
+    its schedule) before the reference statistics are computed."""
+    cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw, overrides=args.overrides)
+    sampler = check_sampler(diffusion, args.sampler)
+    if sampler == "ddpm":
+        steps = diffusion.num_timesteps
+    elif sampler == "ddim" and args.sample_steps > diffusion.num_timesteps:
+        raise ValueError(f"--sample-steps {args.sample_steps}: at most the run's diffusion.timesteps="
+                         f"{diffusion.num_timesteps}")
+    else:
+        steps = args.sample_steps
+    if sampler in ("em", "pc") and steps < 2:
+        raise ValueError(f"--sample-steps {steps}: {sampler} needs at least 2")
+    if args.guidance and not cfg.model.num_classes:
+        raise ValueError(f"--guidance {args.guidance:g}: {args.run} is unconditional (model.num_classes=0)")
+    return cfg, model, diffusion, step, sampler, steps
+
+
+def score(args: argparse.Namespace, device: torch.device, stop) -> dict:
     from ffcv_ddpm.data import dataset_info
 
     t0 = time.perf_counter()
+    plan = sampling_plan(args, device) if args.run is not None else None
+    stop.where = "the reference statistics"
     inception = fid.load_inception(args.weights, device, random_init_seed=args.random_inception)
     tag = fid.network_tag(args.weights, args.random_inception)
     ref = fid.reference_stats(args.data, inception, tag, args.sample_batch, args.max_ref)
     t_ref = time.perf_counter()
-    if args.run is not None:
+    if plan is not None:
         from ffcv_ddpm.step import AMP_DTYPES
 
-        cfg, model, diffusion, step = load_run(args.run, device, ema=not args.raw, overrides=args.overrides)
-
+        cfg, model, diffusion, step, sampler, steps = plan
+        stop.where = "sampling"
         labels = class_labels(args.n, cfg.model.num_classes, device)
-        images = generate(model, diffusion, args.n, labels=labels, sampler=args.sampler, steps=args.sample_steps,
+        images = generate(model, diffusion, args.n, labels=labels, sampler=sampler, steps=steps,
                           guidance=args.guidance, batch=args.sample_batch, seed=args.seed,
                           amp_dtype=AMP_DTYPES[cfg.train.precision] if device.type == "cuda" else None,
                           shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size),
                           memory_format=torch.channels_last)
-        samples = {"run": str(args.run), "step": step, "weights": "raw" if args.raw else "EMA", "sampler": args.sampler,
-                   "steps": diffusion.num_timesteps if args.sampler == "ddpm" else args.sample_steps,
+        samples = {"run": str(args.run), "step": step, "weights": "raw" if args.raw else "EMA", "sampler": sampler,
+                   "process": cfg.diffusion.process, "steps": "adaptive" if sampler == "ode" else steps,
                    "guidance": args.guidance if cfg.model.num_classes else None, "n": args.n, "seed": args.seed}
-        name = f"{args.run.name}-{args.sampler}"
+        name = f"{args.run.name}-{sampler}"
     else:
         images = torch.from_numpy(fid.read_images(args.images)).permute(0, 3, 1, 2)
         samples = {"images": str(args.images), "n": len(images)}
         name = args.images.stem if args.images.is_file() else args.images.name
     t_gen = time.perf_counter()
+    stop.where = "the Inception features of the samples"
     value = fid.fid_of_images(inception, images, ref, args.sample_batch)
     ref_ds = dataset_info(args.data) if args.data.is_file() else {"path": str(args.data), "synthetic": None}
     notes = []
@@ -125,31 +164,28 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.study import run_study
+    from ffcv_ddpm.step import resolve_device
+
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    from ffcv_ddpm.config import load_config
-    from ffcv_ddpm.step import TrainingError, resolve_device
 
-    try:
-        load_config("ddpm-cifar10", args.overrides)  # a bad KEY=VALUE is one line before anything is loaded
-        if args.overrides and args.run is None:
-            raise ValueError("KEY=VALUE overrides change a run's config for sampling: they need --run")
+    def body(stop) -> None:
         device = resolve_device(args.device)
-        result = score(args, device)
-    except (TrainingError, ValueError, FileNotFoundError) as e:  # fid.FIDError is a ValueError
-        print(f"fid: error: {e}", file=sys.stderr)
-        return 2
-    result["command"] = "python -m benchmarks.fid " + " ".join(argv)
-    out = args.out or results_dir(result["device"] if device.type == "cuda" else None)
-    out.mkdir(parents=True, exist_ok=True)
-    json_path = out / f"fid-{result['name']}.json"
-    write_json(json_path, result, indent=2)
-    with Staged() as staged:
-        staged.path(json_path.with_suffix(".md")).write_text(render(result))
-        staged.commit()
-    print(f"fid: {result['fid']:.3f} ({result['network']}); wrote {json_path} and {json_path.with_suffix('.md').name}"
-          + "".join(f"\nfid: NOTE: {n}" for n in result["notes"]))
-    return 0
+        result = score(args, device, stop)
+        stop.phase = "stopping"  # scored: the files are written whatever comes
+        result["command"] = "python -m benchmarks.fid " + " ".join(argv)
+        out = args.out or results_dir(result["device"] if device.type == "cuda" else None)
+        out.mkdir(parents=True, exist_ok=True)
+        json_path = out / f"fid-{result['name']}.json"
+        write_json(json_path, result, indent=2)
+        with Staged() as staged:
+            staged.path(json_path.with_suffix(".md")).write_text(render(result))
+            staged.commit()
+        print(f"fid: {result['fid']:.3f} ({result['network']}); wrote {json_path} and "
+              f"{json_path.with_suffix('.md').name}" + "".join(f"\nfid: NOTE: {n}" for n in result["notes"]))
+
+    return run_study("fid", body)
 
 
 if __name__ == "__main__":

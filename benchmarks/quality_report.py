@@ -49,19 +49,23 @@ def render_markdown(result: dict) -> str:
              f"- data: {ds['path']} (scikit-learn's UCI digits, {ds.get('counts')}; split: {ds.get('split')}; "
              f"{ds.get('preprocess')}){'; built by this run' if ds.get('built_now') else ''}",
              f"- elapsed {result.get('elapsed_s', 0):.0f} s of a {result['budget_s']:.0f} s budget for starting rows"]
-    if not result["complete"]:
+    if result.get("stopped"):
+        lines.append(f"- **STOPPED** ({result['stopped']}): below is what it measured before")
+    elif not result["complete"]:
         lines.append("- **INCOMPLETE**: the run stopped before its end; below is what it measured")
     judge = result.get("judge")
     if judge:
         lines += ["", "## Judge", "",
-                  f"A CNN ({judge['feature_dim']}-d penultimate features) trained {judge['steps']} steps on the "
-                  f"{judge['train_images']} train images in {judge['seconds']:.0f} s: **test accuracy "
-                  f"{judge['test_accuracy']:.2%}** on {judge['test_images']} test images."]
+                  f"A CNN ({judge['feature_dim']}-d penultimate features) trained {judge['steps']} steps on "
+                  f"{judge['train_images']} train images in {judge['seconds']:.0f} s ({judge['held_out']} more, "
+                  f"class-balanced, held out for the floor): **test accuracy {judge['test_accuracy']:.2%}** on "
+                  f"{judge['test_images']} test images."]
     floor = result.get("floor")
     if floor:
-        lines += [f"FD-digits floor (train vs test, the score of a perfect generator): **{floor['fd_digits']:.3f}** "
-                  f"with {floor['n']} class-balanced train images (the sample count of every row), "
-                  f"{floor['fd_digits_full']:.3f} with all {floor['n_full']}."]
+        lines += [f"FD-digits floor (real images vs the test set, the score of a perfect generator): "
+                  f"**{floor['fd_digits']:.3f}** from {floor['n']} class-balanced train images the judge never saw "
+                  f"(the sample count of every row); from as many images it trained on it would be "
+                  f"{floor['fd_digits_seen_by_judge']:.3f}."]
     tr = result.get("training")
     if tr:
         last = tr["stats"][-1] if tr["stats"] else {}
@@ -118,7 +122,7 @@ def plot(result: dict, path: Path) -> None:
             if r["guidance"] is None:
                 ax_fd.axhline(r["fd_digits"], color="0.5", ls=":", lw=1, label=f"{key}, unconditional")
     if result.get("floor"):
-        ax_fd.axhline(result["floor"]["fd_digits"], color="k", ls="--", lw=1, label="floor (train vs test)")
+        ax_fd.axhline(result["floor"]["fd_digits"], color="k", ls="--", lw=1, label="floor (held-out vs test)")
     ax_acc.axhline(100 * TARGET_ACC, color="r", ls=":", lw=1, label=f"{TARGET_ACC:.0%} target")
     ax_fd.set(xlabel="guidance weight w", ylabel="FD-digits to the test set (lower is better)")
     ax_acc.set(xlabel="guidance weight w", ylabel="conditional accuracy (%)")

@@ -202,14 +202,30 @@ def option(typ, rule: Rule | None = None) -> Callable[[str], Any]:
 
 def int_list(rule: Rule | None = None) -> Callable[[str], list[int]]:
     """Comma-separated integers ('1,2,4'), each checked against `rule`."""
-    expected = "comma-separated integers" + (f" {rule.allowed}" if rule else "")
+    return _value_list(int, rule)
 
-    def convert(text: str) -> list[int]:
+
+def float_list(rule: Rule | None = None) -> Callable[[str], list[float]]:
+    """Comma-separated numbers ('0,0.5,2'), each checked against `rule`."""
+    return _value_list(float, rule)
+
+
+def str_list(rule: Rule | None = None) -> Callable[[str], list[str]]:
+    """Comma-separated words ('int8,structured'), each checked against `rule`."""
+    return _value_list(str, rule)
+
+
+def _value_list(typ, rule: Rule | None) -> Callable[[str], list]:
+    kind = {int: "integers", float: "numbers", str: "words"}[typ]
+    expected = f"comma-separated {kind}" + (f", each {rule.allowed}" if rule and rule.replaces_type else
+                                           f" {rule.allowed}" if rule else "")
+
+    def convert(text: str) -> list:
         try:
-            values = [int(t) for t in text.split(",") if t.strip()]
-        except ValueError:
+            values = [coerce("", t.strip(), typ, rule) for t in text.split(",") if t.strip()]
+        except BadValue:
             values = []
-        if not values or (rule is not None and not all(rule.ok(v) for v in values)):
+        if not values:
             raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {expected}")
         return values
 

@@ -16,16 +16,21 @@ a seeded random choice. Tensors keep their shapes, so a dense kernel does exactl
 
 Structured pruning removes inner channels of every residual block: the output channels of its first 3x3 conv, which
 are the input channels of its second, with the time-embedding rows that feed them (ddpm: the added projection;
-annotated: the FiLM scale and shift) and their GroupNorm parameters. Whole GroupNorm groups go, ranked by the L1 norm
-of the first conv's filters summed over the group, so the statistics of the groups that stay are unchanged: for the
-ddpm family (plain convs) the pruned network computes what the dense one computes with those channels masked to zero
-(mask_channels). The residual stream (block outputs, skips, attention, resampling) keeps its width.
+FiLM scale and shift rows where a block has them) and their GroupNorm parameters. Whole GroupNorm groups go, ranked by
+the L1 norm of the first conv's filters summed over the group, so the statistics of the groups that stay are
+unchanged and the pruned network computes what the dense one computes with those channels masked to zero
+(mask_channels). The residual stream (block outputs, skips, attention, resampling) keeps its width. That equality
+needs plain convolutions: a weight-standardized conv (WSConv2d, model.arch=annotated) standardizes each filter over
+its input channels, so the second conv's filters would change when inputs are removed (and a masked zero would not
+stay zero). Such models are refused (structured_refusal).
 
 int8 (torchao): "weight-only" stores each weight as int8 with one scale per output channel and dequantizes it for a
 float convolution on every call (IntxWeightOnlyConfig); "dynamic" also quantizes each layer's input to int8 at run
 time (asymmetric, one scale per row of the last dimension) and dequantizes it before the float op: torchao's
 IntxUnpackedToInt8Tensor, which its Int8DynamicActivationIntxWeightConfig builds for 2-D (Linear) weights only, so it
-is built directly here for the 4-D conv weights too; "dynamic-linear" is torchao's true int8 path
+is built directly here for the 4-D conv weights too. Its activation scales are per row of the input's last dimension,
+which for a conv input (N, C, H, W) is one scale per (n, c, h): per row of pixels of one channel, not per token as for
+a Linear (QUANT_LABELS says so in every report); "dynamic-linear" is torchao's true int8 path
 (Int8DynamicActivationInt8WeightConfig: int8 x int8 matmuls through torch._int_mm), which exists for nn.Linear only.
 PyTorch has no int8 convolution kernel for CUDA, so no mode makes the convolutions run in int8 on a GPU.
 """
@@ -47,6 +52,9 @@ from ffcv_ddpm.unet import AnnotatedResBlock, DDPMResBlock, WSConv2d
 PRUNE_METHODS = {"l1": prune.L1Unstructured, "random": prune.RandomUnstructured}
 PRUNE_SCOPES = ("global", "local")
 QUANT_MODES = ("weight-only", "dynamic", "dynamic-linear")
+QUANT_LABELS = {"weight-only": "int8 weight-only (per output channel)",
+                "dynamic": "int8 dynamic (conv activations: one scale per (n, c, h) pixel row)",
+                "dynamic-linear": "int8 dynamic, Linear layers only (int8 GEMMs)"}
 
 
 # ---------------------------------------------------------------------------------------------------- counting
@@ -186,13 +194,26 @@ def _inner(block: nn.Module) -> tuple[GroupNormAct, nn.Linear, int]:
     return block.norm1, block.temb[1], 2
 
 
+def structured_refusal(model: nn.Module) -> str | None:
+    """Why prune_structured refuses `model` (None: it does not)."""
+    for name, block in ((n, m) for n, m in model.named_modules() if isinstance(m, (DDPMResBlock, AnnotatedResBlock))):
+        convs = (block.conv1, block.conv2)
+        if any(isinstance(c, WSConv2d) for c in convs):
+            return (f"structured pruning needs plain convolutions; {name} has weight-standardized ones (WSConv2d, "
+                    "model.arch=annotated), whose filters are standardized over the input channels that pruning "
+                    "removes, so the pruned network would not be the dense one with those channels masked")
+        if not all(type(c) is nn.Conv2d and c.groups == 1 for c in convs):
+            return (f"structured pruning needs dense res-block convs; {name}.conv1 is {block.conv1}: use a model "
+                    "with conv_groups=1 and depthwise_separable=False")
+    return None
+
+
 def res_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, (DDPMResBlock, AnnotatedResBlock))]
-    for name, block in blocks:
-        if not (type(block.conv1) in (nn.Conv2d, WSConv2d) and block.conv1.groups == 1):
-            raise ValueError(f"structured pruning needs dense res-block convs; {name}.conv1 is {block.conv1}: "
-                             "use a model with conv_groups=1 and depthwise_separable=False")
-    return blocks
+    """The residual blocks structured pruning works on; ValueError (structured_refusal) for a model it refuses."""
+    reason = structured_refusal(model)
+    if reason:
+        raise ValueError(reason)
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (DDPMResBlock, AnnotatedResBlock))]
 
 
 def structured_plan(model: nn.Module, ratio: float) -> dict[str, torch.Tensor]:

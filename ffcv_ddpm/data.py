@@ -185,6 +185,7 @@ def dataset_info(path) -> dict:
 
 def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """All images (N, H, W, 3) uint8 and labels (N,) int64 of a .beton, in file order (one sequential FFCV pass)."""
+    threads = torch.get_num_threads()  # before FFCV's import, which sets it to 1
     from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import Squeeze, ToTensor
@@ -192,18 +193,23 @@ def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.nda
     reader = _open_beton(path)
     n = int(reader.num_samples)
     height, width = _image_size(reader)
-    batch = min(n, 1024)
-    loader = Loader(os.fspath(path), batch_size=batch, num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
-                    order=OrderOption.SEQUENTIAL, drop_last=False,
-                    pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
-                               "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     labels = np.empty(n, dtype=np.int64)
     start = 0
-    for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
-        images[start:start + len(x)] = x.numpy()
-        labels[start:start + len(y)] = y.numpy()
-        start += len(x)
+    try:
+        loader = Loader(os.fspath(path), batch_size=min(n, 1024), order=OrderOption.SEQUENTIAL, drop_last=False,
+                        num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
+                        pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
+                                   "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
+        for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
+            images[start:start + len(x)] = x.numpy()
+            labels[start:start + len(y)] = y.numpy()
+            start += len(x)
+    finally:
+        # FFCV's Loader sets torch's intra-op thread count to its worker count (ffcv.pipeline.compiler.Compiler):
+        # a one-shot read gives the process its own back (on a busy CPU, 2 threads instead of 1 made every
+        # convolution of the tests that followed 10-30x slower).
+        torch.set_num_threads(threads)
     assert start == n, f"read {start} of {n} images from {path}"
     return images, labels
 

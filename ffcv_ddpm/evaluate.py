@@ -7,6 +7,9 @@ train.eval_every steps.
 
 Guidance is the classifier-free guidance weight w of Ho & Salimans: ε = (1 + w) ε(x, y) - w ε(x, ∅), so w = 0 is
 the plain conditional model (GaussianDiffusion.sample's guidance_scale is 1 + w).
+
+A run is sampled with its own process (diffusion.process: DDPM, or the VE-SDE of ffcv_ddpm.sde): load_run builds it
+from the run's config, and the default sampler follows it (default_sampler).
 """
 
 from __future__ import annotations
@@ -21,17 +24,35 @@ from torch import nn
 from ffcv_ddpm.diffusion import GaussianDiffusion
 
 
+def default_sampler(diffusion) -> str:
+    """DDIM for a DDPM process; predictor-corrector for VE (Song et al.'s choice for VE-SDE models)."""
+    return "ddim" if isinstance(diffusion, GaussianDiffusion) else "pc"
+
+
+def check_sampler(diffusion, sampler: str | None) -> str:
+    """The sampler to use (`sampler`, or the process's default); ValueError for one the process does not have."""
+    from ffcv_ddpm.sde_sampling import DDPM_SAMPLERS, SDE_SAMPLERS
+
+    sampler = sampler or default_sampler(diffusion)
+    allowed = (DDPM_SAMPLERS + SDE_SAMPLERS) if isinstance(diffusion, GaussianDiffusion) else SDE_SAMPLERS
+    if sampler not in allowed:
+        process = "ddpm" if isinstance(diffusion, GaussianDiffusion) else "ve"
+        raise ValueError(f"sampler {sampler!r} does not sample a diffusion.process={process} run; use one of "
+                         f"{', '.join(allowed)}")
+    return sampler
+
+
 @torch.no_grad()
 def generate(model: nn.Module, diffusion, n: int, *, labels: torch.Tensor | None = None,
              sampler: str | None = None, steps: int = 100, guidance: float = 0.0, batch: int = 500, seed: int = 0,
              amp_dtype: torch.dtype | None = None, shape: tuple[int, int, int] = (3, 32, 32),
              memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """n uint8 images (n, C, H, W) on the model's device, sampled `batch` at a time (chunk i seeded seed + i), from
-    a DDPM or VE process (`diffusion`); sampler None = DDIM for DDPM, predictor-corrector for VE."""
+    a DDPM or VE process (`diffusion`); sampler None = default_sampler(diffusion)."""
     from ffcv_ddpm.sde_sampling import sample
 
     device = next(model.parameters()).device
-    sampler = sampler or ("ddim" if isinstance(diffusion, GaussianDiffusion) else "pc")
+    sampler = check_sampler(diffusion, sampler)
     chunks = []
     for i, start in enumerate(range(0, n, batch)):
         m = min(batch, n - start)
@@ -44,20 +65,26 @@ def generate(model: nn.Module, diffusion, n: int, *, labels: torch.Tensor | None
 
 
 def load_run(run_dir: str | Path, device: torch.device | str, ema: bool = True, overrides=()):
-    """(config, model in eval mode, diffusion, step) from a run folder's config.json and newest checkpoint; the EMA
-    weights unless ema=False (or the run kept none). `overrides` (KEY=VALUE) change the config for sampling; one
-    that changes the network's shape is a ValueError."""
+    """(config, model in eval mode, process, step) from a run folder's config.json and newest checkpoint; the EMA
+    weights unless ema=False (or the run kept none). The process is the run's own (diffusion.process: a DDPM
+    GaussianDiffusion or a VEDiffusion). `overrides` (KEY=VALUE) change the config before the network is built; one
+    that changes the network's shape is a ValueError, and so is one that changes the process."""
     from ffcv_ddpm.checkpoint import load_latest
     from ffcv_ddpm.config import RunConfig, apply_override, check_config
+    from ffcv_ddpm.sde import make_diffusion
     from ffcv_ddpm.unet import build_model
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} has no config.json: give a run folder written by ffcv_ddpm.train")
     cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+    process = cfg.diffusion.process
     for item in overrides:
         apply_override(cfg, item)
     check_config(cfg)
+    if cfg.diffusion.process != process:
+        raise ValueError(f"{run_dir} was trained as diffusion.process={process}; it is sampled as that process, "
+                         f"not as {cfg.diffusion.process}: drop the override")
     state, path = load_latest(run_dir, map_location="cpu")
     if state is None:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint (ckpt-*.pt)")
@@ -69,7 +96,7 @@ def load_run(run_dir: str | Path, device: torch.device | str, ema: bool = True, 
                          f"{' '.join(overrides) or '(none)'}: {str(e).splitlines()[0]}") from None
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     model = model.to(device, memory_format=memory_format).eval()
-    return cfg, model, GaussianDiffusion(cfg.diffusion).to(device), state["step"]
+    return cfg, model, make_diffusion(cfg.diffusion).to(device), state["step"]
 
 
 def class_labels(n: int, num_classes: int, device: torch.device | str = "cpu") -> torch.Tensor | None:

@@ -140,11 +140,17 @@ def _add_per_part(parts: Sequence[Tensor], add: Tensor) -> list[Tensor]:
 # ---------------------------------------------------------------------------------------------------- the op
 
 
+def _on_triton(x: Tensor) -> bool:
+    """Whether the op runs its Triton kernels on `x`: on CUDA tensors. (tests/test_norm.py routes CPU tensors there
+    too, through Triton's interpreter, to test the op end to end without a GPU.)"""
+    return x.device.type == "cuda"
+
+
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: bool, p: float) -> tuple[Tensor, Tensor, Tensor]:
     """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward."""
-    if x.device.type == "cuda":
+    if _on_triton(x):
         return triton_forward(x, a, b, e, seed, groups, eps, silu, p)
     return reference_forward(x, a, b, e, seed, groups, eps, silu, p)
 
@@ -160,7 +166,7 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float
                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de): de is empty when there was no add."""
-    if x.device.type == "cuda":
+    if _on_triton(x):
         return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p)
     return reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p)
 

@@ -142,6 +142,7 @@ class StopRequest:
     def __init__(self):
         self.signal = None
         self.phase = "start-up"
+        self.run_dir = None  # the run folder once train() has it: a study that stops removes an unfinished one
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
@@ -186,7 +187,7 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     run_dir = None
     try:
         if ddp.main:
-            run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
+            run_dir = stop.run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
             print(f"train: run folder {run_dir}, {ddp.world_size} process(es)\n{cfg.summary()}")
             write_json(run_dir / "config.json", cfg.to_dict())
             dataset = (dataset_info(cfg.data.path) if cfg.data.loader != "torch-files"

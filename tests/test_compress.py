@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.flops import train_flops_per_image
 from ffcv_ddpm import compress
-from ffcv_ddpm.unet import PRESETS, ModelConfig, build_model, count_params
+from ffcv_ddpm.unet import PRESETS, AnnotatedResBlock, ModelConfig, build_model, count_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,18 +162,23 @@ def test_structured_pruning_shrinks_and_equals_the_masked_dense_model():
     assert compress.forward_gflops(small, 3, 32, 10) < flops
 
 
-def test_structured_pruning_of_the_annotated_block_runs():
+def test_structured_pruning_refuses_weight_standardized_convs():
+    """The annotated block's convs standardize each filter over its inputs: removing inputs changes the kept
+    filters, and even masking them does not give the pruned network (a masked zero is standardized to non-zero).
+    So the claim "pruned = dense with those channels masked" does not hold there, and such models are refused."""
     dense = model_of(TINY_ANNOTATED)
-    small = compress.prune_structured(dense, 0.7)  # keeps round(4 * 0.3) = 1 of 4 groups
-    for (_, block), (_, sblock) in zip(compress.res_blocks(dense), compress.res_blocks(small)):
-        width = block.conv1.out_channels
-        assert sblock.conv1.out_channels == width // 4 and sblock.norm1.num_groups == 1
-        assert sblock.temb[1].out_features == 2 * (width // 4)  # FiLM scale and shift rows
-        assert type(sblock.conv2) is type(block.conv2) and sblock.conv2.in_channels == width // 4
-    x, t, y = inputs()
-    with torch.no_grad():
-        out = small(x, t, y)
-    assert out.shape == x.shape and torch.isfinite(out).all()
+    plan = {name: torch.arange(block.conv1.out_channels // 2) for name, block in dense.named_modules()
+            if isinstance(block, AnnotatedResBlock)}
+    masked = compress.mask_channels(copy.deepcopy(dense), plan)
+    conv2 = next(m for m in masked.modules() if isinstance(m, AnnotatedResBlock)).conv2
+    var, mean = torch.var_mean(conv2.weight, dim=(1, 2, 3), keepdim=True, correction=0)
+    used = (conv2.weight - mean) * torch.rsqrt(var + 1e-5)  # the weights its forward uses
+    assert (used[:, conv2.in_channels // 2:] != 0).any()  # the masked inputs are read after all
+    reason = compress.structured_refusal(dense)
+    assert reason and "weight-standardized" in reason
+    with pytest.raises(ValueError, match="weight-standardized"):
+        compress.prune_structured(dense, 0.5)
+    assert compress.structured_refusal(model_of(TINY)) is None
 
 
 def test_structured_pruning_refuses_grouped_convs():

@@ -261,3 +261,17 @@ def test_endless_starts_the_next_epoch_before_handing_out_the_last_batch():
     # ...and each next epoch started while the last batch of the one before was still to be used.
     assert log.index(("start", 3)) < log.index((2, 2)) and log.index(("start", 4)) < log.index((3, 2))
     data.close()
+
+
+def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
+    """FFCV's Loader sets torch's intra-op threads to its worker count; a one-shot read must not change the process's
+    (the CPU tests run their convolutions on one thread, and two on a busy 2-core machine were 10-30x slower)."""
+    from ffcv_ddpm.data import read_beton
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        images, _ = read_beton(small_dataset / "cifar10_test_raw.beton", num_workers=2)
+        assert len(images) > 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

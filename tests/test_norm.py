@@ -153,3 +153,45 @@ def test_keep_mask_is_a_fair_coin_per_element():
     assert k1.double().mean((0, 2, 3)).sub(0.75).abs().max() < 0.03  # per channel
     assert k1.double().mean((0, 1, 3)).sub(0.75).abs().max() < 0.03  # per row
     assert 0.5 < (k1 == k2).double().mean() < 0.7  # two seeds agree only by chance (0.75^2 + 0.25^2 = 0.625)
+
+
+@pytest.mark.parametrize("n", [16, 2], ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile"])
+def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, monkeypatch):
+    """GroupNormAct("fused") as the UNet calls it (time-embedding add, FiLM, SiLU, dropout, channels_last, training
+    mode), with the custom op routed to its Triton kernels (interpreted without a GPU): forward and every gradient
+    against nn.GroupNorm + autograd in fp64 with the same dropout mask. 3 channels per group (not a power of 2:
+    padded tiles); 16x16 pixels make one chunk of 8 row tiles per sample at n=16, 8 one-tile chunks at n=2."""
+    import triton
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setattr(N, "_on_triton", lambda x: True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    c, groups, p = 24, 8, 0.2
+    plan = N._plan(torch.empty(n, c, 16, 16, device=dev), groups)
+    assert plan["CPG"] == 3 and plan["CHUNK"] // plan["BLOCK_R"] == (8 if n == 16 else 1)
+    g = torch.Generator().manual_seed(3)
+    x = spread_input((n, c, 16, 16), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
+    temb, scale, shift = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
+    m = GroupNormAct(groups, c, "fused", dropout=p).to(dev).train()
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(c, generator=g) + 0.5)
+        m.bias.copy_(torch.randn(c, generator=g))
+    leaves = [t.clone().requires_grad_() for t in (x, temb, scale, shift)]
+    out = m(leaves[0], add=leaves[1], film=(leaves[2], leaves[3]))
+    keep = out != 0  # SiLU of a normalised value is never exactly 0: the zeros are dropout's
+    assert 0.7 < keep.double().mean() < 0.9 and out.is_contiguous(memory_format=torch.channels_last)
+    dout = torch.randn(out.shape, generator=g).to(dev)
+    got = torch.autograd.grad(out, [*leaves, m.weight, m.bias], dout)
+
+    ref_gn = torch.nn.GroupNorm(groups, c).double().to(dev)
+    ref_gn.load_state_dict(m.state_dict())
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, temb, scale, shift)]
+    xd, td, sd, bd = ref_leaves
+    y = ref_gn(xd + td[:, :, None, None]) * (1 + sd[:, :, None, None]) + bd[:, :, None, None]
+    ref = torch.where(keep, F.silu(y) / (1 - p), 0.0)
+    want = torch.autograd.grad(ref, [*ref_leaves, ref_gn.weight, ref_gn.bias], dout.double())
+    assert rel(out, ref) < 1e-5
+    for name, a, b in zip(["dx", "dtemb", "dscale", "dshift", "dweight", "dbias"], got, want):
+        assert rel(a, b) < 1e-4, name
+    assert got[0].is_contiguous(memory_format=torch.channels_last)

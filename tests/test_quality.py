@@ -6,15 +6,33 @@ import numpy as np
 import pytest
 import torch
 
-from ffcv_ddpm.quality import (Judge, accuracy, beton_tensors, class_balanced_subset, evaluate_samples, load_judge,
-                               save_judge, train_judge)
+from ffcv_ddpm import quality
+from ffcv_ddpm.quality import (Judge, accuracy, beton_tensors, class_balanced_subset, evaluate_samples, fd_floor,
+                               load_judge, save_judge, train_judge)
 
 JUDGE_STEPS = 80  # ~97% test accuracy already on CPU; the GPU report trains 2000 steps
 
 
+HELD_OUT = 200
+
+
 @pytest.fixture(scope="module")
 def judged(digits_dataset, one_thread):
-    judge = train_judge(digits_dataset / "digits_train_raw.beton", "cpu", steps=JUDGE_STEPS, seed=0)
+    """A judge trained with HELD_OUT images held out, and every batch it trained on (uint8, as read)."""
+    seen = []
+    real = quality._augment
+
+    def augment(x, gen):  # x: the batch of float images in [-1, 1] the judge is about to train on
+        seen.append(torch.round(x * 127.5 + 127.5).to(torch.uint8))
+        return real(x, gen)
+
+    quality._augment = augment
+    try:
+        judge = train_judge(digits_dataset / "digits_train_raw.beton", "cpu", steps=JUDGE_STEPS, seed=0,
+                            hold_out=HELD_OUT)
+    finally:
+        quality._augment = real
+    judge.seen = torch.cat(seen)
     return judge, beton_tensors(digits_dataset / "digits_test_raw.beton"), \
         beton_tensors(digits_dataset / "digits_train_raw.beton")
 
@@ -45,6 +63,29 @@ def test_fd_digits_and_conditional_accuracy(judged):
     # One class only (a collapsed generator): far worse than the floor although every image is a real digit.
     sevens = train_x[train_y == 7][:300]
     assert evaluate_samples(judge, sevens, None, test_x)["fd_digits"] > 5 * floor["fd_digits"]
+
+
+def test_the_floor_comes_from_images_the_judge_never_trained_on(judged):
+    """The held-out images are class-balanced and never in a training batch (unless a copy of one is among the kept
+    images); fd_floor scores a class-balanced share of them, and a judge that held none out has no floor."""
+    judge, (test_x, _), (train_x, train_y) = judged
+    held = np.array(judge.info["held_out"])
+    assert len(held) == HELD_OUT and judge.info["train_images"] == len(train_y) - HELD_OUT
+    assert np.bincount(train_y[held].numpy(), minlength=10).tolist() == [20] * 10
+    key = lambda images: {bytes(x.numpy().tobytes()) for x in images}  # noqa: E731
+    kept = np.setdiff1d(np.arange(len(train_y)), held)
+    only_held = key(train_x[held]) - key(train_x[kept])  # digits that exist only among the held-out images
+    assert len(only_held) > 0.9 * HELD_OUT and not only_held & key(judge.seen)
+    floor = fd_floor(judge, train_x, train_y, test_x, 100)
+    assert floor["n"] == 100 and floor["fd_digits"] > 0
+    assert fd_floor(judge, train_x, train_y, test_x, 500)["n"] == HELD_OUT  # asked for more than it held out
+    picked = class_balanced_subset(train_y[held], 100)
+    assert floor["fd_digits"] == evaluate_samples(judge, train_x[held[picked]], None, test_x)["fd_digits"]
+    plain = Judge()
+    plain.info = {"held_out": []}
+    assert fd_floor(plain, train_x, train_y, test_x, 100) is None
+    with pytest.raises(ValueError, match="can hold out 0 to 719"):
+        train_judge(judge.info["train_beton"], "cpu", steps=1, hold_out=800)
 
 
 def test_save_and_load_round_trip(judged, tmp_path):

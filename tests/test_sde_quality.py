@@ -1,109 +1,163 @@
-"""benchmarks.sde_quality end to end on CPU at toy size: two betons, a fake judge standing in for ffcv_ddpm.quality
-(issue 14's module; only its interface is used), both models trained a few steps, every sampler row measured."""
+"""benchmarks.sde_quality end to end on CPU at toy size with the real digits judge (ffcv_ddpm.quality): both models
+trained a few steps, every sampler row measured, a failing row recorded while the study goes on, the sampling budget
+counted after the trainings, --guidance as the weight w, bad options refused before any work, a signal during a
+training run stopping the whole command."""
 
 import json
-import sys
-import types
+import os
+import signal
 
 import numpy as np
 import pytest
-import torch
 
 from benchmarks import sde_quality
-from conftest import write_beton
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-def fake_quality_module() -> types.ModuleType:
-    """The ffcv_ddpm.quality interface with a judge that needs no training: 4x4 mean-pooled grey levels as features,
-    the mean brightness bucket as the class."""
-    from scipy import linalg
-
-    class Judge:
-        def features(self, images_u8):
-            grey = images_u8.float().mean(1, keepdim=True) / 255  # (N, 1, 32, 32)
-            return torch.nn.functional.avg_pool2d(grey, 8).flatten(1)  # (N, 16)
-
-        def predict(self, images_u8):
-            return (images_u8.float().mean((1, 2, 3)) / 25.6).long().clamp(0, 9)
-
-    def frechet_distance(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        ca, cb = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
-        covmean = linalg.sqrtm(ca @ cb).real
-        return float(((a.mean(0) - b.mean(0)) ** 2).sum() + np.trace(ca + cb - 2 * covmean))
-
-    def evaluate_samples(judge, images_u8, labels, reference_images_u8):
-        assert images_u8.dtype == torch.uint8 and images_u8.shape[1:] == (3, 32, 32)
-        fd = frechet_distance(judge.features(images_u8).numpy(), judge.features(reference_images_u8).numpy())
-        acc = None if labels is None else float((judge.predict(images_u8) == labels).float().mean())
-        return {"fd_digits": fd, "cond_acc": acc, "n": len(images_u8)}
-
-    module = types.ModuleType("ffcv_ddpm.quality")
-    module.Judge, module.frechet_distance, module.evaluate_samples = Judge, frechet_distance, evaluate_samples
-    module.train_judge = lambda train_beton, device, steps=10, seed=0: Judge()
-    module.load_judge = lambda path, device: Judge()
-    module.save_judge = lambda judge, path: None
-    return module
+TOY = ["--steps", "2", "--n", "10", "--judge-steps", "3", "--ddim-steps", "2", "--em-steps", "3", "--pc-steps", "2",
+       "--ode-tols", "0.3", "model.base_channels=8", "model.channel_mult=(1, 2)", "model.num_res_blocks=1",
+       "model.norm_groups=4", "model.attn_heads=2", "diffusion.timesteps=20", "train.device=cpu",
+       "train.precision=fp32", "data.batch_size=8", "data.num_workers=1", "train.log_every=1", "train.warmup_steps=1"]
 
 
 @pytest.fixture
-def digits_like(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ffcv_ddpm.quality", fake_quality_module())
-    data = tmp_path / "data"
-    data.mkdir()
-    write_beton(data / "toy_train_raw.beton", 48, seed=1)
-    write_beton(data / "toy_test_raw.beton", 24, seed=2)
-    return data
+def scales(monkeypatch):
+    """The guidance_scale of every sampler call (recorded, then sampled as asked)."""
+    import ffcv_ddpm.sde_sampling
+
+    real, seen = ffcv_ddpm.sde_sampling.sample, []
+
+    def sample(*a, guidance_scale=1.0, **k):
+        seen.append(guidance_scale)
+        return real(*a, guidance_scale=guidance_scale, **k)
+
+    monkeypatch.setattr(ffcv_ddpm.sde_sampling, "sample", sample)
+    return seen
 
 
-TOY = ["--steps", "4", "--n", "16", "--ddim-steps", "2", "--em-steps", "3", "--pc-steps", "2", "--ode-tols", "0.1",
-       "model.base_channels=8", "model.channel_mult=(1, 2)", "model.num_res_blocks=1", "model.norm_groups=4",
-       "model.attn_heads=2", "diffusion.timesteps=20", "train.device=cpu", "train.precision=fp32",
-       "data.batch_size=8", "data.num_workers=1", "train.log_every=2", "train.warmup_steps=1"]
+def test_every_sampler_row_of_both_processes(digits_dataset, tmp_path, scales, monkeypatch):
+    import ffcv_ddpm.sde_sampling
 
+    real_flow = ffcv_ddpm.sde_sampling._probability_flow
 
-def test_every_sampler_row_of_both_processes(digits_like, tmp_path):
+    def flow(sde, score, x, options):  # the adaptive solver giving up at a tight tolerance, as it can on a GPU
+        if options.rtol < 0.1:
+            raise AssertionError("underflow in dt 0.0")
+        return real_flow(sde, score, x, options)
+
+    monkeypatch.setattr(ffcv_ddpm.sde_sampling, "_probability_flow", flow)
     out = tmp_path / "out"
-    assert sde_quality.main(["--data", str(digits_like), "--out", str(out), *TOY]) == 0
+    argv = ["--data", str(digits_dataset), "--out", str(out), *TOY, "--ode-tols", "0.3,0.01"]
+    assert sde_quality.main(argv) == 0
     result = json.loads((out / "sde_quality.json").read_text())
-    assert result["complete"] and not result["skipped"]
-    nfe = {(r["process"], r["sampler"]): r["nfe"] for r in result["rows"]}
-    assert {k: v for k, v in nfe.items() if k[1] != "ode"} == {
-        ("ddpm", "em"): 3, ("ve", "em"): 3, ("ddpm", "pc"): 4, ("ve", "pc"): 4, ("ddpm", "ddim"): 2,
-        ("ddpm", "ddpm"): 20}
-    assert nfe[("ddpm", "ode")] > 5 and nfe[("ve", "ode")] > 5
-    for r in result["rows"]:
+    assert result["complete"] and not result["skipped"] and set(scales) == {1.0}  # w = 0: no guidance
+    ok = [r for r in result["rows"] if r["status"] == "ok"]
+    nfe = {(r["process"], r["sampler"], r["eta"]): r["nfe"] for r in ok if r["sampler"] != "ode"}
+    assert nfe == {("ddpm", "em", None): 3, ("ve", "em", None): 3, ("ddpm", "pc", None): 4, ("ve", "pc", None): 4,
+                   ("ddpm", "ddim", 0.0): 2, ("ddpm", "ddim", 1.0): 2, ("ddpm", "ddpm", None): 20}
+    odes = {(r["process"], r["tol"]): r for r in result["rows"] if r["sampler"] == "ode"}
+    assert odes[("ddpm", 0.3)]["nfe"] > 5 and odes[("ve", 0.3)]["nfe"] > 5
+    for proc in ("ddpm", "ve"):  # the failed row is in the report with its error; the rows after it ran
+        assert odes[(proc, 0.01)]["status"] == "failed: AssertionError: underflow in dt 0.0"
+    for r in ok:
         assert r["img_per_s"] > 0 and np.isfinite(r["fd_digits"]) and 0 <= r["cond_acc"] <= 1
     assert result["models"]["ve"]["config"]["diffusion"]["process"] == "ve"
-    assert result["reference"]["floor_n"] == 16 and result["reference"]["judge_test_acc"] is not None
+    ref = result["reference"]
+    assert ref["floor_n"] == 10 and ref["fd_floor"] > 0 and 0 <= ref["judge_test_acc"] <= 1
+    assert "10 class-balanced images held out" in ref["judge"]
     md = (out / "sde_quality.md").read_text()
-    assert md.count("\n| ve |") == 3 and md.count("\n| ddpm |") == 5 and "rtol=atol=0.1" in md
+    assert md.count("\n| ve |") == 4 and md.count("\n| ddpm |") == 7 and "rtol=atol=0.3" in md
+    assert "| ddpm | ddim eta 1 | 2 steps |" in md and "failed: AssertionError: underflow in dt" in md
+    assert "ve model: best conditional accuracy" in md and "the 90% target" in md
     # tools.atomic's writer lock (.writer-<pid>.lock) stays until this process exits: not an output.
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".writer-")) == [
         "samples-ddpm.png", "samples-ve.png", "sde_quality.json", "sde_quality.md", "sde_quality.png"]
 
 
-def test_rows_past_the_budget_are_listed_not_run(digits_like, tmp_path):
+def test_the_sampling_budget_starts_after_the_trainings(digits_dataset, tmp_path, scales):
+    """--budget-s 0: both models are trained all the same (their time is not the sampling's), then no row fits.
+    --guidance is the weight w: the sampler gets the scale 1 + w."""
     out = tmp_path / "out"
-    assert sde_quality.main(["--data", str(digits_like), "--out", str(out), *TOY, "--budget-s", "0"]) == 0
+    argv = ["--data", str(digits_dataset), "--out", str(out), *TOY, "--budget-s", "0", "--guidance", "0.5"]
+    assert sde_quality.main(argv) == 0
     result = json.loads((out / "sde_quality.json").read_text())
-    assert result["rows"] == [] and len(result["skipped"]) == 8
-    assert "Not run (time budget 0 s): ddpm/ddim/2, ddpm/em/3," in (out / "sde_quality.md").read_text()  # cheapest first
+    assert set(result["models"]) == {"ve", "ddpm"} and result["rows"] == [] and len(result["skipped"]) == 9
+    assert set(scales) == {1.5} and len(scales) == 2  # the two untimed warm-up calls
+    md = (out / "sde_quality.md").read_text()
+    assert "Not run (sampling budget 0 s): ddpm/ddim/2, ddpm/ddim eta 1/2, ddpm/em/3," in md  # cheapest first
 
 
-def test_a_folder_without_the_betons_is_one_clear_error(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "ffcv_ddpm.quality", fake_quality_module())
+def test_a_signal_during_a_training_stops_the_command(digits_dataset, tmp_path, monkeypatch, capsys):
+    """SIGTERM while the DDPM model (the second) trains: the trainer checkpoints and returns, then the command
+    stops: exit 143, that run's folder removed, the finished VE run kept (--runs), the report says so."""
+    from ffcv_ddpm.diffusion import GaussianDiffusion
+
+    real = GaussianDiffusion.loss
+
+    def loss(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(GaussianDiffusion, "loss", loss)
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    assert sde_quality.main(["--data", str(digits_dataset), "--out", str(out), "--runs", str(runs), *TOY]) == 143
+    assert [p.name for p in runs.iterdir() if p.is_dir()] == ["00000-ddpm-cifar10-sde-quality-ve"]
+    result = json.loads((out / "sde_quality.json").read_text())
+    assert list(result["models"]) == ["ve"] and result["stopped"].startswith("SIGTERM during training")
+    assert "STOPPED (SIGTERM during training" in (out / "sde_quality.md").read_text()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "removed its unfinished run folder" in err[0] and "sde-quality-ddpm" in err[0]
+    assert f"Kept: the report {out / 'sde_quality.json'} (0 rows measured)." in err[0]
+
+
+def test_a_folder_without_the_betons_is_one_clear_error(tmp_path, capsys):
     assert sde_quality.main(["--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "*_train_raw.beton" in err and "SOURCE=digits" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget-s", "-1"], "--budget-s: invalid value '-1': expected a number >= 0"),
+    (["--ode-tols=-1"], "--ode-tols: invalid value '-1': expected comma-separated numbers > 0"),
+    (["--judge-steps", "0"], "--judge-steps: invalid value '0': expected an integer >= 1"),
+    (["--guidance=-1"], "--guidance: invalid value '-1': expected a number >= 0"),
+    (["--em-steps", "1"], "--em-steps: invalid value '1': expected comma-separated integers >= 2"),
+    (["--judge", "missing.pt"], "--judge missing.pt: no such file"),
+    (["model.num_classes=0"], "model.num_classes must be >= 2")])
+def test_every_bad_option_is_one_line_before_anything_runs(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        sde_quality.main(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_plan_gives_every_sampler_a_row_before_any_gets_a_second():
     args = sde_quality.parse_args(["--data", "d", "--out", "o"])
     rows = sde_quality.plan_rows(args, 1000)
-    groups = {("ddpm", "em"), ("ddpm", "pc"), ("ddpm", "ode"), ("ddpm", "ddim"), ("ddpm", "ddpm"),
-              ("ve", "em"), ("ve", "pc"), ("ve", "ode")}
-    assert {(r["process"], r["sampler"]) for r in rows[:8]} == groups
-    assert len(rows) == 2 * (4 + 4 + 4) + 4 + 1
-    assert [r["guess"] for r in rows[:8]] == sorted(r["guess"] for r in rows[:8])  # cheapest first in a round
-    assert rows[8]["sampler"] == "ddim" and rows[8]["steps"] == 20  # the second round starts cheap again
+    groups = {("ddpm", "em", None), ("ddpm", "pc", None), ("ddpm", "ode", None), ("ddpm", "ddim", 0.0),
+              ("ddpm", "ddim", 1.0), ("ddpm", "ddpm", None), ("ve", "em", None), ("ve", "pc", None),
+              ("ve", "ode", None)}
+    assert {(r["process"], r["sampler"], r.get("eta")) for r in rows[:9]} == groups
+    assert len(rows) == 2 * (4 + 4 + 4) + 2 * 4 + 1
+    assert [r["guess"] for r in rows[:9]] == sorted(r["guess"] for r in rows[:9])  # cheapest first in a round
+    assert rows[9]["sampler"] == "ddim" and rows[9]["steps"] == 20  # the second round starts cheap again
+    # Every sampler but the one-point ancestral gets 3 settings in the first three rounds.
+    third = rows[:9 + 8 + 8]
+    for group in groups - {("ddpm", "ddpm", None)}:
+        assert sum((r["process"], r["sampler"], r.get("eta")) == group for r in third) == 3
+
+
+def test_a_row_cannot_run_past_the_sampling_budget():
+    """An adaptive solve's NFE is not known beforehand: the network refuses evaluations past the row's share."""
+    import torch
+
+    net = torch.nn.Linear(2, 2)
+    net.num_classes = 10
+    capped = sde_quality.Capped(net, 3)
+    for _ in range(3):
+        capped(torch.zeros(1, 2))
+    with pytest.raises(sde_quality.OverBudget, match="stopped after 3 network evaluations"):
+        capped(torch.zeros(1, 2))
+    assert capped.num_classes == 10 and list(capped.parameters()) == list(net.parameters())
