@@ -4,7 +4,7 @@
     python -m benchmarks.numerics --data data --precision fp16  # fp16 + GradScaler instead
     python -m benchmarks.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
     python -m benchmarks.numerics --data data data.batch_size=32 model.norm_impl=fused --control \
-        train.cudnn_benchmark=True --parallel --gpus 2,3 --time-limit 480 --out OUT   # fused: its own control
+        train.cudnn_benchmark=False --parallel --gpus 2,3 --time-limit 480 --out OUT   # fused: its own control
     python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu
 
 Runs of the trainer (ffcv_ddpm.train, everything else as configured) on the same data with the same seed, called

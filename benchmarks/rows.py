@@ -40,6 +40,7 @@ BASELINE = (
     "train.channels_last=False",
     "train.fused_adam=False",
     "data.flip=cpu",
+    "train.cudnn_benchmark=False",  # cuDNN's heuristic choice, not its timed search (a row of its own below)
 )
 
 # The computation switches every network takes (model.concat_free only the DDPM one: table_rows).

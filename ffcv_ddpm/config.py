@@ -43,7 +43,7 @@ class TrainConfig:
     compile_mode: str = "default"        # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
-    cudnn_benchmark: bool = False        # cuDNN times its algorithms for each conv shape at the first step instead of guessing
+    cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     device: str = "auto"                 # auto (cuda if available) | cuda | cuda:N | cpu
     log_every: int = 100                 # steps between stats.jsonl lines (the only host-device syncs)

@@ -251,9 +251,11 @@ def endless(loader: BatchLoader, epoch: int | None = None, skip: int = 0):
     """Batches across epoch boundaries, from `epoch` (default: the loader's next one) on, the first `skip` batches of
     that epoch left out (a resumed run). What an epoch's start costs stays inside whatever is timed, as in training.
 
-    The next epoch is started while the last batch of the current one is still to be handed out: its start-up
-    (FFCV: a stream drain and the first decode of its prefetch thread) then overlaps the GPU's work on that batch
-    instead of leaving the GPU idle between epochs (benchmarks/NOTES.md). The order is the plain epoch-by-epoch one.
+    On a GPU the next epoch is started while the last batch of the current one is still to be handed out: its
+    start-up (FFCV: a stream drain and the first decode of its prefetch thread) then overlaps the GPU's work on that
+    batch instead of leaving the GPU idle between epochs (benchmarks/NOTES.md item 10). Not on the CPU: there FFCV's
+    decode thread would run beside the step's own CPU kernels, which share its OpenMP runtime, and the losses would
+    stop being bit-reproducible (seen: three identical CPU runs, three different curves). The order is the same.
     """
     if epoch is not None:
         loader.set_epoch(epoch)
@@ -261,6 +263,10 @@ def endless(loader: BatchLoader, epoch: int | None = None, skip: int = 0):
     try:
         for _ in range(skip):
             next(it)
+        if loader.device.type != "cuda":
+            while True:
+                yield from it
+                it = iter(loader)
         held = next(it)
         while True:
             for batch in it:

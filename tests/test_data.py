@@ -239,9 +239,9 @@ def test_default_workers_fit_the_machine(monkeypatch):
 class _EpochLog(BatchLoader):
     """Epochs of 3 batches (epoch, i); records when each epoch starts, the way FFCV's loader starts eagerly."""
 
-    def __init__(self, log):
+    def __init__(self, log, device):
         cfg = DataConfig(path="unused", batch_size=1)
-        super().__init__(cfg, torch.device("cpu"), 0, 1, num_images=3, image_shape=(3, 1, 1))
+        super().__init__(cfg, torch.device(device), 0, 1, num_images=3, image_shape=(3, 1, 1))
         self.log = log
 
     def _epoch_batches(self, epoch):
@@ -249,17 +249,20 @@ class _EpochLog(BatchLoader):
         return iter([(epoch, i) for i in range(3)])
 
 
-def test_endless_starts_the_next_epoch_before_handing_out_the_last_batch():
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_endless_starts_the_next_epoch_early_on_a_gpu_only(device):
     log = []
-    data = endless(_EpochLog(log), 2, 1)  # a run resumed at epoch 2, batch 1
+    data = endless(_EpochLog(log, device), 2, 1)  # a run resumed at epoch 2, batch 1 (no GPU is touched)
     got = []
     for _ in range(5):
         got.append(next(data))
         log.append(got[-1])
     # The plain order: epoch by epoch, the skipped batch left out...
     assert got == [(2, 1), (2, 2), (3, 0), (3, 1), (3, 2)]
-    # ...and each next epoch started while the last batch of the one before was still to be used.
-    assert log.index(("start", 3)) < log.index((2, 2)) and log.index(("start", 4)) < log.index((3, 2))
+    # ...and on a GPU each next epoch started while the last batch of the one before was still to be used; on the
+    # CPU only once it was used (FFCV's decode thread beside the step's CPU kernels costs bit-reproducibility).
+    early = log.index(("start", 3)) < log.index((2, 2)) and log.index(("start", 4)) < log.index((3, 2))
+    assert early == (device == "cuda")
     data.close()
 
 
