@@ -272,7 +272,6 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                  "rng": rng_state(device), "config": cfg.to_dict(), "world_size": ddp.world_size}
         save_checkpoint(state, run_dir, step, cfg.train.keep_ckpts)
 
-
     # ---- loop -----------------------------------------------------------------------------------------------
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first step with a non-finite loss
     if device.type == "cuda":
