@@ -338,17 +338,33 @@ class _FFCVBatches(BatchLoader):
             torch.cuda.current_stream(self.device).synchronize()
         if self._pristine_pages is not None:
             self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages
-        return _closing(iter(self._loader))
+        return _Epoch(iter(self._loader))
 
 
-def _closing(batches):
-    try:
-        yield from batches
-    finally:
-        batches.close()  # stops FFCV's prefetch thread when the consumer leaves early...
-        # ...and wait for it: a process exiting while that thread is inside numba's parallel code can abort
-        # ("terminate called without an active exception", seen once in a 2-rank CPU run on CI).
-        batches.join(timeout=10)
+class _Epoch:
+    """FFCV's epoch iterator, whose prefetch thread starts with it: close() stops that thread and waits for it,
+    whether or not a batch was taken (endless() may start an epoch and be closed before reading from it), and so
+    does the end of the epoch. Waiting matters: a process exiting while the thread is inside numba's parallel code
+    can abort ("terminate called without an active exception", seen once in a 2-rank CPU run on CI)."""
+
+    def __init__(self, batches):
+        self._batches = batches
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._batches.close()
+        self._batches.join(timeout=10)
+
+    __del__ = close  # an epoch dropped half-read (as a dropped generator's finally did before)
 
 
 def _ffcv_threads(requested: int) -> int:

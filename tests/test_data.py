@@ -278,3 +278,32 @@ def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
         assert len(images) > 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+class _FakeEpochIterator:
+    """What _Epoch wraps: FFCV's EpochIterator, a thread with close() and join()."""
+
+    def __init__(self, n):
+        self.left, self.calls = n, []
+
+    def __next__(self):
+        if not self.left:
+            raise StopIteration
+        self.left -= 1
+        return self.left
+
+    def close(self):
+        self.calls.append("close")
+
+    def join(self, timeout=None):
+        self.calls.append("join")
+
+
+def test_an_ffcv_epoch_stops_its_thread_when_closed_unread_or_when_it_ends():
+    from ffcv_ddpm.data import _Epoch
+
+    unread = _FakeEpochIterator(3)
+    _Epoch(unread).close()  # endless() closed right after starting the next epoch: no batch was taken
+    assert unread.calls[:2] == ["close", "join"]
+    ended = _FakeEpochIterator(2)
+    assert list(_Epoch(ended)) == [1, 0] and ended.calls[:2] == ["close", "join"]
