@@ -325,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("ddp", f"--variant: {e}")
     batch = cfg.data.batch_size
     if args.loss_check and (args.mode == "per-gpu" or 1 not in counts or not many_of(counts)):
-        return fail("bench-ddp", "--loss-check compares global-batch points with one process: give --mode global "
-                                 "(or both) and --gpus with 1 and a larger count")
+        return fail("ddp", "--loss-check compares global-batch points with one process: give --mode global "
+                           "(or both) and --gpus with 1 and a larger count")
     if args.mode != "per-gpu" and batch < max(counts):
         return fail("ddp", f"data.batch_size={batch} is the global batch in --mode {args.mode}: it must be "
                            f"at least the largest process count, {max(counts)}")
@@ -354,13 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     # (mode, process counts, per-rank batch rule, how a point runs, overrides): the default first, so a call cut
     # short keeps the headline points.
     plan = [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[:1]]
-    if args.allreduce:
-        result["allreduce"] = []
     if args.control:
         plan.append((CONTROL, many, True, run_independent, overrides))
     plan += [(f"per-GPU, {name}", many, True, run_point, [*overrides, *extra]) for name, extra in variants]
     plan += [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[1:]]
     if args.allreduce:
+        result["allreduce"] = []
         numel = sum(p.numel() for p in build_model(cfg.model).parameters() if p.requires_grad)
         for n in many:
             result["allreduce"].append(allreduce_point(n, numel))

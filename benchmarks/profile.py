@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     device_name = torch.cuda.get_device_name(device) if cuda else None
     out = args.out or results_dir(device_name) / f"profile-{args.preset}"
     if not ddp.main:
-        out = Path(tempfile.mkdtemp(prefix=f"profile-rank{ddp.rank}-"))  # its trace and telemetry are not kept
+        out = Path(tempfile.mkdtemp(prefix=f"profile-rank{ddp.rank}-"))  # its telemetry samples are not kept
     out.mkdir(parents=True, exist_ok=True)
     where = f"CUDA ({device_name})" if cuda else "CPU only (CPU activities; no GPU telemetry)"
     log = print if ddp.main else (lambda *a, **k: None)
@@ -257,11 +257,12 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    prof = profile_steps(trainer, data, lr, steps, device)
-    a = analyse(prof.events(), top=args.top)
-    peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    trace = out / "trace.json.gz"
-    _export_trace(prof, trace)
+    prof = profile_steps(trainer, data, lr, steps, device)  # every rank steps (DDP); rank 0's profile is the one kept
+    if ddp.main:
+        a = analyse(prof.events(), top=args.top)
+        peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        trace = out / "trace.json.gz"
+        _export_trace(prof, trace)
     del prof
 
     if ddp.world_size > 1:  # rank 0 spent seconds on the analysis: start the timed blocks together

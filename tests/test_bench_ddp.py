@@ -2,14 +2,22 @@
 
 import json
 
+import pytest
+
 from benchmarks import ddp
 from conftest import write_beton
 
 
-def test_ddp_scaling_benchmark_on_cpu(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    write_beton(data / "cifar10_train_raw.beton", 128)
+@pytest.fixture
+def data(tmp_path):
+    """A data folder holding a small train .beton, as the benchmark reads it."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_beton(folder / "cifar10_train_raw.beton", 128)
+    return folder
+
+
+def test_ddp_scaling_benchmark_on_cpu(data, tmp_path):
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out)])
@@ -25,13 +33,10 @@ def test_ddp_scaling_benchmark_on_cpu(tmp_path):
     assert (out / "ddp.md").read_text().count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
 
 
-def test_ddp_diagnostics_on_cpu(tmp_path):
+def test_ddp_diagnostics_on_cpu(data, tmp_path):
     """The control (independent single-process trainers), a DDP variant (small buckets; gloo has no bf16 all-reduce,
     so the bf16 hook is refused on CPU, one line) and the all-reduce timing: each recorded as its own mode, each
     rank's data wait in the DDP points."""
-    data = tmp_path / "data"
-    data.mkdir()
-    write_beton(data / "cifar10_train_raw.beton", 128)
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
@@ -60,10 +65,7 @@ def test_a_bad_variant_is_one_line(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_loss_check_compares_curves_against_a_data_order_control(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    write_beton(data / "cifar10_train_raw.beton", 128)
+def test_loss_check_compares_curves_against_a_data_order_control(data, tmp_path):
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "global",
                    "data.batch_size=16", "--steps", "12", "--log-every", "2", "--out", str(out), "--loss-check"])
