@@ -4,6 +4,7 @@ A checkpoint exists under its final name (ckpt-00012345.pt) only once it is comp
 the newest ckpt-*.pt on disk loads. Stale *.tmp files from a killed write are removed at the next save.
 """
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -25,12 +26,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.iterdir() if _NAME.match(p.name))
 
 
-def atomic_torch_save(obj, path: Path) -> None:
+@contextlib.contextmanager
+def staged_file(path: Path):
+    """A binary file to write under a temp name beside `path` (same folder: the rename is atomic): fsynced and
+    renamed to `path` when the block completes, removed when it raises. The package's one atomic file writer
+    (checkpoints, the digits judge, FID weights and statistics)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -43,6 +48,11 @@ def atomic_torch_save(obj, path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    with staged_file(path) as f:
+        torch.save(obj, f)
 
 
 def save_checkpoint(state: dict, run_dir: Path, step: int, keep: int) -> Path:

@@ -15,11 +15,9 @@ would otherwise fetch the file from inside it, unchecked.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 from unittest import mock
@@ -28,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ffcv_ddpm.checkpoint import staged_file
 from ffcv_ddpm.frechet import frechet_distance_from_stats, gaussian_stats
 
 WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"  # pytorch-fid's port of the TF Inception of FID
@@ -77,7 +76,7 @@ def fetch_weights(dest: Path) -> Path:
     digest = hashlib.sha256()
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with _staged(dest) as f, _urlopen(WEIGHTS_URL, timeout=60) as response:
+        with staged_file(dest) as f, _urlopen(WEIGHTS_URL, timeout=60) as response:
             while chunk := response.read(1 << 20):
                 digest.update(chunk)
                 f.write(chunk)
@@ -88,20 +87,6 @@ def fetch_weights(dest: Path) -> Path:
         raise FIDError(f"Inception weights {dest} not found and the download failed ({getattr(e, 'reason', e)}); "
                        f"{_where_to_put_them()}") from None
     return dest
-
-
-@contextlib.contextmanager
-def _staged(dest: Path):
-    """A binary file under a temp name beside `dest` (same folder: the rename is atomic), renamed to `dest` when the
-    block completes and removed when it raises."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-        os.replace(tmp, dest)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _pytorch_fid_inception():
@@ -252,7 +237,7 @@ def reference_stats(data: str | os.PathLike, model: nn.Module, tag: str, batch_s
     feats = inception_features(model, torch.from_numpy(images).permute(0, 3, 1, 2), batch_size)
     mu, sigma = gaussian_stats(feats)
     try:
-        with _staged(cache) as f:
+        with staged_file(cache) as f:
             np.savez(f, mu=mu, sigma=sigma, n=len(images), content_sha256=digest, network=tag, version=STATS_VERSION)
     except OSError as e:  # a read-only data folder: the statistics are still right, only not kept
         print(f"fid: could not cache the reference statistics beside {data} ({e}); computing them each time")
