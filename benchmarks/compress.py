@@ -388,6 +388,7 @@ def train_scratch(study: Study, override: dict, steps: int) -> nn.Module:
     """The dense run's training (config, data, seed) with other res-block convs (or none: the reference), from
     scratch, eagerly, for `steps` steps; the raw weights (eval mode). Its step time goes to study.scratch_ms."""
     from benchmarks.study import train_run
+    from ffcv_ddpm.train import read_stats
     from ffcv_ddpm.evaluate import load_run
 
     cfg = copy.deepcopy(study.cfg)
@@ -399,7 +400,7 @@ def train_scratch(study: Study, override: dict, steps: int) -> nn.Module:
     cfg.train.out_dir = str(study.args.work)
     cfg.train.desc = "compress-" + ("-".join(f"{k}{v}" for k, v in override.items()) or "dense-scratch")
     run_dir = train_run(cfg, study.stop)
-    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    stats = read_stats(run_dir)
     study.scratch_ms = stats[-1]["iter_ms_median"]  # the last interval: after cuDNN's algorithm search
     return load_run(run_dir, study.device, ema=False)[1]
 
@@ -408,6 +409,7 @@ def dense_run(args, stop) -> tuple:
     """(run config, EMA model, process, run info) of RUN_DIR, or of the digits model trained here."""
     from benchmarks.quality import ensure_digits
     from benchmarks.study import train_run
+    from ffcv_ddpm.train import read_stats
     from ffcv_ddpm.evaluate import load_run
     from ffcv_ddpm.step import resolve_device
 
@@ -424,7 +426,7 @@ def dense_run(args, stop) -> tuple:
     stop.kept["run"] = f"the dense run {run_dir}"
     seconds = time.perf_counter() - t0
     cfg, model, diffusion, step = load_run(run_dir, device)
-    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    stats = read_stats(run_dir)
     return cfg, model, diffusion, {"run_dir": str(run_dir), "step": step, "trained_here": True,
                                    "dataset_built_now": built, "seconds": seconds, "stats": stats}
 

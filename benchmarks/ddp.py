@@ -36,7 +36,7 @@ from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
-from ffcv_ddpm.train import NO_MULTICAST
+from ffcv_ddpm.train import NO_MULTICAST, read_stats
 from ffcv_ddpm.unet import build_model
 
 CONTROL = "independent (no DDP)"  # the control's mode name in the results
@@ -57,7 +57,7 @@ def read_run(out_dir: Path) -> dict:
     """Throughput of one finished run from its stats.jsonl; the first interval (compilation, FFCV's first-epoch JIT)
     is dropped."""
     (run_dir,) = [p for p in out_dir.iterdir() if p.is_dir()]
-    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    stats = read_stats(run_dir)
     steady = stats[1:] or stats
     point = {"stats": stats, "img_per_s": float(np.median([s["img_per_s"] for s in steady])),
              "data_wait_share": float(np.median([s["data_wait_share"] for s in steady])),

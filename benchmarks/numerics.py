@@ -54,7 +54,7 @@ from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import compile_cache, environment
 from ffcv_ddpm.step import TrainingError, resolve_device
-from ffcv_ddpm.train import train
+from ffcv_ddpm.train import read_stats, train
 
 LOG_TAIL_LINES = 40  # of a failed leg's log, printed before the error line
 PROGRESS_EVERY_S = 60  # a line with every parallel leg's step, so that a long run shows how far it is
@@ -225,7 +225,7 @@ def read_run(leg_dir: Path, cfg: RunConfig) -> dict:
         return {"config": cfg.to_dict(), "stats": []}
     (run_dir,) = runs
     return {"config": json.loads((run_dir / "config.json").read_text()),
-            "stats": [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]}
+            "stats": read_stats(run_dir)}
 
 
 def common_intervals(stats: dict[str, list[dict]], log_every: int) -> dict[str, list[dict]]:
@@ -499,7 +499,7 @@ def from_runs(args: argparse.Namespace, command: str) -> dict:
             cfg.train.device = "cuda" if envs[name].get("cuda_available") else "cpu"
         legs.append(Leg(name, cfg.train.precision, [], cfg))
         runs[name] = {"config": cfg.to_dict(), "run_dir": str(run_dir),
-                      "stats": [json.loads(line) for line in files["stats.jsonl"].read_text().splitlines()]}
+                      "stats": read_stats(run_dir)}
     if [leg.precision for leg in legs[::2]] != ["fp32"] * len(legs[::2]):
         raise ValueError("--from-runs: the reference and control runs must be train.precision=fp32")
     check_paired(legs)  # the same train.log_every in every run, among the rest

@@ -40,7 +40,6 @@ Guidance weight w (Ho & Salimans): ε = (1 + w) ε(x, y) - w ε(x, ∅); w = 0 i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -158,6 +157,7 @@ def train_config(args, train_beton: Path, test_beton: Path, judge_path: Path):
 def run(args, argv: list[str], t_start: float, stop) -> dict:
     from benchmarks.common import results_dir
     from benchmarks.study import saved_when_stopped, train_run
+    from ffcv_ddpm.train import read_stats
     from ffcv_ddpm import quality
     from ffcv_ddpm.data import dataset_info
     from ffcv_ddpm.env import environment
@@ -225,7 +225,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         t0 = time.perf_counter()
         run_dir = train_run(cfg, stop)
         stop.kept["run"] = f"the trained run {run_dir}"
-        stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+        stats = read_stats(run_dir)
         with torch.device("meta"):
             params = count_params(build_model(cfg.model))
         result["training"] = {"run_dir": str(run_dir), "preset": args.preset, "params": params, "steps": args.steps,

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -126,6 +125,7 @@ def base_config(args) -> RunConfig:
 
 def train_model(base: RunConfig, process: str, runs: Path, stop) -> tuple[Path, dict]:
     from benchmarks.study import train_run
+    from ffcv_ddpm.train import read_stats
     from ffcv_ddpm.checkpoint import list_checkpoints
 
     cfg = RunConfig.from_dict(base.to_dict())  # a copy per model
@@ -133,7 +133,7 @@ def train_model(base: RunConfig, process: str, runs: Path, stop) -> tuple[Path, 
     t0 = time.perf_counter()
     run_dir = train_run(cfg, stop)
     wall = time.perf_counter() - t0
-    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    stats = read_stats(run_dir)
     last = stats[-1]
     compiled = cfg.train.compile and cfg.train.device != "cpu" and torch.cuda.is_available()
     summary = (f"{cfg.train.steps} steps at batch {cfg.data.batch_size}, {cfg.train.precision}, "

@@ -19,7 +19,6 @@ environment.json (and telemetry-summary.json on CUDA) under <out>/trainer-vs-ben
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -118,6 +117,7 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
     from benchmarks.runner import cuda_available, environment, flops_of, spawn
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.data import dataset_info
+    from ffcv_ddpm.train import read_stats
 
     if args.steps < 2 * args.log_every:
         raise BenchError(f"--steps {args.steps} gives fewer than two log intervals of {args.log_every}: the first "
@@ -157,7 +157,7 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
         if proc.returncode != 0:
             raise BenchError(f"the trainer failed with exit status {proc.returncode} (its output is above)")
         (run_dir,) = [d for d in Path(tmp).iterdir() if d.is_dir()]
-        stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+        stats = read_stats(run_dir)
         kept.mkdir(parents=True, exist_ok=True)
         for name in KEPT:
             if (run_dir / name).is_file():

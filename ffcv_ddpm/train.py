@@ -99,6 +99,11 @@ def new_run_dir(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def read_stats(run_dir: Path) -> list[dict]:
+    """A run folder's stats.jsonl: one dict per log interval, oldest first."""
+    return [json.loads(line) for line in (Path(run_dir) / "stats.jsonl").read_text().splitlines() if line.strip()]
+
+
 def drop_stats_after(path: Path, step: int) -> None:
     """On resume: stats.jsonl keeps only the lines up to the checkpoint's step, so it stays one history (the lines
     a killed run logged after its last checkpoint are logged again by the resumed one)."""
