@@ -36,6 +36,7 @@ from benchmarks.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
+from ffcv_ddpm.step import noise_seed
 from ffcv_ddpm.train import NO_MULTICAST, read_stats
 from ffcv_ddpm.unet import build_model
 
@@ -167,29 +168,31 @@ def allreduce_point(nproc: int, numel: int, iters: int = 20) -> dict:
         return {"nproc": nproc, "numel": numel, **dict(results)}
 
 
-LOSS_MARGIN = 1.5  # an N-GPU curve may stray from the one-GPU curve 1.5x as far as another data order does
+LOSS_MARGIN = 1.5  # an N-GPU curve may stray from the one-GPU curve 1.5x as far as another run's random draws do
 
 
 def many_of(counts: list[int]) -> list[int]:
     return [n for n in counts if n > 1]
 
 
-def loss_control(args, overrides: list[str], beton: Path, batch: int, seed: int) -> dict:
-    """One process at the global batch, another data order (data.seed): how far two equally valid runs' loss
-    curves stray from each other when only the order of the data differs, as it does between 1 and N GPUs."""
+def loss_control(args, overrides: list[str], beton: Path, batch: int, cfg, nproc: int) -> dict:
+    """One process at the global batch, the same initial weights, other random draws: another data order (data.seed)
+    and another noise, timestep and dropout stream (train.noise_seed, none of the N ranks' streams). That is all an
+    N-process run changes, so the control's curve shows how far two equally valid runs stray from each other."""
+    draws = [f"data.seed={cfg.data.seed + 1}", f"train.noise_seed={noise_seed(cfg, nproc)}"]
     with tempfile.TemporaryDirectory() as tmp:
-        return run_point(args, [*overrides, f"data.seed={seed}"], beton, 1, batch, Path(tmp))
+        return run_point(args, [*overrides, *draws], beton, 1, batch, Path(tmp))
 
 
 def loss_check(points: list[dict], control: dict) -> dict:
     """Each N-process curve against the one-process curve of the same global batch (numerics.check's statistic:
-    the largest moving average of loss(N) / loss(1) - 1 after the first 10% of steps), with the data-order
+    the largest moving average of loss(N) / loss(1) - 1 after the first 10% of steps), with the random-draws
     control's value of that statistic x LOSS_MARGIN as the tolerance."""
     from benchmarks.numerics import check
 
     one = next(p for p in points if p["nproc"] == 1)
     if "error" in one or "error" in control:
-        return {"error": "the one-process run or its data-order control failed: see their points"}
+        return {"error": "the one-process run or its random-draws control failed: see their points"}
     floor = check(one["stats"], control["stats"], tol=float("inf"), skip=0.1, smooth=3)
     tol = LOSS_MARGIN * floor["max_abs_smoothed"]
     out = {"control": control, "floor": floor["max_abs_smoothed"], "tol": tol, "margin": LOSS_MARGIN, "checks": []}
@@ -244,8 +247,9 @@ def render(result: dict, out: Path) -> None:
     if lc and "error" not in lc:
         lines += ["## Loss curves: N GPUs against one, same global batch", "",
                   f"Statistic: the largest moving average over 3 log intervals of loss(N) / loss(1) - 1 after the "
-                  f"first 10% of steps. Tolerance: {LOSS_MARGIN}x the same statistic for a one-GPU run with another "
-                  f"data order (data.seed): {lc['floor']:.2%} x {LOSS_MARGIN} = {lc['tol']:.2%}.", "",
+                  f"first 10% of steps. Tolerance: {LOSS_MARGIN}x the same statistic for a one-GPU run from the same "
+                  f"weights with other random draws (data.seed, train.noise_seed): {lc['floor']:.2%} x {LOSS_MARGIN} "
+                  f"= {lc['tol']:.2%}.", "",
                   "| GPUs | max deviation | at step | mean ratio - 1 | within tolerance |", "|---|---|---|---|---|"]
         lines += [f"| {c['nproc']} | {c['max_abs_smoothed']:.2%} | {c['at_step']} | {c['mean_ratio_minus_1']:+.2%} "
                   f"| {'yes' if c['ok'] else 'NO'} |" for c in lc["checks"]]
@@ -304,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                         "'bf16-grads:train.ddp_grad_dtype=bf16' or 'one-graph:train.ddp_split=False'")
     p.add_argument("--loss-check", action="store_true",
                    help="global mode: compare each N-process loss curve with the one-process curve at the same global "
-                        "batch, against a one-process run that differs only in its data order (the tolerance)")
+                        "batch, against a one-process run from the same weights with other random draws (data order, noise, "
+                        "timesteps, dropout: the tolerance); exit 1 if a curve strays further")
     p.add_argument("--allreduce", action="store_true",
                    help="also time an all-reduce of the model's gradient size (fp32 and bf16) on each N > 1")
     args, overrides = p.parse_with_overrides(argv)
@@ -380,12 +385,17 @@ def main(argv: list[str] | None = None) -> int:
             add_metrics(result)
             write_json(out, result, indent=2)
     if args.loss_check:
-        control = loss_control(args, overrides, beton, batch, cfg.data.seed + 1)
-        result["loss_check"] = loss_check(result["points"]["global"], control)
+        control = loss_control(args, overrides, beton, batch, cfg, max(counts))
+        result["loss_check"] = lc = loss_check(result["points"]["global"], control)
         write_json(out, result, indent=2)
+        for c in lc.get("checks", []):
+            print(f"bench-ddp: loss curve on {c['nproc']} vs 1: largest deviation {c['max_abs_smoothed']:.2%} at "
+                  f"step {c['at_step']}, tolerance {lc['tol']:.2%}: {'within' if c['ok'] else 'OUTSIDE'}", flush=True)
     render(result, out)
     print(f"bench-ddp: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
-    return 0 if all("error" not in p for pts in result["points"].values() for p in pts) else 1
+    failed = any("error" in p for pts in result["points"].values() for p in pts)
+    lc = result.get("loss_check", {})
+    return 1 if failed or "error" in lc or not all(c["ok"] for c in lc.get("checks", [])) else 0
 
 
 if __name__ == "__main__":

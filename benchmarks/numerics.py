@@ -87,7 +87,7 @@ class Leg:
 
 
 # Fields whose difference gives two legs different batches, timesteps or noise: such legs are not paired.
-PAIRED_FIELDS = ("train.seed", "train.steps", "train.log_every", "data.seed", "data.batch_size", "data.loader",
+PAIRED_FIELDS = ("train.seed", "train.noise_seed", "train.steps", "train.log_every", "data.seed", "data.batch_size", "data.loader",
                  "data.order", "data.flip", "data.drop_last")
 COMPILED_DROPOUT = "dropout in a compiled graph (train.compile on a GPU)"
 FUSED_DROPOUT = "dropout seeds drawn by model.norm_impl=fused"

@@ -45,6 +45,7 @@ class TrainConfig:
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
     seed: int = 0                        # seeds weights, noise, timesteps and data order
+    noise_seed: int = -1                 # seeds noise, timesteps and dropout alone (rank r: + r); -1 = train.seed
     device: str = "auto"                 # auto (cuda if available) | cuda | cuda:N | cpu
     log_every: int = 100                 # steps between stats.jsonl lines (the only host-device syncs)
     ckpt_every: int = 5000               # steps between checkpoints (rounded up to a multiple of log_every)
@@ -138,6 +139,7 @@ RULES = {
     "train.precision": one_of(PRECISIONS),
     "train.compile_mode": one_of(COMPILE_MODES),
     "train.seed": at_least(0),
+    "train.noise_seed": at_least(-1),
     "train.device": matches("auto, cpu, cuda or cuda:N", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),
     "train.log_every": at_least(1),
     "train.ckpt_every": at_least(1),

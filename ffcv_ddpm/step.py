@@ -118,6 +118,12 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, cfg: RunConfig) -> Di
     return net
 
 
+def noise_seed(cfg: RunConfig, rank: int) -> int:
+    """The seed of a rank's noise, timestep and dropout draws: train.noise_seed (else train.seed) + rank. Apart from
+    the weights' seed so that two runs can start from the same weights and differ in these draws alone."""
+    return (cfg.train.seed if cfg.train.noise_seed < 0 else cfg.train.noise_seed) + rank
+
+
 def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
@@ -155,6 +161,6 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
         net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
                             dynamic=False)
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).
-    torch.manual_seed(cfg.train.seed + ddp.rank)
+    torch.manual_seed(noise_seed(cfg, ddp.rank))
     step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg)
     return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)

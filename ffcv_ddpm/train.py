@@ -32,7 +32,7 @@ from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import compile_cache, environment
 from ffcv_ddpm.evaluate import Evaluator
 from ffcv_ddpm.sampling import compile_denoiser
-from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, resolve_device
+from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import timed_steps
@@ -259,7 +259,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             if ddp.main:
                 set_rng_state(state["rng"], device)  # bit-exact for one process; other ranks reseed below
             else:
-                torch.manual_seed(cfg.train.seed + ddp.rank + 1_000_003 * start_step)
+                torch.manual_seed(noise_seed(cfg, ddp.rank) + 1_000_003 * start_step)
             log(ddp, f"train: resumed from {path} at step {start_step}")
         else:
             log(ddp, f"train: {run_dir} has no checkpoint yet; starting at step 0")

@@ -65,15 +65,17 @@ def test_a_bad_variant_is_one_line(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_loss_check_compares_curves_against_a_data_order_control(data, tmp_path):
+def test_loss_check_compares_curves_against_a_random_draws_control(data, tmp_path):
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "global",
                    "data.batch_size=16", "--steps", "12", "--log-every", "2", "--out", str(out), "--loss-check"])
-    assert rc == 0
     lc = json.loads((out / "ddp.json").read_text())["loss_check"]
-    assert lc["control"]["config"]["data"]["seed"] == 1 and lc["floor"] > 0  # another order: another curve
+    # The control: same weights (train.seed), another data order, and a noise stream none of the 2 ranks draws.
+    assert lc["control"]["config"]["data"]["seed"] == 1 and lc["control"]["config"]["train"]["noise_seed"] == 2
+    assert lc["control"]["config"]["train"]["seed"] == 0 and lc["floor"] > 0  # other draws: another curve
     assert lc["tol"] == ddp.LOSS_MARGIN * lc["floor"]
     (c,) = lc["checks"]
     assert c["nproc"] == 2 and c["ok"] == (c["max_abs_smoothed"] <= lc["tol"])
+    assert rc == (0 if c["ok"] else 1)  # a curve outside the tolerance fails the command
     assert "Loss curves: N GPUs against one" in (out / "ddp.md").read_text()
     assert ddp.main(["--data", str(data), "--device", "cpu", "--mode", "per-gpu", "--loss-check"]) == 2

@@ -92,6 +92,19 @@ def test_resume_is_bit_exact(beton, tmp_path):
         assert_identical(a[key], b[key], key)
 
 
+def test_noise_seed_changes_the_draws_not_the_weights(beton, tmp_path):
+    """train.noise_seed: the weights train.seed gives, another stream of noise, timesteps and dropout."""
+    def build_and_draw(*overrides):
+        t = step_mod.build(tiny_cfg(beton, tmp_path, *overrides), torch.device("cpu"))
+        return t.model.state_dict(), torch.rand(8)  # the generator as the first step finds it
+
+    (w0, r0), (w1, r1), (w5, r5) = (build_and_draw(), build_and_draw("train.noise_seed=0"),
+                                    build_and_draw("train.noise_seed=5"))
+    for name in w0:
+        assert torch.equal(w0[name], w1[name]) and torch.equal(w0[name], w5[name]), name
+    assert torch.equal(r0, r1) and not torch.equal(r0, r5)
+
+
 def assert_identical(a, b, where):
     if isinstance(a, dict):
         assert a.keys() == b.keys(), where
