@@ -69,13 +69,22 @@ def read_run(out_dir: Path) -> dict:
     return point
 
 
+def _text(*outputs) -> str:
+    """The end of a stopped child's output (TimeoutExpired holds bytes or str, or None)."""
+    text = "".join(o.decode(errors="replace") if isinstance(o, bytes) else (o or "") for o in outputs)
+    return text[-3000:]
+
+
 def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
     """One `torchrun --nproc_per_node N -m ffcv_ddpm.train` run."""
     workers = max(1, (os.cpu_count() or 1) // nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            "-m", "ffcv_ddpm.train", *trainer_args(args, overrides, beton, out_dir, per_rank_batch, workers)]
     env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:  # recorded like a failure: the points after it still run
+        return {"nproc": nproc, "error": f"stopped after --timeout {args.timeout:g} s\n" + _text(e.stdout, e.stderr)}
     if proc.returncode != 0:
         return {"nproc": nproc, "error": (proc.stdout + proc.stderr)[-3000:]}
     return {"nproc": nproc, "per_rank_batch": per_rank_batch, "global_batch": per_rank_batch * nproc,
@@ -98,7 +107,13 @@ def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_ran
                *trainer_args(args, overrides, beton, run_out, per_rank_batch, workers)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired as e:
+        for p in procs:
+            p.kill()
+            p.wait()
+        return {"nproc": nproc, "error": f"stopped after --timeout {args.timeout:g} s\n" + _text(e.stdout)}
     if any(p.returncode != 0 for p in procs):
         return {"nproc": nproc, "error": "\n".join(log[-1500:] for log in logs)}
     runs = [read_run(out_dir / f"gpu{i}") for i in range(nproc)]

@@ -130,12 +130,6 @@ class VEDiffusion(nn.Module):
         eps = model(((x0 + sigma * noise) * c_in.view(-1, 1, 1, 1)).to(x0.dtype), c_noise, y)
         return F.mse_loss(eps.float(), noise.float())
 
-    def sample(self, model: nn.Module, n: int, *, sampler: str = "pc", **kwargs) -> torch.Tensor:
-        """uint8 images; see ffcv_ddpm.sde_sampling.sample for the arguments."""
-        from ffcv_ddpm.sde_sampling import sample
-
-        return sample(self, model, n, sampler=sampler, **kwargs)[0]
-
 
 def make_diffusion(cfg: DiffusionConfig) -> GaussianDiffusion | VEDiffusion:
     """The process `diffusion.process` names: what the trainer trains and samples with."""

@@ -32,6 +32,7 @@ from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import compile_cache, environment
 from ffcv_ddpm.evaluate import Evaluator
 from ffcv_ddpm.sampling import compile_denoiser
+from ffcv_ddpm.sde_sampling import sample
 from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
@@ -425,11 +426,10 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path, model: torch.nn.Module) 
     with torch.autocast(t.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
         # DDIM for DDPM; predictor-corrector for VE (Song et al.'s choice for VE-SDE models).
         sampler = "ddim" if cfg.diffusion.process == "ddpm" else "pc"
-        images = t.diffusion.sample(model, cfg.train.sample_n, sampler=sampler, steps=cfg.train.sample_steps,
-                                    seed=cfg.train.seed, y=labels, device=t.device,
-                                    shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size),
-                                    memory_format=torch.channels_last if cfg.train.channels_last
-                                    else torch.contiguous_format)
+        images, _ = sample(t.diffusion, model, cfg.train.sample_n, sampler=sampler, steps=cfg.train.sample_steps,
+                           seed=cfg.train.seed, y=labels, device=t.device,
+                           shape=(cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size),
+                           memory_format=torch.channels_last if cfg.train.channels_last else torch.contiguous_format)
     save_grid(images, path)
 
 

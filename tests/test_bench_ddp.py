@@ -79,3 +79,15 @@ def test_loss_check_compares_curves_against_a_random_draws_control(data, tmp_pat
     assert rc == (0 if c["ok"] else 1)  # a curve outside the tolerance fails the command
     assert "Loss curves: N GPUs against one" in (out / "ddp.md").read_text()
     assert ddp.main(["--data", str(data), "--device", "cpu", "--mode", "per-gpu", "--loss-check"]) == 2
+
+
+def test_a_point_past_its_timeout_is_recorded_and_the_rest_run(data, tmp_path):
+    out = tmp_path / "res"
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
+                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
+                   "--timeout", "0.5"])
+    assert rc == 1
+    points = json.loads((out / "ddp.json").read_text())["points"]
+    assert [p["nproc"] for p in points["per-GPU"]] == [1, 2] and len(points[ddp.CONTROL]) == 1
+    for p in (*points["per-GPU"], *points[ddp.CONTROL]):
+        assert p["error"].startswith("stopped after --timeout 0.5 s")
