@@ -40,21 +40,21 @@ dataset-png: $(SETUP)
 	$(MAKE) dataset ARGS="--export-png $(or $(OUT),$(DATA))/png $(ARGS)"
 
 bench: $(SETUP)
-	$(PY) -m benchmarks.bench --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.bench --data $(DATA) $(OUT_ARG) $(ARGS)
 
 bench-loaders: $(SETUP)
-	$(PY) -m benchmarks.loaders --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.loaders --data $(DATA) $(OUT_ARG) $(ARGS)
 
 # DDP scaling of the trainer on 1, 2, 4 GPUs of this host (torchrun; NVLink multicast kept off in every rank).
 bench-ddp: $(SETUP)
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-		$(PY) -m benchmarks.ddp --data $(DATA) --preset $(PRESET) $(OUT_ARG) $(ARGS)
+		$(PY) -m benchmarks.speed.ddp --data $(DATA) --preset $(PRESET) $(OUT_ARG) $(ARGS)
 
 profile: $(SETUP)
-	$(PY) -m benchmarks.profile --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.profile --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
 
 numerics: $(SETUP)
-	$(PY) -m benchmarks.numerics --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.numerics --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
 
 # The studies sized for one H100/H200 say so up front where there is no CUDA: their training alone is PFLOPs, hours on
 # a CPU (e.g. compress: 1,500 steps of 256 images at 9.5 GFLOP each, ~3.7 PFLOP).
@@ -66,27 +66,27 @@ CPU_NOTE = @$(PY) -c 'import sys, torch; torch.cuda.is_available() or print("mak
 sde-quality: $(SETUP)
 	$(CPU_NOTE)
 	out="$(or $(OUT),$$($(PY) -c 'from benchmarks.common import results_here; print(results_here() / "sde-quality")'))" \
-		&& $(PY) -m benchmarks.sde_quality --data $(DIGITS) --out "$$out" $(ARGS)
+		&& $(PY) -m benchmarks.quality.sde --data $(DIGITS) --out "$$out" $(ARGS)
 
 # FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
 # (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache (downloaded once, checked).
 fid: $(SETUP)
-	$(PY) -m benchmarks.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.quality.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(OUT_ARG) $(ARGS)
 
 # Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
-# conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality.py.
+# conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality/digits.py.
 quality: $(SETUP)
 	$(CPU_NOTE)
-	$(PY) -m benchmarks.quality --data $(DIGITS) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.quality.digits --data $(DIGITS) $(OUT_ARG) $(ARGS)
 
 # Compression study: pruning, grouped/depthwise-separable convs, int8 (torchao) with size, speed and quality. Trains
 # the digits model first, or studies RUN=runs/... (e.g. the run of make quality). ~6-7 minutes on one H100/H200.
 compress: $(SETUP)
 	$(CPU_NOTE)
-	$(PY) -m benchmarks.compress $(RUN) --data $(DIGITS) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.quality.compress $(RUN) --data $(DIGITS) $(OUT_ARG) $(ARGS)
 
 sweeps: $(SETUP)
-	$(PY) -m benchmarks.sweeps --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.sweeps --data $(DATA) $(OUT_ARG) $(ARGS)
 
 train: $(SETUP)
 	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(if $(OUT),train.out_dir=$(OUT)) \

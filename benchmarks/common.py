@@ -1,8 +1,7 @@
 """What every benchmark shares: the dataset's file names, a synthetic dataset when none is there, the results
-folder, atomic JSON files, Markdown tables and the commit line of a report.
-
-No benchmark imports another benchmark's command-line module: what two of them need lives here (or in rows.py,
-runner.py, report.py, flops.py, peaks.py).
+folder, atomic JSON files, Markdown tables and the commit line of a report. What both rooms (benchmarks.speed,
+benchmarks.quality) need lives here; what only one room shares stays in it (speed: rows, runner, report, flops,
+peaks; quality: study).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ class BenchError(Exception):
 
 def results_dir(device_name: str | None) -> Path:
     """benchmarks/results/<card>/ (`cpu` without CUDA), where a benchmark writes unless told --out."""
-    from benchmarks.peaks import card_slug
+    from benchmarks.speed.peaks import card_slug
 
     return RESULTS / card_slug(device_name)
 

@@ -319,7 +319,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def command_name(prog: str) -> str:
-    """The name every error line of a command starts with: 'python -m benchmarks.bench' -> 'bench'."""
+    """The name every error line of a command starts with: 'python -m benchmarks.speed.bench' -> 'bench'."""
     return prog.split()[-1].rsplit(".", 1)[-1]
 
 

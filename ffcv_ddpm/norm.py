@@ -195,7 +195,7 @@ group_norm_act.register_autograd(_backward, setup_context=_setup_context)
 
 
 # Elements per tile of the elementwise kernels, and per program of the reductions; module-level so that
-# benchmarks.norm_bench can sweep them.
+# benchmarks.speed.norm_bench can sweep them.
 TILE_ELEMENTS = 1024
 CHUNK_ELEMENTS = 16384
 NUM_WARPS = 4

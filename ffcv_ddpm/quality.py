@@ -146,7 +146,7 @@ def save_judge(judge: Judge, path: str | Path) -> None:
 def load_judge(path: str | Path, device: torch.device | str) -> Judge:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"judge {path} not found; train one with `python -m benchmarks.quality` or "
+        raise FileNotFoundError(f"judge {path} not found; train one with `python -m benchmarks.quality.digits` or "
                                 f"ffcv_ddpm.quality.train_judge + save_judge")
     state = torch.load(path, map_location="cpu", weights_only=True)
     judge = Judge(**state["config"])

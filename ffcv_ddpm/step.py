@@ -3,8 +3,8 @@
     t = build(cfg, device)                  # model, diffusion, AdamW, GradScaler, EMA and the (compiled) step
     loss = t.step(images_u8, labels, lr)    # one full iteration; the loss stays on the device (no host sync)
 
-ffcv_ddpm.train runs this step in its loop (run folder, checkpoints, DDP set-up); benchmarks.bench and
-benchmarks.profile time the same step, so a benchmark measures exactly what training runs.
+ffcv_ddpm.train runs this step in its loop (run folder, checkpoints, DDP set-up); benchmarks.speed.bench and
+benchmarks.speed.profile time the same step, so a benchmark measures exactly what training runs.
 """
 
 from __future__ import annotations

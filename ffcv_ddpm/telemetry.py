@@ -15,7 +15,7 @@ when the GPU has one. Without pynvml, an NVIDIA driver or a GPU, the object prin
 ("no NVIDIA GPU: telemetry off (...)") and does nothing; nothing here ever raises into the training loop.
 
 Cost: each sample is seven NVML queries (ctypes calls that release the GIL, tens of microseconds each) and one
-buffered line, ten times a second by default, on a thread that sleeps otherwise. benchmarks/profile.py measures
+buffered line, ten times a second by default, on a thread that sleeps otherwise. benchmarks/speed/profile.py measures
 the loop with and without it.
 """
 

@@ -3,8 +3,8 @@
     t = timed_steps(lambda batch, i: trainer.step(*batch, lr), lambda: next(data), n=50, device=device)
     t.iter_ms, t.wait_ms, t.loss_sum     # per-iteration ms, the wait for data within each, the summed loss (device)
 
-Used by the trainer (one call per log interval), benchmarks.bench (a row's timed iterations), benchmarks.profile
-(the telemetry blocks), and for single timed calls (timed_call: a sampler run, a kernel).
+Used by the trainer (one call per log interval), benchmarks.speed.bench (a row's timed iterations),
+benchmarks.speed.profile (the telemetry blocks), and for single timed calls (timed_call: a sampler run, a kernel).
 
 On CUDA, events are recorded on the current stream. The CPU runs ahead of the GPU, so an event recorded at the top
 of iteration i completes when the GPU has finished iteration i-1: iteration i spans start_i -> start_{i+1} on the

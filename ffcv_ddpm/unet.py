@@ -123,7 +123,7 @@ class ModelConfig:
 
 UPSAMPLES = ("nearest", "expand", "transposed")
 
-# The computation switches' reference values: the network as the paper wrote it. benchmarks/flops.py counts the
+# The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
 # FLOPs of this network, so a switch that does extra work (zero padding) or less (the folded upsample) does not
 # change the model FLOPs that MFU divides by.
 REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image_channels": 0, "attn_linear": False}

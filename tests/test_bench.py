@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import BETON
-from benchmarks.rows import STACK, TABLES, merge, quick_rows, row_overrides, table_rows
-from benchmarks.report import add_metrics, render_markdown, terminal_table, write_reports
+from benchmarks.speed.rows import STACK, TABLES, merge, quick_rows, row_overrides, table_rows
+from benchmarks.speed.report import add_metrics, render_markdown, terminal_table, write_reports
 from ffcv_ddpm.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,8 +79,8 @@ def test_runner_counts_flops_per_row_and_fails_when_any_row_fails(small_dataset,
     copied tree (FFCV_DDPM_COMMIT) is printed as declared, not verified."""
     import argparse
 
-    from benchmarks import runner
-    from benchmarks.rows import Row
+    from benchmarks.speed import runner
+    from benchmarks.speed.rows import Row
 
     monkeypatch.setattr(runner, "spawn", _spawned)
     monkeypatch.setattr(runner, "cuda_available", lambda: False)
@@ -125,7 +125,8 @@ def _fake_result(device_name):
                 "error": None if status == "ok" else "out of memory", "raw": raw if status == "ok" else None}
 
     return {
-        "table": "small", "command": ["python", "-m", "benchmarks.bench"], "device_name": device_name, "card": "x",
+        "table": "small", "command": ["python", "-m", "benchmarks.speed.bench"], "device_name": device_name,
+        "card": "x",
         "environment": {"commit": "abc", "torch": "2.x", "cuda": "12", "date_utc": "2026-01-01"},
         "dataset": {"path": "d.beton", "num_images": 50000, "source": "synthetic", "synthetic": True},
         "settings": {"iters": 10, "warmup": 1}, "flops": {"annotated-small": flops}, "measured_peaks": None,
@@ -184,9 +185,9 @@ def test_local_cpu_results_are_ignored_by_git_and_gpu_results_are_not():
 def test_report_cli_rejects_a_foreign_file(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.report", str(bad)], cwd=REPO, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.report", str(bad)], cwd=REPO, capture_output=True,
                           text=True)
-    assert proc.returncode == 2 and "not a benchmarks.bench result" in proc.stderr
+    assert proc.returncode == 2 and "not a benchmarks.speed.bench result" in proc.stderr
 
 
 def test_quick_table_end_to_end(tmp_path):
@@ -195,7 +196,7 @@ def test_quick_table_end_to_end(tmp_path):
     One row (tiny preset): the harness code is the same for every loader and model, and each row costs a process
     start; the FFCV loader itself is tested in tests/test_data.py."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.bench", "--table", "quick", "--data", str(tmp_path / "data"),
+    cmd = [sys.executable, "-m", "benchmarks.speed.bench", "--table", "quick", "--data", str(tmp_path / "data"),
            "--num-synthetic", "128", "--rows", "1", "--iters", "2", "--warmup", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -221,7 +222,7 @@ def test_quick_table_end_to_end(tmp_path):
 def test_headline_is_four_rows_from_the_stack_and_the_trainer_defaults():
     """`make bench` on a GPU: the published baseline, compile + SDPA + bf16, + FFCV, and the trainer's defaults with
     the GPU-resident loader; the compile and FFCV rows share one model graph (so one compilation, via the cache)."""
-    from benchmarks.rows import BEST, headline_rows
+    from benchmarks.speed.rows import BEST, headline_rows
 
     rows = headline_rows("ddpm-cifar10", ("data.loader=torch-memory",))
     names = [r.name for r in rows]
@@ -240,7 +241,7 @@ def test_headline_is_four_rows_from_the_stack_and_the_trainer_defaults():
 
 
 def test_the_default_table_is_the_headline_on_a_gpu_and_quick_without(monkeypatch, capsys):
-    from benchmarks import bench
+    from benchmarks.speed import bench
 
     monkeypatch.setattr(bench, "cuda_available", lambda: True)
     assert bench.main(["--list"]) == 0
@@ -270,8 +271,8 @@ def test_a_row_names_the_command_overrides_it_ran_with(small_dataset, tmp_path, 
     for the row without it; the compile-cache state a row's process saw is in its notes."""
     import argparse
 
-    from benchmarks import runner
-    from benchmarks.rows import Row
+    from benchmarks.speed import runner
+    from benchmarks.speed.rows import Row
 
     def spawned(kind, spec, timeout):
         got = _spawned(kind, spec, timeout)
@@ -296,7 +297,7 @@ def test_sampling_table_end_to_end(tmp_path):
     the compiled rows carry their speedup over eager and how far their DDIM images are from eager's (same seed).
     The model is tests/test_sampling.py's (same config, batch and seed), so one of the two compiles from the cache."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "benchmarks.bench", "--table", "sampling", "--sample-modes", "eager,default",
+    cmd = [sys.executable, "-m", "benchmarks.speed.bench", "--table", "sampling", "--sample-modes", "eager,default",
            "--sample-n", "2", "--ddim-steps", "5", "--out", str(out), "--data", str(tmp_path / "data"),
            "model.num_classes=3", "diffusion.timesteps=20", "train.sample_every=0"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

@@ -1,4 +1,4 @@
-"""benchmarks.compress end to end on the CPU at toy size: the dense digits model trained here, every kind of row
+"""benchmarks.quality.compress end to end on the CPU at toy size: the dense digits model trained here, every kind of row
 (references, int8, unstructured and structured pruning, from-scratch architectures with their dense reference, the
 speed preset, fine-tuning), one row of every family first, findings computed from the numbers; a RUN_DIR studied with
 rows that run and its model.* overrides applied to the network; bad options; a signal during the dense training
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from benchmarks import compress
+from benchmarks.quality import compress
 from conftest import REPO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,7 +97,7 @@ def test_rows_keep_what_they_claim(study):
 
 def test_findings_follow_the_numbers():
     """The same rows with other latencies give other sentences: nothing is printed whatever the ratio."""
-    from benchmarks.compress_report import findings
+    from benchmarks.quality.compress_report import findings
 
     def rows(sparse_ms, channels_ms, acc):
         common = dict(status="ok", fine_tune_steps=0, params=100, size_mb=1.0)
@@ -119,7 +119,7 @@ def test_findings_follow_the_numbers():
 def test_run_dir_rows_run_with_its_overrides_applied_to_the_network(study, tmp_path):
     """RUN_DIR with model.attn_impl=math: the network is built with it (not only the report's config), and the rows
     of the families asked for run."""
-    from benchmarks.study import StudyStop
+    from benchmarks.quality.study import StudyStop
 
     _, work, first = study
     run_dir = first["dense"]["run_dir"]
@@ -188,8 +188,8 @@ def test_sigterm_during_the_dense_training_stops_the_whole_command(digits_datase
     checkpoints and returns; compress must not study that model: it stops, says so, exits 143, and leaves no run
     folder behind."""
     out, work = tmp_path / "out", tmp_path / "work"
-    cmd = [sys.executable, "-m", "benchmarks.compress", "--data", str(digits_dataset), "--out", str(out), "--work",
-           str(work), *TOY, "--steps", "100000", "train.ckpt_every=100000"]
+    cmd = [sys.executable, "-m", "benchmarks.quality.compress", "--data", str(digits_dataset), "--out", str(out),
+           "--work", str(work), *TOY, "--steps", "100000", "train.ckpt_every=100000"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not list(work.glob("*/stats.jsonl")):  # training has started: a line of stats is written

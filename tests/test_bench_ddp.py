@@ -1,10 +1,11 @@
-"""benchmarks.ddp on CPU: torchrun + gloo with 1 and 2 processes of the tiny preset, results and report written."""
+"""benchmarks.speed.ddp on CPU: torchrun + gloo with 1 and 2 processes of the tiny preset, results and report
+written."""
 
 import json
 
 import pytest
 
-from benchmarks import ddp
+from benchmarks.speed import ddp
 from conftest import write_beton
 
 

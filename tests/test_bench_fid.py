@@ -1,4 +1,4 @@
-"""benchmarks.fid end to end on the synthetic CIFAR-shaped data: a trained run's samples scored against the test
+"""benchmarks.quality.fid end to end on the synthetic CIFAR-shaped data: a trained run's samples scored against the test
 split with a randomly initialised Inception (the report says the number is not FID and the data is synthetic);
 without the weights file, one clear line; a VE run sampled as VE; every option checked before the reference
 statistics; a signal stops it with nothing written."""
@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from benchmarks import fid as fid_cli
+from benchmarks.quality import fid as fid_cli
 from ffcv_ddpm import train as train_mod
 from ffcv_ddpm.config import load_config
 

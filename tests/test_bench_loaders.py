@@ -6,7 +6,7 @@ import math
 import pytest
 from conftest import SMALL_TRAIN, write_png_folder
 
-from benchmarks.loaders import QUICK, QUICK_VARIANTS, main
+from benchmarks.speed.loaders import QUICK, QUICK_VARIANTS, main
 
 # libffcv/ffcv#167: numba's finalizer complains when a discarded FFCV Loader is garbage-collected; harmless.
 pytestmark = pytest.mark.filterwarnings(

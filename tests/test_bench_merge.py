@@ -1,9 +1,9 @@
-"""benchmarks.merge: one table from result files of several calls, each row keeping its commit and card."""
+"""benchmarks.speed.merge: one table from result files of several calls, each row keeping its commit and card."""
 
 import copy
 import json
 
-from benchmarks import merge
+from benchmarks.speed import merge
 from tests.test_bench import _fake_result
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -75,6 +75,6 @@ def test_a_file_that_is_not_a_result_is_one_line(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("[]")
     assert merge.main([str(tmp_path / "m.json"), str(bad)]) == 2
-    assert capsys.readouterr().err.strip() == f"merge: error: {bad} is not a benchmarks.bench result (no 'rows'/'environment')"
+    assert capsys.readouterr().err.strip() == f"merge: error: {bad} is not a benchmarks.speed.bench result (no 'rows'/'environment')"
     assert merge.main([str(tmp_path / "m.md"), str(bad)]) == 2
     assert "must end in .json" in capsys.readouterr().err

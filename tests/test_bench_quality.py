@@ -1,5 +1,5 @@
-"""benchmarks.quality end to end on the CPU at toy size: judge with its held-out floor, conditional training with the
-trainer's eval_every, every kind of sampling row, the report files rewritten as it goes; rows past the budget are
+"""benchmarks.quality.digits end to end on the CPU at toy size: judge with its held-out floor, conditional training with
+the trainer's eval_every, every kind of sampling row, the report files rewritten as it goes; rows past the budget are
 skipped; every bad option is one line before anything is written; a signal stops the whole command."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from benchmarks import quality
+from benchmarks.quality import digits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,7 +21,7 @@ TOY = ["--preset", "tiny", "--steps", "2", "data.batch_size=16", "--judge-steps"
 
 def test_quality_report_end_to_end(digits_dataset, tmp_path, capsys):
     out = tmp_path / "out"
-    assert quality.main(["--data", str(digits_dataset), "--out", str(out), "--work", str(tmp_path / "w"), *TOY]) == 0
+    assert digits.main(["--data", str(digits_dataset), "--out", str(out), "--work", str(tmp_path / "w"), *TOY]) == 0
     outputs = sorted(p.name for p in out.iterdir() if not p.name.startswith(".writer-"))  # tools.atomic's lock
     assert outputs == ["quality.json", "quality.md", "quality.png", "samples.png"]
     r = json.loads((out / "quality.json").read_text())
@@ -43,13 +43,13 @@ def test_quality_report_end_to_end(digits_dataset, tmp_path, capsys):
     assert r["best"]["cond_acc"] == max(x["cond_acc"] for x in r["rows"] if x["cond_acc"] is not None)
     md = (out / "quality.md").read_text()
     assert "## Judge" in md and "the judge never saw" in md and "| EMA | DDPM 4 | 2 |" in md and "Best setting" in md
-    assert "quality: best conditional accuracy" in capsys.readouterr().out
+    assert "digits: best conditional accuracy" in capsys.readouterr().out
 
 
 def test_ddpm_rows_take_the_best_guidance_of_the_main_ddim_rows():
-    args = quality.parse_args(["--guidance", "0,1,2,4", "--ddim-steps", "100,50"])
-    plan = [(r["weights"], r["sampler"], r["steps"], r["guidance"]) for r in quality.rows_in_priority_order(args)]
-    assert plan[-6:] == [("raw", "ddim", 100, 4.0), ("EMA", "ddpm", None, 0.0), ("EMA", "ddpm", None, quality.BEST),
+    args = digits.parse_args(["--guidance", "0,1,2,4", "--ddim-steps", "100,50"])
+    plan = [(r["weights"], r["sampler"], r["steps"], r["guidance"]) for r in digits.rows_in_priority_order(args)]
+    assert plan[-6:] == [("raw", "ddim", 100, 4.0), ("EMA", "ddpm", None, 0.0), ("EMA", "ddpm", None, digits.BEST),
                          ("EMA", "ddpm", None, 1.0), ("EMA", "ddpm", None, 2.0), ("EMA", "ddpm", None, 4.0)]
     assert len(plan) == 4 + 1 + 4 + 4 + 5
 
@@ -58,15 +58,15 @@ def test_ddpm_rows_take_the_best_guidance_of_the_main_ddim_rows():
 
     rows = [row(0.0, 0.95, 0.3), row(1.0, 0.99, 0.5), row(2.0, 0.99, 0.4), row(4.0, 1.0, 2.0, status="skipped"),
             row(4.0, 1.0, 0.1, steps=50), row(None, None, 0.6)]
-    assert quality.best_guidance(rows, 100, {0.0}) == 2.0  # the tie on accuracy goes to the lower FD-digits
-    assert quality.best_guidance(rows, 100, {0.0, 2.0}) == 1.0
-    assert quality.best_guidance(rows, 100, {0.0, 1.0, 2.0}) is None
+    assert digits.best_guidance(rows, 100, {0.0}) == 2.0  # the tie on accuracy goes to the lower FD-digits
+    assert digits.best_guidance(rows, 100, {0.0, 2.0}) == 1.0
+    assert digits.best_guidance(rows, 100, {0.0, 1.0, 2.0}) is None
 
 
 def test_rows_past_the_budget_are_skipped(digits_dataset, tmp_path):
     out = tmp_path / "out"
     args = ["--data", str(digits_dataset), "--out", str(out), "--work", str(tmp_path / "w"), *TOY, "--budget-s", "1"]
-    assert quality.main(args) == 0
+    assert digits.main(args) == 0
     rows = json.loads((out / "quality.json").read_text())["rows"]
     assert rows[0]["status"] == "ok"  # the first row runs: nothing to estimate its time from
     # No DDIM row but the first measured, so no best w: the DDPM rows are those of the listed weights, skipped too.
@@ -82,10 +82,10 @@ def test_rows_past_the_budget_are_skipped(digits_dataset, tmp_path):
     (["--budget-s", "-1"], "--budget-s: invalid value '-1': expected a number >= 0"),
     (["--ddim-steps", "100,2000"], "--ddim-steps 2000: at most diffusion.timesteps=1000"),
     (["--preset", "tiny"], "preset 'tiny' is unconditional: add model.num_classes=10"),
-    (["diffusion.process=ve"], "benchmarks.sde_quality studies the VE process")])
+    (["diffusion.process=ve"], "benchmarks.quality.sde studies the VE process")])
 def test_every_bad_option_is_one_line_before_anything_is_written(args, message, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        quality.main(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"),
+        digits.main(["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w"),
                       *args])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
@@ -108,7 +108,7 @@ def test_a_signal_while_sampling_stops_the_command_and_keeps_the_run(digits_data
 
     monkeypatch.setattr(ffcv_ddpm.evaluate, "load_run", load_run)
     out, work = tmp_path / "out", tmp_path / "w"
-    assert quality.main(["--data", str(digits_dataset), "--out", str(out), "--work", str(work), *TOY]) == 130
+    assert digits.main(["--data", str(digits_dataset), "--out", str(out), "--work", str(work), *TOY]) == 130
     assert len(calls) == 1
     r = json.loads((out / "quality.json").read_text())
     assert not r["complete"] and r["stopped"] == "SIGINT during sampling" and r["rows"] == []
@@ -116,6 +116,6 @@ def test_a_signal_while_sampling_stops_the_command_and_keeps_the_run(digits_data
     (run_dir,) = [p for p in work.iterdir() if p.is_dir()]
     assert (run_dir / "stats.jsonl").is_file()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("quality: stopped by SIGINT during sampling. Kept: ")
+    assert len(err) == 1 and err[0].startswith("digits: stopped by SIGINT during sampling. Kept: ")
     assert str(run_dir) in err[0] and "quality-judge.pt" in err[0] and str(out) in err[0]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the command's handlers are gone

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.flops import train_flops_per_image
+from benchmarks.speed.flops import train_flops_per_image
 from ffcv_ddpm import compress
 from ffcv_ddpm.unet import PRESETS, AnnotatedResBlock, ModelConfig, build_model, count_params
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
-from benchmarks.rows import Row
-from benchmarks.runner import flops_of
+from benchmarks.speed.flops import published_style_flops_per_image, train_flops_per_image
+from benchmarks.speed.rows import Row
+from benchmarks.speed.runner import flops_of
 from ffcv_ddpm.checks import BadValue
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.unet import PRESETS, REFERENCE_COMPUTATION, Upsample, build_model, nearest_2x, reference_config
@@ -250,7 +250,7 @@ def test_compiled_on_the_gpu_matches_eager_reference():
 def test_bench_rows_of_the_switches():
     """The reformulations row turns every switch on over the scale-shift row (the small UNet all but concat_free);
     each ablation turns one back; the rows before keep the paper's computation; the defaults are the switches on."""
-    from benchmarks.rows import SWITCHES_ROW, table_rows
+    from benchmarks.speed.rows import SWITCHES_ROW, table_rows
 
     ddpm = table_rows("ddpm-cifar10", ("data.loader=torch-memory",))
     small = table_rows("annotated-small", ("data.loader=torch-memory",))

@@ -10,24 +10,29 @@ import pytest
 
 # Every `python -m` entry point, and whether it takes KEY=VALUE config overrides.
 ENTRY_POINTS = {
-    "ffcv_ddpm.train": True, "benchmarks.bench": True, "benchmarks.sweeps": True, "benchmarks.profile": True,
-    "benchmarks.ddp": True, "benchmarks.numerics": True, "benchmarks.loaders": True, "benchmarks.quality": True,
-    "benchmarks.sde_quality": True, "benchmarks.fid": True, "benchmarks.norm_bench": True, "benchmarks.flops": True,
-    "benchmarks.compress": True, "benchmarks.compress_report": False, "benchmarks.trainer_vs_bench": True,
-    "benchmarks.merge": False,
-    "benchmarks.report": False, "benchmarks.quality_report": False, "benchmarks.sde_quality_report": False,
-    "ffcv_ddpm.telemetry": False, "ffcv_ddpm.env": False, "tools.make_dataset": False,
+    "ffcv_ddpm.train": True, "ffcv_ddpm.telemetry": False, "ffcv_ddpm.env": False, "tools.make_dataset": False,
+    # how fast
+    "benchmarks.speed.bench": True, "benchmarks.speed.sweeps": True, "benchmarks.speed.profile": True,
+    "benchmarks.speed.ddp": True, "benchmarks.speed.numerics": True, "benchmarks.speed.loaders": True,
+    "benchmarks.speed.norm_bench": True, "benchmarks.speed.flops": True, "benchmarks.speed.trainer_vs_bench": True,
+    "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
+    # how good
+    "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
+    "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
+    "benchmarks.quality.digits_report": False, "benchmarks.quality.sde_report": False,
 }
 
 
 def test_every_entry_point_is_listed():
-    """A new `if __name__ == "__main__"` module joins ENTRY_POINTS (benchmarks.jobs is the runner's child only)."""
+    """A new `if __name__ == "__main__"` module joins ENTRY_POINTS (benchmarks.speed.jobs is the runner's child
+    only)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    found = {f"{p.parent.name}.{p.stem}" for d in ("ffcv_ddpm", "benchmarks", "tools") for p in (root / d).glob("*.py")
+    found = {".".join(p.relative_to(root).with_suffix("").parts)
+             for d in ("ffcv_ddpm", "benchmarks", "tools") for p in (root / d).rglob("*.py")
              if '__name__ == "__main__"' in p.read_text()}
-    assert found - {"benchmarks.jobs"} == set(ENTRY_POINTS)
+    assert found - {"benchmarks.speed.jobs"} == set(ENTRY_POINTS)
 
 
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy, for an imported module
@@ -47,10 +52,10 @@ def test_help_shows_an_example(name, monkeypatch, capsys):
 
 
 # What each config-running command needs besides the override to get as far as reading its config.
-NEEDS = {"benchmarks.fid": ["--run", "RUN"], "benchmarks.norm_bench": ["--out", "OUT"],
-         "benchmarks.sde_quality": ["--out", "OUT"], "benchmarks.flops": ["--preset", "tiny"],
-         "benchmarks.ddp": ["--device", "cpu"], "benchmarks.quality": ["--out", "OUT", "--work", "WORK"],
-         "benchmarks.compress": ["--out", "OUT", "--work", "WORK"]}
+NEEDS = {"benchmarks.quality.fid": ["--run", "RUN"], "benchmarks.speed.norm_bench": ["--out", "OUT"],
+         "benchmarks.quality.sde": ["--out", "OUT"], "benchmarks.speed.flops": ["--preset", "tiny"],
+         "benchmarks.speed.ddp": ["--device", "cpu"], "benchmarks.quality.digits": ["--out", "OUT", "--work", "WORK"],
+         "benchmarks.quality.compress": ["--out", "OUT", "--work", "WORK"]}
 
 
 @pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])
@@ -58,7 +63,7 @@ def test_a_bad_override_is_one_line_before_anything_happens(name, tmp_path, caps
     module = importlib.import_module(name)
     argv = [a.replace("RUN", str(tmp_path / "run")).replace("OUT", str(tmp_path / "out"))
             .replace("WORK", str(tmp_path / "work")) for a in NEEDS.get(name, [])]
-    if name not in ("benchmarks.flops", "benchmarks.norm_bench"):  # no data to read: their --help says so
+    if name not in ("benchmarks.speed.flops", "benchmarks.speed.norm_bench"):  # no data to read: their --help says so
         argv += ["--data", str(tmp_path)]
     try:
         rc = module.main([*argv, "data.batch_size=0"])
@@ -116,7 +121,7 @@ def test_a_space_joins_only_unknown_options(capsys):
 
 
 def test_good_overrides_reach_the_config(capsys):
-    from benchmarks import bench, flops, sweeps
+    from benchmarks.speed import bench, flops, sweeps
 
     assert bench.main(["--list", "--table", "quick", "--rows", "1", "data.num_workers=1"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("data.num_workers=2 data.num_workers=1")  # the row's, then ours

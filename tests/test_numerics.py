@@ -1,11 +1,11 @@
-"""benchmarks.numerics on CPU: paired trainer runs (fp32 reference, bf16 candidate, fp32 control), in this process or
-as parallel processes, and the checks between them."""
+"""benchmarks.speed.numerics on CPU: paired trainer runs (fp32 reference, bf16 candidate, fp32 control), in this process
+or as parallel processes, and the checks between them."""
 
 import json
 
 import pytest
 
-from benchmarks import numerics
+from benchmarks.speed import numerics
 
 
 def _stats(losses, every=10):

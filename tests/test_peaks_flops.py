@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
-from benchmarks.peaks import card_slug, lookup_peak, peak_precision
+from benchmarks.speed.flops import published_style_flops_per_image, train_flops_per_image
+from benchmarks.speed.peaks import card_slug, lookup_peak, peak_precision
 from ffcv_ddpm.unet import PRESETS, ModelConfig
 
 

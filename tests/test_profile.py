@@ -1,5 +1,5 @@
-"""benchmarks.profile on CPU: op classes from real kernel names, the CUDA analysis on synthetic events, the telemetry
-A/B run with a fake trainer, and the whole command on the tiny preset (trace, tables, charts, summary)."""
+"""benchmarks.speed.profile on CPU: op classes from real kernel names, the CUDA analysis on synthetic events, the
+telemetry A/B run with a fake trainer, and the whole command on the tiny preset (trace, tables, charts, summary)."""
 
 import gzip
 import json
@@ -10,9 +10,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval, Kernel
 
-from benchmarks import profile
-from benchmarks.profile import telemetry_run
-from benchmarks.profile_analysis import CLASSES, analyse, class_lines, classify, top_ops_lines
+from benchmarks.speed import profile
+from benchmarks.speed.profile import telemetry_run
+from benchmarks.speed.profile_analysis import CLASSES, analyse, class_lines, classify, top_ops_lines
 
 # Kernel and op names as torch.profiler reports them on H100/A100 runs (cuDNN 9, FlashAttention-2, inductor).
 NAMES = {
@@ -370,7 +370,7 @@ def _keys(overrides):
 
 @pytest.mark.parametrize("cuda", [True, False])
 def test_sweep_rows_start_from_the_trainer_defaults_and_change_only_the_swept_setting(cuda):
-    from benchmarks.sweeps import DEFAULTS, NOTE, SWEEPS
+    from benchmarks.speed.sweeps import DEFAULTS, NOTE, SWEEPS
     from ffcv_ddpm.config import load_config
 
     assert DEFAULTS == () and "trainer's defaults" in NOTE
@@ -404,8 +404,8 @@ def _sweep_result():
 
 
 def test_sweep_curve_from_a_result(tmp_path):
-    from benchmarks.report import add_metrics
-    from benchmarks.sweeps import SWEEPS, plot_sweep
+    from benchmarks.speed.report import add_metrics
+    from benchmarks.speed.sweeps import SWEEPS, plot_sweep
 
     result = add_metrics(_sweep_result())
     assert result["rows"][3]["metrics"]["img_per_s"] == pytest.approx(256 / 0.025)
@@ -415,7 +415,7 @@ def test_sweep_curve_from_a_result(tmp_path):
 
 
 def test_sweeps_command_runs_a_row_through_bench(small_dataset, tmp_path, capsys):
-    from benchmarks import sweeps
+    from benchmarks.speed import sweeps
 
     assert sweeps.main(["--sweep", "nope"]) == 2 and "unknown sweep nope" in capsys.readouterr().err
     out = tmp_path / "sweeps"
@@ -462,7 +462,7 @@ def test_profile_under_torchrun_profiles_rank_0_of_ddp(small_dataset, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in NO_MULTICAST}
     out = tmp_path / "prof"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "benchmarks.profile", "--preset", "tiny", "--data", str(small_dataset), "data.batch_size=8",
+           "-m", "benchmarks.speed.profile", "--preset", "tiny", "--data", str(small_dataset), "data.batch_size=8",
            "data.num_workers=1", "train.device=cpu", "--iters", "2", "--warmup", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.rows import TABLES, resolve_rows
+from benchmarks.speed.rows import TABLES, resolve_rows
 from ffcv_ddpm import checks
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.unet import PRESETS
@@ -118,7 +118,7 @@ def test_the_readme_quotes_commands():
     """The extraction finds what it must (a parser change that finds nothing would pass every case below)."""
     assert len(COMMANDS) > 30
     for expected in ("make dataset", "python -m ffcv_ddpm.train --resume runs/00000-ddpm-cifar10",
-                     "make bench NO_SETUP=1 PY=python3", "python -m benchmarks.profile --from-trace "):
+                     "make bench NO_SETUP=1 PY=python3", "python -m benchmarks.speed.profile --from-trace "):
         assert any(c.startswith(expected) for c in COMMANDS), expected
     assert any("\n" not in c and "--warmup 5" in c and "--rows" in c for c in COMMANDS)  # a span over two lines
 

@@ -1,4 +1,4 @@
-"""benchmarks.sde_quality end to end on CPU at toy size with the real digits judge (ffcv_ddpm.quality): both models
+"""benchmarks.quality.sde end to end on CPU at toy size with the real digits judge (ffcv_ddpm.quality): both models
 trained a few steps, every sampler row measured, a failing row recorded while the study goes on, the sampling budget
 counted after the trainings, --guidance as the weight w, bad options refused before any work, a signal during a
 training run stopping the whole command."""
@@ -10,7 +10,7 @@ import signal
 import numpy as np
 import pytest
 
-from benchmarks import sde_quality
+from benchmarks.quality import sde as sde_quality
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,10 +1,10 @@
-"""benchmarks.trainer_vs_bench on CPU: the trainer's stats.jsonl beside a bench row of the same config."""
+"""benchmarks.speed.trainer_vs_bench on CPU: the trainer's stats.jsonl beside a bench row of the same config."""
 
 import json
 
 import pytest
 
-from benchmarks import trainer_vs_bench
+from benchmarks.speed import trainer_vs_bench
 from benchmarks.common import BenchError
 
 

@@ -1,7 +1,7 @@
 """Model FLOPs per image for one training step, counted once per model config.
 
-    python -m benchmarks.flops                                                # every preset, both counts
-    python -m benchmarks.flops --preset ddpm-cifar10 model.base_channels=64   # one config, with overrides
+    python -m benchmarks.speed.flops                                               # every preset, both counts
+    python -m benchmarks.speed.flops --preset ddpm-cifar10 model.base_channels=64  # one config, with overrides
 
 Two counts, side by side:
 - `train_flops_per_image`: torch.utils.flop_counter.FlopCounterMode over a forward and a backward pass, on the meta
@@ -106,7 +106,7 @@ def train_flops_per_image(model_cfg: ModelConfig, image_size: int | None = None)
         if (sdpa["fwd"], sdpa["fwd_bwd"]) != (math["fwd"], math["fwd_bwd"]):
             raise RuntimeError(
                 f"FlopCounterMode counts SDPA ({sdpa['fwd_bwd']:.4g}) differently from the math attention "
-                f"({math['fwd_bwd']:.4g}) on the meta device with torch {torch.__version__}; benchmarks/flops.py "
+                f"({math['fwd_bwd']:.4g}) on the meta device with torch {torch.__version__}; benchmarks/speed/flops.py "
                 "assumes they agree. Count with attn_impl='math' and check the SDPA formulas in "
                 "torch.utils.flop_counter."
             )
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.unet import PRESETS
 
-    p = Parser(prog="python -m benchmarks.flops", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.flops", doc=__doc__, overrides=True,
                epilog="No --data: FLOPs follow from the model config and the image size alone (meta device).")
     p.add_argument("--preset", choices=list(PRESETS), help="one preset (default: every preset, no overrides)")
     args, overrides = p.parse_with_overrides(sys.argv[1:] if argv is None else argv)

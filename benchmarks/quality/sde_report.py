@@ -1,6 +1,6 @@
-"""Markdown table and quality-vs-NFE plot of a benchmarks.sde_quality JSON (pure: no GPU, re-renders a saved run).
+"""Markdown table and quality-vs-NFE plot of a benchmarks.quality.sde JSON (pure: no GPU, re-renders a saved run).
 
-    python -m benchmarks.sde_quality_report benchmarks/results/h100/sde_quality.json   # writes .md and .png beside it
+    python -m benchmarks.quality.sde_report benchmarks/results/h100/sde_quality.json   # writes .md and .png beside it
 """
 
 from __future__ import annotations
@@ -145,13 +145,13 @@ def render(result: dict, json_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.sde_quality_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
-    p.add_argument("json", type=Path, help="an sde_quality.json written by benchmarks.sde_quality")
+    p = Parser(prog="python -m benchmarks.quality.sde_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p.add_argument("json", type=Path, help="an sde_quality.json written by benchmarks.quality.sde")
     args = p.parse_args(argv)
     try:
         render(json.loads(args.json.read_text()), args.json)
     except (OSError, ValueError, KeyError) as e:
-        return fail("sde_quality_report", f"{args.json} is not a benchmarks.sde_quality result ({e})")
+        return fail("sde_quality_report", f"{args.json} is not a benchmarks.quality.sde result ({e})")
     print(f"wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
     return 0
 

@@ -1,11 +1,11 @@
 """`make numerics`: does mixed precision change training? bf16's loss curve against an fp32 reference.
 
-    python -m benchmarks.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
-    python -m benchmarks.numerics --data data --precision fp16  # fp16 + GradScaler instead
-    python -m benchmarks.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
-    python -m benchmarks.numerics --data data data.batch_size=32 model.norm_impl=fused --control \
+    python -m benchmarks.speed.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
+    python -m benchmarks.speed.numerics --data data --precision fp16   # fp16 + GradScaler instead
+    python -m benchmarks.speed.numerics --data data model.norm_impl=scale-shift --control model.norm_impl=torch --parallel
+    python -m benchmarks.speed.numerics --data data data.batch_size=32 model.norm_impl=fused --control \
         train.cudnn_benchmark=False --parallel --gpus 2,3 --time-limit 480 --out OUT   # fused: its own control
-    python -m benchmarks.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu
+    python -m benchmarks.speed.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu
 
 Runs of the trainer (ffcv_ddpm.train, everything else as configured) on the same data with the same seed, called
 legs: the reference in true fp32 (TF32 off) and the candidate precision. The same seed gives both the same batches,
@@ -370,7 +370,7 @@ def render(result: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     compile_cache()  # the legs (in this process or started by it) keep their compiled graphs for the next run
-    p = Parser(prog="python -m benchmarks.numerics", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.numerics", doc=__doc__, overrides=True,
                epilog="The overrides (anywhere but right after --ref or --control) go to every leg; data.batch_size "
                       "is the preset's (128) unless given.")
     p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     args, args.overrides = p.parse_with_overrides(argv)
     try:
-        command = "python -m benchmarks.numerics " + " ".join(argv)
+        command = "python -m benchmarks.speed.numerics " + " ".join(argv)
         result = from_runs(args, command) if args.from_runs else measure(args, command)
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         return fail("numerics", str(e))

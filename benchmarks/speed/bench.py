@@ -1,21 +1,21 @@
 """`make bench`: the training-step tables (the published MFU table's rows, then ours), each row in a fresh process.
 
-    python -m benchmarks.bench --data data               # CUDA: the headline (4 rows, minutes); no CUDA: 'quick'
-    python -m benchmarks.bench --data data --table full  # both models, every row (= --table both; ~45 min cold)
-    python -m benchmarks.bench --data data --table small --measure-peak --sampling
-    python -m benchmarks.bench --table sampling          # DDIM and DDPM sampling, eager vs compiled (no data read)
-    python -m benchmarks.bench --list --table both               # print the rows and their overrides, run nothing
-    python -m benchmarks.bench --data data --table loaders-e2e   # end to end per loader (issue 6)
-    python -m benchmarks.bench --data data --rows best --name headline-cudnn train.cudnn_benchmark=True   # a switch
+    python -m benchmarks.speed.bench --data data          # CUDA: the headline (4 rows, minutes); no CUDA: 'quick'
+    python -m benchmarks.speed.bench --data data --table full   # both models, every row (= --table both; ~45 min cold)
+    python -m benchmarks.speed.bench --data data --table small --measure-peak --sampling
+    python -m benchmarks.speed.bench --table sampling     # DDIM and DDPM sampling, eager vs compiled (no data read)
+    python -m benchmarks.speed.bench --list --table both  # print the rows and their overrides, run nothing
+    python -m benchmarks.speed.bench --data data --table loaders-e2e   # end to end per loader (issue 6)
+    python -m benchmarks.speed.bench --data data --rows best --name headline-cudnn train.cudnn_benchmark=True  # a switch
 
-A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule (benchmarks.rows). For each row a child
-process (benchmarks.jobs, started by benchmarks.runner) builds the trainer and loader, runs the first step
+A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule (benchmarks.speed.rows). For each row a child
+process (benchmarks.speed.jobs, started by benchmarks.speed.runner) builds the trainer and loader, runs the first step
 (compilation: reported as seconds to first step, not timed, with the compile cache's size before it), `--warmup`
 more steps, then times `--iters` steps with timing.timed_steps: CUDA events per iteration, the wait for the next
 batch inside each iteration, one sync at the end. Compiled kernels are kept in the compile cache folder
 (ffcv_ddpm.env.compile_cache): a row whose graph an earlier row or run compiled starts in seconds. Results (raw
 per-iteration times, environment, full configs, dataset source) go to benchmarks/results/<card>/<table>.json,
-with the Markdown table and PNG chart beside it (benchmarks.report), rewritten after every row.
+with the Markdown table and PNG chart beside it (benchmarks.speed.report), rewritten after every row.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import argparse
 import sys
 
 from benchmarks.common import BenchError
-from benchmarks.rows import TABLES, resolve_rows
-from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
+from benchmarks.speed.rows import TABLES, resolve_rows
+from benchmarks.speed.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser, fail
 from ffcv_ddpm.env import compile_cache
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = Parser(prog="python -m benchmarks.bench", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.bench", doc=__doc__, overrides=True,
                epilog="The overrides apply to every row, after its own; data.batch_size=N runs every row at N (no "
                       "probing).")
     p.add_argument("--table", choices=sorted(TABLES), help="row set (default: headline with CUDA, quick without)")

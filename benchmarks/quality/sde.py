@@ -1,7 +1,7 @@
 """Sample quality vs steps for the score-SDE samplers: a VE-SDE model and a DDPM model trained on the digits.
 
-    python -m benchmarks.sde_quality --data data/digits --out benchmarks/results/h100/sde-quality
-    python -m benchmarks.sde_quality --data data/digits --out /tmp/sq --steps 200 data.batch_size=64 train.device=cpu
+    python -m benchmarks.quality.sde --data data/digits --out benchmarks/results/h100/sde-quality
+    python -m benchmarks.quality.sde --data data/digits --out /tmp/sq --steps 200 data.batch_size=64 train.device=cpu
 
 In this order (the JSON, Markdown and quality-vs-NFE plot are rewritten after every phase and row, so a run cut short
 keeps what it measured):
@@ -29,7 +29,7 @@ compilation ~60 s, the second (same network, warm kernel cache) ~20 s; 3,000 ste
 ~60-130 s each; the rows ~3,900 network evaluations of 500 images in fp32 (~0.4 TFLOP each, ~15 ms) ~60-90 s.
 About 5-7.5 minutes in all; the default --budget-s 120 bounds the sampling part (the ODE rows' NFE is the unknown).
 
-SIGTERM/SIGINT stop the whole command (benchmarks.study): the report keeps what was measured, exit 128 + signal.
+SIGTERM/SIGINT stop the whole command (benchmarks.quality.study): the report keeps what was measured, exit 128 + signal.
 Writes sde_quality.json, .md, .png and samples-<process>.png (a grid of the best row by FD) into --out.
 """
 
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.sde_quality_report import TARGET_ACC, best_rows, render
+from benchmarks.quality.sde_report import TARGET_ACC, best_rows, render
 from ffcv_ddpm.checks import Parser, above, at_least, float_list, int_list, one_of, option
 from ffcv_ddpm.config import RunConfig, load_config
 
@@ -124,7 +124,7 @@ def base_config(args) -> RunConfig:
 
 
 def train_model(base: RunConfig, process: str, runs: Path, stop) -> tuple[Path, dict]:
-    from benchmarks.study import train_run
+    from benchmarks.quality.study import train_run
     from ffcv_ddpm.train import read_stats
     from ffcv_ddpm.checkpoint import list_checkpoints
 
@@ -145,7 +145,7 @@ def train_model(base: RunConfig, process: str, runs: Path, stop) -> tuple[Path, 
 
 
 def run(args, argv: list[str], stop) -> Path:
-    from benchmarks.study import saved_when_stopped
+    from benchmarks.quality.study import saved_when_stopped
     from ffcv_ddpm import quality
     from ffcv_ddpm.data import dataset_info, read_beton
     from ffcv_ddpm.diffusion import save_grid
@@ -176,7 +176,7 @@ def run(args, argv: list[str], stop) -> Path:
     out = args.out / "sde_quality.json"
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
-        "command": "python -m benchmarks.sde_quality " + " ".join(argv), "device": name,
+        "command": "python -m benchmarks.quality.sde " + " ".join(argv), "device": name,
         "environment": environment(), "dataset": {k: v for k, v in dataset_info(train_beton).items() if k != "manifest"},
         "settings": {"n": args.n, "guidance": args.guidance, "sample_precision": args.sample_precision,
                      "snr": args.snr, "ode_method": args.ode_method, "budget_s": args.budget_s, "steps": args.steps},
@@ -252,7 +252,7 @@ def run(args, argv: list[str], stop) -> Path:
                 result["rows"].append({**entry, "status": f"failed: {type(e).__name__}: {text}",
                                        "seconds": time.perf_counter() - t0})
                 save()
-                print(f"sde_quality: {label}: FAILED ({type(e).__name__}: {text})", flush=True)
+                print(f"sde: {label}: FAILED ({type(e).__name__}: {text})", flush=True)
                 continue
             sec_per_nfe[row["process"]] = seconds / nfe
             metrics = quality.evaluate_samples(judge, images, labels, test_u8)
@@ -263,7 +263,7 @@ def run(args, argv: list[str], stop) -> Path:
                 best[row["process"]] = metrics["fd_digits"]
                 save_grid(images[:100], args.out / f"samples-{row['process']}.png", nrow=10)
             save()
-            print(f"sde_quality: {label}: NFE {nfe}, {args.n / seconds:.0f} img/s, FD-digits "
+            print(f"sde: {label}: NFE {nfe}, {args.n / seconds:.0f} img/s, FD-digits "
                   f"{metrics['fd_digits']:.2f}, cond acc {metrics['cond_acc']:.1%}", flush=True)
         stop.phase = "stopping"  # measured: the last save completes
         result["complete"] = True
@@ -272,7 +272,7 @@ def run(args, argv: list[str], stop) -> Path:
         save()
     for proc, row in best_rows(result["rows"]).items():
         verdict = "meets" if row["cond_acc"] >= TARGET_ACC else "does NOT meet"
-        print(f"sde_quality: {proc}: best conditional accuracy {row['cond_acc']:.1%} ({row_label(row)}): {verdict} "
+        print(f"sde: {proc}: best conditional accuracy {row['cond_acc']:.1%} ({row_label(row)}): {verdict} "
               f"the {TARGET_ACC:.0%} target")
     return out
 
@@ -283,8 +283,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from ffcv_ddpm.unet import PRESETS
 
     count = option(int, at_least(1))
-    p = Parser(prog="python -m benchmarks.sde_quality", doc=__doc__, overrides=True,
-               epilog="The overrides go to both models' trainers, after MODEL and TRAIN (sde_quality.py).")
+    p = Parser(prog="python -m benchmarks.quality.sde", doc=__doc__, overrides=True,
+               epilog="The overrides go to both models' trainers, after MODEL and TRAIN (benchmarks/quality/sde.py).")
     p.add_argument("--data", type=Path, required=True, help="folder with *_train_raw.beton and *_test_raw.beton")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON, Markdown and PNGs")
     p.add_argument("--steps", type=count, default=3000, help="training steps per model (train.steps)")
@@ -328,16 +328,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.study import run_study
+    from benchmarks.quality.study import run_study
 
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
 
     def body(stop) -> None:
         out = run(args, argv, stop)
-        print(f"sde_quality: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
+        print(f"sde: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
 
-    return run_study("sde_quality", body)
+    return run_study("sde", body)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What a torch.profiler trace says: each kernel and op in an op class, per-step tables, charts. Pure analysis, no GPU.
 
-    a = analyse(prof.events())                                # from a live profile (benchmarks.profile)
-    a = analyse(events_from_trace("trace.json.gz"))           # from a saved trace, on any machine
-    python -m benchmarks.profile --from-trace results/h200/profile-ddpm-cifar10/trace.json.gz   # the command
+    a = analyse(prof.events())                       # from a live profile (benchmarks.speed.profile)
+    a = analyse(events_from_trace("trace.json.gz"))  # from a saved trace, on any machine
+    python -m benchmarks.speed.profile --from-trace results/h200/profile-ddpm-cifar10/trace.json.gz   # the command
 
 How a kernel gets its class: by its own name where that is unambiguous (cuDNN fprop/dgrad/wgrad, flash/SDPA,
 fused Adam / multi_tensor_apply, memcpy, group-norm kernels, Triton kernels by their fused op names), else by the
@@ -476,7 +476,7 @@ def reanalyse(trace: Path, out: Path, top: int) -> dict:
         raise TraceError(f"--from-trace {trace}: not a readable Chrome trace of profiled steps ({e})") from None
     out.mkdir(parents=True, exist_ok=True)
     link = f"[{trace.name}]({trace.name})" if out.resolve() == trace.parent.resolve() else f"`{trace}`"
-    head = [f"- Re-analysis of {link} (`python -m benchmarks.profile --from-trace {trace}`); "
+    head = [f"- Re-analysis of {link} (`python -m benchmarks.speed.profile --from-trace {trace}`); "
             "device, config and commit are those of the run that wrote it (profile.md, summary.json)"]
     text = "\n".join([f"# Re-analysis: {trace}", "", *head, "", *top_ops_lines(a), "", *class_lines(a), ""])
     (out / "reanalysis.md").write_text(text)

@@ -1,9 +1,9 @@
-"""What the study commands (quality, sde_quality, compress, fid) share: signals, training inside a study, and how a
+"""What the study commands (digits, sde, compress, fid) share: signals, training inside a study, and how a
 study command ends.
 
     def main(argv):
         args = parse_args(argv)                            # every option checked before anything runs
-        return run_study("quality", lambda stop: run(args, argv, stop))
+        return run_study("digits", lambda stop: run(args, argv, stop))
 
     run_dir = train_run(cfg, stop)                         # a training phase of the study
     with saved_when_stopped(stop, result, save): ...       # the report says it was stopped, once more

@@ -1,7 +1,7 @@
 """`make quality`: does the trainer learn? A class-conditional DDPM trained on the digits, scored by a digits judge.
 
-    python -m benchmarks.quality --data data/digits --out benchmarks/results/h100/quality-digits
-    python -m benchmarks.quality --data /tmp/d --out /tmp/q --preset tiny --steps 4 model.num_classes=10 \
+    python -m benchmarks.quality.digits --data data/digits --out benchmarks/results/h100/quality-digits
+    python -m benchmarks.quality.digits --data /tmp/d --out /tmp/q --preset tiny --steps 4 model.num_classes=10 \
         data.batch_size=16 train.device=cpu train.compile=False      # CPU toy (tests/test_bench_quality.py)
 
 One command, in this order (each phase's result is written before the next starts, so a run cut off keeps what
@@ -20,10 +20,10 @@ it measured):
    same seed, FD-digits to the test set and conditional accuracy; the report is rewritten after every row. A row
    whose time (estimated from the rows before it) would end past --budget-s is recorded as skipped.
 
-Writes quality.json, quality.md, quality.png (FD-digits and conditional accuracy per guidance weight and sampler,
-and the training curve) and samples.png (per-class grids: rows = classes) into --out; the run folder (checkpoint,
-stats.jsonl) and the judge go to --work. SIGTERM/SIGINT stop the whole command (benchmarks.study): the report keeps
-what was measured, an unfinished training run is removed, exit 128 + signal.
+Writes quality.json, quality.md, quality.png (FD-digits and conditional accuracy per guidance weight and sampler, and
+the training curve) and samples.png (per-class grids: rows = classes) into --out; the run folder (checkpoint,
+stats.jsonl) and the judge go to --work. SIGTERM/SIGINT stop the whole command (benchmarks.quality.study): the report
+keeps what was measured, an unfinished training run is removed, exit 128 + signal.
 
 Time on one H100, measured at commit 44a0e9b: start-up and judge ~25 s; training 4,000 steps of 256 with its four
 evaluations 237 s including compilation. The rows, estimated from that run (its first four rows fitted in the
@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.quality_report import best_row, write_report
+from benchmarks.quality.digits_report import best_row, write_report
 from ffcv_ddpm.checks import Parser, at_least, float_list, int_list, one_of, option
 
 # The trainer's settings for this report, before the command's own KEY=VALUE overrides (which win).
@@ -62,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from ffcv_ddpm.unet import PRESETS
 
     count = option(int, at_least(1))
-    p = Parser(prog="python -m benchmarks.quality", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.quality.digits", doc=__doc__, overrides=True,
                epilog=f"The overrides go to the trainer after this report's own settings: {' '.join(TRAIN_DEFAULTS)} "
                       "(peak learning rate after 200 warm-up steps).")
     p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (built if missing)")
@@ -96,7 +96,7 @@ def ensure_digits(data: Path) -> bool:
         return False
     from tools.make_dataset import main as make_dataset
 
-    print(f"quality: no {TRAIN} in {data}/: building the digits dataset there (make dataset SOURCE=digits)", flush=True)
+    print(f"digits: no {TRAIN} in {data}/: building the digits dataset there (make dataset SOURCE=digits)", flush=True)
     if make_dataset(["--source", "digits", "--out", str(data)]) != 0:
         raise ValueError(f"building the digits dataset in {data} failed (see the error above)")
     return True
@@ -147,7 +147,7 @@ def train_config(args, train_beton: Path, test_beton: Path, judge_path: Path):
         raise ValueError(f"preset {args.preset!r} is unconditional: add model.num_classes=10")
     if cfg.diffusion.process != "ddpm":
         raise ValueError(f"diffusion.process={cfg.diffusion.process}: this report's rows are DDPM's samplers (DDIM, "
-                         "ancestral); benchmarks.sde_quality studies the VE process")
+                         "ancestral); benchmarks.quality.sde studies the VE process")
     if max(args.ddim_steps) > cfg.diffusion.timesteps:
         raise ValueError(f"--ddim-steps {max(args.ddim_steps)}: at most diffusion.timesteps="
                          f"{cfg.diffusion.timesteps}")
@@ -156,7 +156,7 @@ def train_config(args, train_beton: Path, test_beton: Path, judge_path: Path):
 
 def run(args, argv: list[str], t_start: float, stop) -> dict:
     from benchmarks.common import results_dir
-    from benchmarks.study import saved_when_stopped, train_run
+    from benchmarks.quality.study import saved_when_stopped, train_run
     from ffcv_ddpm.train import read_stats
     from ffcv_ddpm import quality
     from ffcv_ddpm.data import dataset_info
@@ -176,7 +176,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
     info = dataset_info(train_beton)
     manifest = info.pop("manifest") or {}
     result = {
-        "command": "python -m benchmarks.quality " + " ".join(argv), "device": card or "CPU",
+        "command": "python -m benchmarks.quality.digits " + " ".join(argv), "device": card or "CPU",
         "environment": environment(), "budget_s": args.budget_s, "complete": False,
         "dataset": {**info, "built_now": built, "counts": manifest.get("counts"),
                     "split": manifest.get("settings", {}).get("split"),
@@ -192,7 +192,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         write_report(result, out, images if draw else None)
         stop.kept["report"] = f"the report {out} ({sum(r['status'] == 'ok' for r in result['rows'])} rows measured)"
         if phase:
-            print(f"quality: [{result['elapsed_s']:.0f} s] {phase}", flush=True)
+            print(f"digits: [{result['elapsed_s']:.0f} s] {phase}", flush=True)
 
     with saved_when_stopped(stop, result, lambda: save(draw=False)):
         # ---- judge and floor ------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.study import run_study
+    from benchmarks.quality.study import run_study
 
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     def body(stop) -> None:
         best = run(args, argv, t_start, stop).get("best")
         if best:
-            print(f"quality: best conditional accuracy {best['cond_acc']:.1%} ({best['label']})")
+            print(f"digits: best conditional accuracy {best['cond_acc']:.1%} ({best['label']})")
 
-    return run_study("quality", body)
+    return run_study("digits", body)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@
 
 Tables: `headline` (`make bench` on a GPU: four rows of the DDPM UNet, minutes), `small`, `ddpm`, `both` = `full`
 (the published table's rows and ours beyond it), `quick` (CPU), `loaders-e2e`, and `sampling` (no training rows:
-benchmarks.runner's sampling rows only).
+benchmarks.speed.runner's sampling rows only).
 
-A row is what benchmarks.runner runs in a fresh process; benchmarks.bench and benchmarks.sweeps choose the rows.
-Add a row here.
+A row is what benchmarks.speed.runner runs in a fresh process; benchmarks.speed.bench and benchmarks.speed.sweeps choose
+the rows. Add a row here.
 """
 
 from __future__ import annotations

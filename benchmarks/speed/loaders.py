@@ -1,8 +1,8 @@
 """Loader alone: images/s each data loader delivers onto the device, over a sweep of worker counts.
 
-    python -m benchmarks.loaders --data data                                   # -> benchmarks/results/<card>/
-    python -m benchmarks.loaders --data data --workers 1,4,16 data.batch_size=512 --epochs 3 --out DIR
-    python -m benchmarks.loaders --data data --quick                           # CPU / CI-sized data: seconds
+    python -m benchmarks.speed.loaders --data data                             # -> benchmarks/results/<card>/
+    python -m benchmarks.speed.loaders --data data --workers 1,4,16 data.batch_size=512 --epochs 3 --out DIR
+    python -m benchmarks.speed.loaders --data data --quick                     # CPU / CI-sized data: seconds
 
 Variants (ffcv_ddpm.data loaders). The FFCV baseline is RANDOM order, os_cache on, flip on the device after the
 copy; each other FFCV row changes one thing: the flip inside the pipeline, os_cache off, or QUASI_RANDOM (with
@@ -93,7 +93,7 @@ def data_overrides(overrides: list[str]) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = Parser(prog="python -m benchmarks.loaders", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.loaders", doc=__doc__, overrides=True,
                epilog=f"Only data.* overrides, applied to every variant: data.batch_size (default "
                       f"{FULL['batch_size']}; quick {QUICK['batch_size']}), data.seed, data.drop_last, "
                       "data.pin_memory.")
@@ -198,7 +198,7 @@ def run(args, device: torch.device) -> dict:
     return {
         "benchmark": "loaders",
         "device": _device_name(device),
-        "command": " ".join(["python -m benchmarks.loaders", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.speed.loaders", *sys.argv[1:]]),
         "settings": {"batch_size": args.batch_size, "epochs": args.epochs, "workers": args.workers,
                      "quick": args.quick, "data": str(args.data), "png_dir": str(args.png_dir)},
         "dataset": dataset_info(args.data / "cifar10_train_raw.beton"),
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         print(f"loaders: wrote {path}")
     measured = [r["img_s_median"] for r in result["rows"] if "skipped" not in r]
     if not measured or not all(math.isfinite(x) and x > 0 for x in measured):
-        print("benchmarks.loaders: no variant produced a finite positive rate", file=sys.stderr)
+        print("benchmarks.speed.loaders: no variant produced a finite positive rate", file=sys.stderr)
         return 1
     return 0
 

@@ -1,9 +1,9 @@
 """One table measured over several GPU calls, merged into one file: each row keeps the commit and call it came from.
 
-    python -m benchmarks.merge benchmarks/results/h100-sxm/ddpm.json call1/ddpm.json call2/ddpm.json
-    python -m benchmarks.merge OUT.json headline.json headline-cudnn.json sampling.json --prefer-later
+    python -m benchmarks.speed.merge benchmarks/results/h100-sxm/ddpm.json call1/ddpm.json call2/ddpm.json
+    python -m benchmarks.speed.merge OUT.json headline.json headline-cudnn.json sampling.json --prefer-later
 
-Writes OUT.json (+ .md, .png) from the result files of benchmarks.bench given after it, in that order: every row
+Writes OUT.json (+ .md, .png) from the result files of benchmarks.speed.bench given after it, in that order: every row
 and sampling row of every part, each marked with its part (the header names each part's file, commit, torch, date
 and command). Refused, in one line and nothing written: parts measured on different cards (a table is one card's
 figures), on different datasets (synthetic vs CIFAR-10, other sizes), or the same row measured ok in two parts
@@ -28,7 +28,7 @@ def _read(path: Path) -> dict:
     except (OSError, json.JSONDecodeError) as e:
         raise BenchError(f"cannot read {path}: {e}") from None
     if not isinstance(result, dict) or "rows" not in result or "environment" not in result:
-        raise BenchError(f"{path} is not a benchmarks.bench result (no 'rows'/'environment')")
+        raise BenchError(f"{path} is not a benchmarks.speed.bench result (no 'rows'/'environment')")
     return result
 
 
@@ -55,7 +55,7 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
               "table": "+".join(dict.fromkeys(r["table"] for _, r in parts)),
               "complete": all(r.get("complete", False) for _, r in parts),
               "dataset": next((r["dataset"] for _, r in parts if r.get("dataset")), None),
-              "command": ["python", "-m", "benchmarks.merge", *(str(p) for p, _ in parts)]}
+              "command": ["python", "-m", "benchmarks.speed.merge", *(str(p) for p, _ in parts)]}
     where: dict[tuple, tuple[int, str]] = {}  # row key -> (index in merged rows or sampling, file it came from)
     for part, (path, result) in enumerate(parts, 1):
         env = result["environment"]
@@ -90,12 +90,12 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.report import add_metrics, terminal_table, write_reports
+    from benchmarks.speed.report import add_metrics, terminal_table, write_reports
 
-    p = Parser(prog="python -m benchmarks.merge", doc=__doc__,
+    p = Parser(prog="python -m benchmarks.speed.merge", doc=__doc__,
                epilog="No --data and no KEY=VALUE overrides: the result files given are the whole input.")
     p.add_argument("out", type=Path, help="the merged result file to write (.json; its .md and .png beside it)")
-    p.add_argument("parts", type=Path, nargs="+", help="result files of benchmarks.bench, in order")
+    p.add_argument("parts", type=Path, nargs="+", help="result files of benchmarks.speed.bench, in order")
     p.add_argument("--prefer-later", action="store_true",
                    help="a row measured ok in two parts: keep the later file's instead of refusing")
     args = p.parse_args(argv)

@@ -1,8 +1,8 @@
 """The compression report from its JSON: Markdown, quality vs size and latency, latency per variant.
 
-    python -m benchmarks.compress_report benchmarks/results/h100-sxm/compress/compress.json   # re-render .md + .png
+    python -m benchmarks.quality.compress_report benchmarks/results/h100/compress/compress.json   # re-render .md + .png
 
-Pure rendering: benchmarks.compress measures and calls write_report after every row.
+Pure rendering: benchmarks.quality.compress measures and calls write_report after every row.
 """
 
 from __future__ import annotations
@@ -260,14 +260,14 @@ def write_report(result: dict, out: Path, draw: bool = True) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.compress_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p = Parser(prog="python -m benchmarks.quality.compress_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
     p.add_argument("json", type=Path)
     args = p.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())
         render_markdown(result)
     except (OSError, ValueError, KeyError) as e:
-        return fail("compress_report", f"{args.json} is not a benchmarks.compress result ({e})")
+        return fail("compress_report", f"{args.json} is not a benchmarks.quality.compress result ({e})")
     write_report(result, args.json.parent)
     print(f"compress_report: wrote compress.md and the plots in {args.json.parent}")
     return 0

@@ -1,7 +1,7 @@
 """GroupNorm + SiLU (+ add, dropout) forward+backward alone, per implementation, at the DDPM UNet's shapes.
 
-    python -m benchmarks.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
-    python -m benchmarks.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
+    python -m benchmarks.speed.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
 Each implementation of ffcv_ddpm.norm.GroupNormAct (torch, scale-shift, fused) runs under torch.compile and bf16
@@ -75,7 +75,7 @@ def bench_one(impl: str, shape: tuple, iters: int, warmup: int, plan: tuple | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.norm_bench", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.norm_bench", doc=__doc__, overrides=True,
                epilog="Overrides read here: data.batch_size (N, default 1024), model.dropout and model.norm_groups "
                       "(of ddpm-cifar10: 0.1 and 32).")
     p.add_argument("--out", type=Path, required=True, help="folder for norm_bench.json")

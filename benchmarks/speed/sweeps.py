@@ -1,10 +1,10 @@
 """Sweeps through the benchmark harness: training speed vs batch size, AMP x compile, and loader workers.
 
-    python -m benchmarks.sweeps --data data                         # all three (CUDA: ddpm-cifar10; CPU: tiny)
-    python -m benchmarks.sweeps --data data --sweep batch,workers --iters 30
-    python -m benchmarks.sweeps --sweep amp-compile --list           # the rows and their overrides; runs nothing
+    python -m benchmarks.speed.sweeps --data data                   # all three (CUDA: ddpm-cifar10; CPU: tiny)
+    python -m benchmarks.speed.sweeps --data data --sweep batch,workers --iters 30
+    python -m benchmarks.speed.sweeps --sweep amp-compile --list     # the rows and their overrides; runs nothing
 
-Each sweep is a row table (`sweep-batch`, `sweep-amp-compile`, `sweep-workers`) run by benchmarks.runner as bench
+Each sweep is a row table (`sweep-batch`, `sweep-amp-compile`, `sweep-workers`) run by benchmarks.speed.runner as bench
 runs its tables: every row in a fresh process, warm-up, CUDA-event timing with the data wait inside, JSON + Markdown
 + bar chart in benchmarks/results/<card>/. On top of that this module draws the sweep as a curve
 (<name>-curve.png): x = the swept setting, y = images/s, with peak memory or the data-wait share beneath.
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.common import BenchError, commit_text
-from benchmarks.rows import Row, merge, resolve_rows
-from benchmarks.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
+from benchmarks.speed.rows import Row, merge, resolve_rows
+from benchmarks.speed.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser, fail
 from ffcv_ddpm.unet import PRESETS
 
@@ -145,7 +145,7 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = Parser(prog="python -m benchmarks.sweeps", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.sweeps", doc=__doc__, overrides=True,
                epilog="The overrides apply to every row, after the swept setting.")
     p.add_argument("--sweep", default="all", help=f"comma-separated: {', '.join(SWEEPS)}, or all")
     p.add_argument("--preset", choices=list(PRESETS),
@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             print(f"\nsweeps: {table} ({preset})", flush=True)
             stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
-            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.sweeps", name=stem,
-                                        note=NOTE)
+            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.speed.sweeps",
+                                        name=stem, note=NOTE)
             rc = max(rc, code)
             result = json.loads(json_path.read_text())
             png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))

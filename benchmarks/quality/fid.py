@@ -1,10 +1,10 @@
 """`make fid`: FID of a trained run's samples (or of an image set) against a dataset, with pytorch-fid's Inception.
 
-    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run runs/00000-ddpm-cifar10 --n 50000
-    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run RUN --sampler ddpm --raw   # 1000 steps, no EMA
-    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run VE_RUN --sampler ode      # a VE run: em/pc/ode
-    python -m benchmarks.fid --data data/cifar10_train_raw.beton --run RUN train.precision=fp32  # sample in fp32
-    python -m benchmarks.fid --data data/cifar10_train_raw.beton --images data/cifar10_test_raw.beton
+    python -m benchmarks.quality.fid --data data/cifar10_train_raw.beton --run runs/00000-ddpm-cifar10 --n 50000
+    python -m benchmarks.quality.fid --data data/cifar10_train_raw.beton --run RUN --sampler ddpm --raw  # no EMA
+    python -m benchmarks.quality.fid --data data/cifar10_train_raw.beton --run VE_RUN --sampler ode  # VE: em/pc/ode
+    python -m benchmarks.quality.fid --data data/cifar10_train_raw.beton --run RUN train.precision=fp32  # in fp32
+    python -m benchmarks.quality.fid --data data/cifar10_train_raw.beton --images data/cifar10_test_raw.beton
     make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
 
 Weights: pt_inception-2015-12-05-6726825d.pth in the torch hub cache ($TORCH_HOME/hub/checkpoints/, where
@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from ffcv_ddpm.sde_sampling import DDPM_SAMPLERS, SDE_SAMPLERS
 
     count = option(int, at_least(1))
-    p = Parser(prog="python -m benchmarks.fid", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.quality.fid", doc=__doc__, overrides=True,
                epilog="The overrides change the run's config for sampling (e.g. train.precision=fp32, "
                       "model.attn_impl=math); fields that change the network's shape or process are refused.")
     p.add_argument("--data", type=Path, required=True,
@@ -164,7 +164,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.study import run_study
+    from benchmarks.quality.study import run_study
     from ffcv_ddpm.step import resolve_device
 
     argv = sys.argv[1:] if argv is None else argv
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         result = score(args, device, stop)
         stop.phase = "stopping"  # scored: the files are written whatever comes
-        result["command"] = "python -m benchmarks.fid " + " ".join(argv)
+        result["command"] = "python -m benchmarks.quality.fid " + " ".join(argv)
         out = args.out or results_dir(result["device"] if device.type == "cuda" else None)
         out.mkdir(parents=True, exist_ok=True)
         json_path = out / f"fid-{result['name']}.json"

@@ -1,12 +1,12 @@
 """`make profile`: where a training step's time goes (torch.profiler), and what it costs in power (NVML).
 
-    python -m benchmarks.profile --preset ddpm-cifar10 --data data                       # bf16 + compile (defaults)
-    python -m benchmarks.profile --preset ddpm-cifar10 --data data train.compile=False --out /tmp/eager
-    python -m benchmarks.profile --preset tiny --data data data.batch_size=16 --iters 2   # CPU: CPU activities only
-    torchrun --standalone --nproc_per_node 4 -m benchmarks.profile --data data --out /tmp/ddp4   # rank 0 of DDP
-    python -m benchmarks.profile --from-trace benchmarks/results/h200/profile-ddpm-cifar10/trace.json.gz   # no GPU
+    python -m benchmarks.speed.profile --preset ddpm-cifar10 --data data  # bf16 + compile (defaults)
+    python -m benchmarks.speed.profile --preset ddpm-cifar10 --data data train.compile=False --out /tmp/eager
+    python -m benchmarks.speed.profile --preset tiny --data data data.batch_size=16 --iters 2  # CPU: CPU activities
+    torchrun --standalone --nproc_per_node 4 -m benchmarks.speed.profile --data data --out /tmp/ddp4   # rank 0 of DDP
+    python -m benchmarks.speed.profile --from-trace benchmarks/results/h200/profile-ddpm-cifar10/trace.json.gz  # no GPU
 
-One process: build the trainer and loader (as benchmarks.bench does), run `--warmup` steps (the first compiles;
+One process: build the trainer and loader (as benchmarks.speed.bench does), run `--warmup` steps (the first compiles;
 none of it is profiled), then torch.profiler over `--iters` steady-state iterations (schedule: 1 wait, 1 warm-up,
 `--iters` active; CPU + CUDA activities, no shapes or stacks). Then the telemetry run: `--telemetry-rounds` rounds
 of `--telemetry-iters` iterations without and with GpuTelemetry sampling, alternating which goes first, each timed
@@ -22,7 +22,7 @@ Writes to benchmarks/results/<card>/profile-<preset>/ (or --out):
 - telemetry.jsonl/.png    the NVML samples of the telemetry run (CUDA only)
 - profile.md              all of the above on one page;  summary.json  every figure + environment + config
 
-The analysis of the trace (op classes, tables, charts; also --from-trace) is benchmarks.profile_analysis; this
+The analysis of the trace (op classes, tables, charts; also --from-trace) is benchmarks.speed.profile_analysis; this
 module runs the GPU.
 """
 
@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 
 from benchmarks.common import DATA_HELP, BenchError, commit_text, ensure_dataset, results_dir, write_json
-from benchmarks.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
+from benchmarks.speed.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                          reanalyse, top_ops_lines)
 from ffcv_ddpm.checks import Parser, fail
 
@@ -166,7 +166,7 @@ def telemetry_lines(t: dict) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = Parser(prog="python -m benchmarks.profile", doc=__doc__, overrides=True)
+    p = Parser(prog="python -m benchmarks.speed.profile", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
     p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--iters", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
         files.update(telemetry="telemetry.jsonl", telemetry_plot="telemetry.png")
     summary = {
         "schema": 1,
-        "command": ["python", "-m", "benchmarks.profile", *argv],
+        "command": ["python", "-m", "benchmarks.speed.profile", *argv],
         "environment": env,
         "device_name": device_name,
         "config": cfg.to_dict(),

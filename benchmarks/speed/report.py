@@ -1,6 +1,6 @@
 """Turn a benchmark JSON into its Markdown table and PNG chart; every derived figure is recomputed from raw ones.
 
-    python -m benchmarks.report benchmarks/results/h100-sxm/small.json     # writes small.md and small.png beside it
+    python -m benchmarks.speed.report benchmarks/results/h100-sxm/small.json   # writes small.md and small.png beside it
 
 Metrics are computed here, not in the timing loop, so a committed JSON can be re-rendered (or a formula fixed)
 without rerunning the GPU. Definitions (also in benchmarks/README.md):
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import commit_text, md_table
-from benchmarks.peaks import lookup_peak
+from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 
 # The published table: the README of github.com/kimbochen/ddpm, section "Optimization Techniques" (read at its commit
@@ -132,7 +132,7 @@ def _header(result: dict) -> list[str]:
     if not ds:
         data_line = "none (sampling rows only: random weights, no data read)"
     sources = result.get("sources")
-    if sources:  # a merged file (benchmarks.merge): each part's commit, date and command
+    if sources:  # a merged file (benchmarks.speed.merge): each part's commit, date and command
         runs = [f"- Part {i}: `{src['file']}`: commit {commit_text(src['environment'])}, torch "
                 f"{src['environment'].get('torch')}, {src['environment'].get('date_utc')}, {len(src['rows'])} row(s), "
                 f"{src['sampling']} sampling row(s)" + (f", {src['settings']['warmup']} warm-up + "
@@ -382,15 +382,15 @@ def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.report", doc=__doc__, epilog=SINGLE_FILE_HELP)
-    p.add_argument("json", type=Path, help="a result file written by benchmarks.bench")
+    p = Parser(prog="python -m benchmarks.speed.report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p.add_argument("json", type=Path, help="a result file written by benchmarks.speed.bench")
     args = p.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())
     except (OSError, json.JSONDecodeError) as e:
         return fail("report", f"cannot read {args.json}: {e}")
     if not isinstance(result, dict) or "rows" not in result or "environment" not in result:
-        return fail("report", f"{args.json} is not a benchmarks.bench result (no 'rows'/'environment')")
+        return fail("report", f"{args.json} is not a benchmarks.speed.bench result (no 'rows'/'environment')")
     md, png = write_reports(result, args.json)
     print(f"report: wrote {md} and {png}")
     return 0

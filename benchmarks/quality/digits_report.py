@@ -1,8 +1,8 @@
 """The digits quality report from its JSON: Markdown, the metric plot, and the per-class sample grids.
 
-    python -m benchmarks.quality_report benchmarks/results/h100/quality-digits/quality.json   # re-render .md + .png
+    python -m benchmarks.quality.digits_report benchmarks/results/h100/quality-digits/quality.json  # .md + .png again
 
-Pure rendering: benchmarks.quality measures and calls write_report after every phase and row.
+Pure rendering: benchmarks.quality.digits measures and calls write_report after every phase and row.
 """
 
 from __future__ import annotations
@@ -193,17 +193,17 @@ def write_report(result: dict, out: Path, images: dict | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.quality_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
-    p.add_argument("json", type=Path, help="a quality.json written by benchmarks.quality")
+    p = Parser(prog="python -m benchmarks.quality.digits_report", doc=__doc__, epilog=SINGLE_FILE_HELP)
+    p.add_argument("json", type=Path, help="a quality.json written by benchmarks.quality.digits")
     args = p.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())
         md = render_markdown(result)
     except (OSError, ValueError, KeyError) as e:
-        return fail("quality_report", f"{args.json} is not a benchmarks.quality result ({e})")
+        return fail("quality_report", f"{args.json} is not a benchmarks.quality.digits result ({e})")
     args.json.with_suffix(".md").write_text(md)
     plot(result, args.json.with_suffix(".png"))
-    print(f"quality_report: wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
+    print(f"digits_report: wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
     return 0
 
 

@@ -1,10 +1,10 @@
 """`make bench-ddp`: images/s and MFU per GPU of the real trainer under torchrun on 1, 2, 4 GPUs of one host.
 
-    python -m benchmarks.ddp --data data                          # ddpm-cifar10, bf16, compile, batch 512 per GPU
-    python -m benchmarks.ddp --data data --gpus 1,2 --mode global # global batch fixed instead of per-GPU batch
-    python -m benchmarks.ddp --data data --gpus 1,4 --mode per-gpu --control --allreduce \
-        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant one-graph:train.ddp_split=False  # where time goes
-    python -m benchmarks.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
+    python -m benchmarks.speed.ddp --data data  # ddpm-cifar10, bf16, compile, batch 512 per GPU
+    python -m benchmarks.speed.ddp --data data --gpus 1,2 --mode global   # global batch fixed instead of per-GPU batch
+    python -m benchmarks.speed.ddp --data data --gpus 1,4 --mode per-gpu --control --allreduce \
+        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant one-graph:train.ddp_split=False   # where time goes
+    python -m benchmarks.speed.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
 
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
 FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as FFCV workers. Throughput and data
@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
-from benchmarks.flops import train_flops_per_image
-from benchmarks.peaks import lookup_peak
+from benchmarks.speed.flops import train_flops_per_image
+from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
@@ -203,7 +203,7 @@ def loss_check(points: list[dict], control: dict) -> dict:
     """Each N-process curve against the one-process curve of the same global batch (numerics.check's statistic:
     the largest moving average of loss(N) / loss(1) - 1 after the first 10% of steps), with the random-draws
     control's value of that statistic x LOSS_MARGIN as the tolerance."""
-    from benchmarks.numerics import check
+    from benchmarks.speed.numerics import check
 
     one = next(p for p in points if p["nproc"] == 1)
     if "error" in one or "error" in control:
@@ -301,7 +301,7 @@ def render(result: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.ddp", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.ddp", doc=__doc__, overrides=True,
                epilog="The overrides go to every trainer process. data.batch_size (default here 512) is the batch per "
                       "GPU in per-gpu mode and the global batch, split among the processes, in global mode.")
     p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = lookup_peak(device_name, cfg.train.precision).tflops if device_name else None
     modes = {"per-gpu": ["per-GPU"], "global": ["global"], "both": ["per-GPU", "global"]}[args.mode]
     result = {"preset": args.preset, "device_name": device_name, "precision": cfg.train.precision,
-              "command": "python -m benchmarks.ddp " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m benchmarks.speed.ddp " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
               "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
               "points": {}}

@@ -1,11 +1,11 @@
 """The trainer's own speed beside the benchmark row of the same settings: its stats.jsonl against bench's timing.
 
-    python -m benchmarks.trainer_vs_bench --data data data.batch_size=1024        # the trainer's defaults, batch 1024
-    python -m benchmarks.trainer_vs_bench --data data data.batch_size=1024 data.loader=gpu --steps 300
-    python -m benchmarks.trainer_vs_bench --data data --preset tiny --steps 6 --log-every 2 --iters 3 train.device=cpu
+    python -m benchmarks.speed.trainer_vs_bench --data data data.batch_size=1024   # the trainer's defaults, batch 1024
+    python -m benchmarks.speed.trainer_vs_bench --data data data.batch_size=1024 data.loader=gpu --steps 300
+    python -m benchmarks.speed.trainer_vs_bench --data data --preset tiny --steps 6 --log-every 2 --iters 3 train.device=cpu
 
 One config, load_config(--preset, KEY=VALUE overrides), run twice on the same card, one process after the other:
-first as a benchmark row (benchmarks.jobs, as `make bench` runs it: the first step, --warmup steps, --iters timed
+first as a benchmark row (benchmarks.speed.jobs, as `make bench` runs it: the first step, --warmup steps, --iters timed
 steps), then by `python -m ffcv_ddpm.train` for --steps steps logged every --log-every (no sample grids; its one
 checkpoint, at the end, falls outside every timed interval). The row compiles first, so the trainer loads the same
 graph from the compile cache. Compared: img/s (images over timed seconds, both ways: the trainer's over its log
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     compile_cache()  # the row compiles into it, the trainer loads from it
     argv = sys.argv[1:] if argv is None else argv
-    p = Parser(prog="python -m benchmarks.trainer_vs_bench", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.speed.trainer_vs_bench", doc=__doc__, overrides=True,
                epilog="The overrides apply to both runs (the trainer's defaults without any).")
     p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
-    from benchmarks.report import row_metrics
-    from benchmarks.rows import Row
-    from benchmarks.runner import cuda_available, environment, flops_of, spawn
+    from benchmarks.speed.report import row_metrics
+    from benchmarks.speed.rows import Row
+    from benchmarks.speed.runner import cuda_available, environment, flops_of, spawn
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.data import dataset_info
     from ffcv_ddpm.train import read_stats
@@ -164,7 +164,7 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
                 shutil.copy2(run_dir / name, kept / name)
     trainer = trainer_figures(stats, batch)
     result = {
-        "schema": 1, "command": ["python", "-m", "benchmarks.trainer_vs_bench", *argv], "environment": env,
+        "schema": 1, "command": ["python", "-m", "benchmarks.speed.trainer_vs_bench", *argv], "environment": env,
         "device_name": gpu, "preset": args.preset, "overrides": overrides, "batch_size": batch,
         "dataset": f"{beton}" + (" (SYNTHETIC)" if built or dataset_info(beton)["synthetic"] else ""),
         "steps": args.steps, "log_every": args.log_every, "iters": args.iters, "warmup": args.warmup,

@@ -1,7 +1,7 @@
-"""The parent side of a benchmark table: each row in a fresh process (benchmarks.jobs), the JSON rewritten after each.
+"""The parent side of a benchmark table: each row in a fresh process (jobs.py), the JSON rewritten after each.
 
     add_options(parser)                                      # the options bench and sweeps share
-    rc, path = run_table(rows, "quick", args, overrides, argv)   # rows from benchmarks.rows; writes JSON, .md, .png
+    rc, path = run_table(rows, "quick", args, overrides, argv)   # rows from rows.py; writes JSON, .md, .png
 
 Why a fresh process per row: every row then starts from the same state -- an empty CUDA caching allocator (so peak
 memory and "largest batch that fits" are the row's own), no compiled graphs or autotuning caches from earlier rows,
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import DATA_HELP, PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
-from benchmarks.rows import BATCH_LADDER, Row, row_overrides
+from benchmarks.speed.rows import BATCH_LADDER, Row, row_overrides
 from ffcv_ddpm.checks import above, at_least, choice_list, matches, option
 
 # The sampling rows' modes: the eager model, then ffcv_ddpm.sampling's compile modes ("off" is spelled eager here).
@@ -114,7 +114,7 @@ def check_overrides(rows: list[Row], overrides: list[str]) -> None:
 def flops_of(row: Row, overrides: list[str]) -> dict:
     """FLOPs per image of the row's own model config (its overrides, then the command's): FlopCounterMode's count and
     the published table's; flops.py caches them per config."""
-    from benchmarks.flops import published_style_flops_per_image, train_flops_per_image
+    from benchmarks.speed.flops import published_style_flops_per_image, train_flops_per_image
     from ffcv_ddpm.config import load_config
 
     model = load_config(row.preset, [*row.overrides, *overrides]).model
@@ -122,12 +122,12 @@ def flops_of(row: Row, overrides: list[str]) -> dict:
 
 
 def spawn(kind: str, spec: dict, timeout: float) -> dict:
-    """Run one job of benchmarks.jobs in a fresh Python process; its output streams through, its result comes back
+    """Run one job of benchmarks.speed.jobs in a fresh Python process; its output streams through, its result comes back
     as JSON."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = [sys.executable, "-m", "benchmarks.jobs", kind, str(spec_path), str(result_path)]
+        cmd = [sys.executable, "-m", "benchmarks.speed.jobs", kind, str(spec_path), str(result_path)]
         try:
             proc = subprocess.run(cmd, cwd=REPO, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -148,7 +148,7 @@ def environment(cuda: bool) -> tuple[dict, str | None]:
 
 
 def _summary_line(raw: dict, flops: dict, device_name: str | None) -> str:
-    from benchmarks.report import row_metrics
+    from benchmarks.speed.report import row_metrics
 
     m = row_metrics({"raw": raw}, flops, device_name, None)
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else m["peak_note"]
@@ -164,7 +164,7 @@ def sampling_presets(args: argparse.Namespace, cuda: bool, table_presets: list[s
 def run_sampling_rows(result: dict, json_path: Path, args: argparse.Namespace, cuda: bool, presets: list[str],
                       overrides: list[str]) -> None:
     """The sampling rows: per model (its config with the command's overrides), each mode in a fresh process
-    (benchmarks.jobs.run_sampling), eager first so that every compiled row has its eager figure from the same run
+    (benchmarks.speed.jobs.run_sampling), eager first so that every compiled row has its eager figure from the same run
     and card; the JSON is rewritten after each."""
     modes = args.sample_modes or (["eager", "default", "reduce-overhead"] if cuda else ["eager", "default"])
     n = args.sample_n or (256 if cuda else 4)
@@ -189,18 +189,19 @@ def run_sampling_rows(result: dict, json_path: Path, args: argparse.Namespace, c
 
 def save(result: dict, json_path: Path) -> None:
     """The JSON and its Markdown + PNG as they stand (a call cut short keeps a readable report, too)."""
-    from benchmarks.report import write_reports
+    from benchmarks.speed.report import write_reports
 
     write_json(json_path, result)
     write_reports(result, json_path)
 
 
 def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: list[str], argv: list[str],
-              command: str = "benchmarks.bench", name: str | None = None, note: str | None = None) -> tuple[int, Path]:
+              command: str = "benchmarks.speed.bench", name: str | None = None,
+              note: str | None = None) -> tuple[int, Path]:
     """Runs `rows` (each in its own process, the command's `overrides` after each row's) and writes
     <out>/<name or table>.json, .md, .png; returns (exit status: 1 if any row failed, the JSON's path). `note`: a
     line for the report's header (what the rows start from)."""
-    from benchmarks.report import add_metrics, terminal_table, write_reports
+    from benchmarks.speed.report import add_metrics, terminal_table, write_reports
     from ffcv_ddpm.data import dataset_info
 
     cuda = cuda_available()
@@ -236,7 +237,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
         data_overrides = (f"data.path={beton}",)
 
     # ---- FLOPs per image of each row's own model config (meta device, no GPU; counted once per config) -------------
-    from benchmarks.peaks import card_slug
+    from benchmarks.speed.peaks import card_slug
 
     row_flops = [flops_of(row, overrides) for row in rows]
     flops = {}  # per preset, its first row's count: the report's header and the published table's recount
@@ -283,7 +284,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     for i, (row, row_f) in enumerate(zip(rows, row_flops), 1):
         row_over = [*row_overrides(row, data_overrides, data_dir), *overrides]
         # The command's own overrides are part of what the row ran: named in it, so that a table merged from several
-        # calls (benchmarks.merge) cannot mistake a row with a switch for the row without it.
+        # calls (benchmarks.speed.merge) cannot mistake a row with a switch for the row without it.
         entry = {"name": row.name + (f" [{' '.join(overrides)}]" if overrides else ""), "group": row.preset,
                  "preset": row.preset, "baseline": row.baseline, "overrides": row_over, "batch_rule": row.batch,
                  "flops": row_f, "status": None, "raw": None}

@@ -1,10 +1,10 @@
-"""What a benchmark row's fresh process runs: one job, its result written as JSON for the parent (benchmarks.runner).
+"""What a benchmark row's fresh process runs: one job, its result written as JSON for the parent (runner.py).
 
-    python -m benchmarks.jobs row SPEC.json RESULT.json     # internal: started by runner.spawn, not by hand
+    python -m benchmarks.speed.jobs row SPEC.json RESULT.json     # internal: started by runner.spawn, not by hand
 
 Jobs: `row` (build the trainer and loader, first step, warm-up, timed iterations), `probe` (the largest batch that
 fits), `peaks` (matmul TFLOP/s per precision), `sampling` (DDIM and DDPM images/s), `env` (the environment, read
-in a child so that the parent never creates a CUDA context). Each returns raw figures only; benchmarks.report
+in a child so that the parent never creates a CUDA context). Each returns raw figures only; benchmarks.speed.report
 derives the metrics.
 """
 
@@ -17,7 +17,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-from benchmarks.rows import BATCH_LADDER
+from benchmarks.speed.rows import BATCH_LADDER
 
 
 def _sdpa_backend(model, cfg, device) -> str:
@@ -54,7 +54,7 @@ def _tf32_flags() -> dict:
 
 
 def run_row(spec: dict) -> dict:
-    """Build, warm up, time. Returns the raw figures; no derived metrics (benchmarks.report computes those)."""
+    """Build, warm up, time. Returns the raw figures; no derived metrics (benchmarks.speed.report computes those)."""
     import torch
 
     from ffcv_ddpm.config import load_config
@@ -175,7 +175,7 @@ def probe_batch(spec: dict) -> dict:
 
 
 def measure_peaks(_spec: dict) -> dict:
-    from benchmarks.peaks import PRECISIONS, measure_peak
+    from benchmarks.speed.peaks import PRECISIONS, measure_peak
 
     return {p: measure_peak(p) for p in PRECISIONS}
 
@@ -190,7 +190,7 @@ def run_sampling(spec: dict) -> list[dict]:
     records how far its images are from those, in uint8 levels: the compiled sampler must draw the same images."""
     import torch
 
-    from benchmarks.flops import train_flops_per_image
+    from benchmarks.speed.flops import train_flops_per_image
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.diffusion import GaussianDiffusion
     from ffcv_ddpm.sampling import compile_denoiser
@@ -278,6 +278,6 @@ def worker_main(kind: str, spec_path: str, result_path: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] not in WORKERS:
-        sys.exit(f"usage: python -m benchmarks.jobs {{{','.join(WORKERS)}}} SPEC.json RESULT.json (started by "
-                 "benchmarks.runner)")
+        sys.exit(f"usage: python -m benchmarks.speed.jobs {{{','.join(WORKERS)}}} SPEC.json RESULT.json (started by "
+                 "benchmarks.speed.runner)")
     sys.exit(worker_main(*sys.argv[1:4]))

@@ -92,7 +92,7 @@ def lookup_peak(device_name: str | None, precision: str, tf32_matmul: bool = Fal
         known = ", ".join(c.label for c in CARDS)
         return Peak(
             None, column, None, f"unknown card {device_name!r}: no dense peak on file (known: {known}); "
-            "add it to benchmarks/peaks.py CARDS or pass --measure-peak"
+            "add it to benchmarks/speed/peaks.py CARDS or pass --measure-peak"
         )
     if card.tflops.get(column) is None and column == "tf32" and precision == "fp32":
         column, why = "fp32", " (no TF32 tensor cores on this card: TF32 flags are no-ops)"

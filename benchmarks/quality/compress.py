@@ -1,16 +1,16 @@
 """`make compress`: how small and how fast can the model get before its samples degrade? Pruning, grouped and
 depthwise-separable convolutions and int8 side by side: size, speed and quality in one table.
 
-    python -m benchmarks.compress --out benchmarks/results/h100/compress      # trains the dense digits model first
-    python -m benchmarks.compress runs/00007-digits-quality --out DIR         # or studies a trained run folder
-    python -m benchmarks.compress --data /tmp/d --out /tmp/c --preset tiny --steps 4 ...   # CPU toy (tests)
+    python -m benchmarks.quality.compress --out benchmarks/results/h100/compress  # trains the dense digits model first
+    python -m benchmarks.quality.compress runs/00007-digits-quality --out DIR     # or studies a trained run folder
+    python -m benchmarks.quality.compress --data /tmp/d --out /tmp/c --preset tiny --steps 4 ...   # CPU toy (tests)
 
 In this order (the report is rewritten after every row; a row whose estimated time would end past --budget-s is
 recorded as skipped, with the estimate; a row that fails is recorded with its error and the study goes on):
 1. the dense model: RUN_DIR's newest checkpoint (EMA weights; KEY=VALUE overrides applied before its network is
    built, and one that changes its shape refused), or trained here exactly as `make quality` trains it (the `digits`
-   preset, benchmarks.quality's settings, --steps 4000, bf16, torch.compile on a GPU), so that it has learned: the
-   report says whether it passed the quality bar (>= 90% conditional accuracy) and says so plainly when it did not;
+   preset, benchmarks.quality.digits's settings, --steps 4000, bf16, torch.compile on a GPU), so that it has learned:
+   the report says whether it passed the quality bar (>= 90% conditional accuracy) and says so plainly when it did not;
    the judge (ffcv_ddpm.quality): --judge, RUN_DIR's train.eval_judge, or trained here on the digits with the rows'
    sample count held out for the floor; without one, speed and size only;
 2. the rows, in rounds so that every family runs before any family's second row (rank in variants()):
@@ -45,8 +45,8 @@ skipped). The sizes chosen to fit that call: --reps 2 (512 samples per row), --s
 4000), --ft-steps 50, random-pruning rows not fine-tuned. The int8 rows need torchao (requirements.txt: 0.18.0,
 `pip install --no-deps`); without it they are recorded as failed, saying so.
 
-SIGTERM/SIGINT stop the whole command (benchmarks.study): the report keeps what was measured, a training run that
-was cut short is removed, exit 128 + signal.
+SIGTERM/SIGINT stop the whole command (benchmarks.quality.study): the report keeps what was measured, a training run
+that was cut short is removed, exit 128 + signal.
 """
 
 from __future__ import annotations
@@ -67,21 +67,20 @@ from typing import Callable
 import torch
 from torch import nn
 
-from benchmarks.compress_report import BASELINE, FAMILIES, SCRATCH_REFERENCE, by_model, findings, write_report
+from benchmarks.quality.compress_report import BASELINE, FAMILIES, SCRATCH_REFERENCE, by_model, findings, write_report
 from ffcv_ddpm.checks import Parser, Rule, above, at_least, float_list, in_range, matches, one_of, option, str_list
 from ffcv_ddpm.timing import timed_call
 
-REPO = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 10  # training steps left out of a step-time median (cuDNN's algorithm search, the allocator)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Every option checked, and the config the study will use built from the overrides, before anything runs."""
-    from benchmarks.quality import TRAIN_DEFAULTS
+    from benchmarks.quality.digits import TRAIN_DEFAULTS
     from ffcv_ddpm.unet import PRESETS
 
     count = option(int, at_least(1))
-    p = Parser(prog="python -m benchmarks.compress", doc=__doc__, overrides=True,
+    p = Parser(prog="python -m benchmarks.quality.compress", doc=__doc__, overrides=True,
                epilog="Without RUN_DIR the overrides go to the dense model's training after the digits quality "
                       f"run's settings ({' '.join(TRAIN_DEFAULTS)}); with RUN_DIR they change the run's config "
                       "before its network is built (e.g. train.device=cpu, model.attn_impl=math; one that changes "
@@ -139,8 +138,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def study_config(args):
     """The dense run's config the study works with: RUN_DIR's config.json with the overrides, or the config of the
-    digits model trained here (benchmarks.quality's, evaluating nothing while it trains: the judge is the study's)."""
-    from benchmarks.quality import train_config
+    digits model trained here (benchmarks.quality.digits's, evaluating nothing while it trains: the judge is the
+    study's)."""
+    from benchmarks.quality.digits import train_config
     from ffcv_ddpm.config import RunConfig, apply_override, check_config
 
     if args.run_dir is not None:
@@ -232,7 +232,7 @@ class Study:
     row_s: dict = field(default_factory=dict)  # (model, family, fine_tune) -> seconds the last such row took
     train_step_s: float = 0.0  # the dense model's eager training step (the unit of the time estimates)
     sampler: str = "ddim"  # the process's default sampler (evaluate.default_sampler): every row's
-    stop: object = None  # the command's benchmarks.study.StudyStop (training runs inside the study)
+    stop: object = None  # the command's benchmarks.quality.study.StudyStop (training runs inside the study)
     scratch_ms: float | None = None  # the eager step time of the last model trained from scratch
     gflops: dict = field(default_factory=dict)  # parameter shapes -> forward GFLOP/img (counting costs ~1 s)
 
@@ -387,7 +387,7 @@ def random_model(study: Study, cfg) -> nn.Module:
 def train_scratch(study: Study, override: dict, steps: int) -> nn.Module:
     """The dense run's training (config, data, seed) with other res-block convs (or none: the reference), from
     scratch, eagerly, for `steps` steps; the raw weights (eval mode). Its step time goes to study.scratch_ms."""
-    from benchmarks.study import train_run
+    from benchmarks.quality.study import train_run
     from ffcv_ddpm.train import read_stats
     from ffcv_ddpm.evaluate import load_run
 
@@ -407,8 +407,8 @@ def train_scratch(study: Study, override: dict, steps: int) -> nn.Module:
 
 def dense_run(args, stop) -> tuple:
     """(run config, EMA model, process, run info) of RUN_DIR, or of the digits model trained here."""
-    from benchmarks.quality import ensure_digits
-    from benchmarks.study import train_run
+    from benchmarks.quality.digits import ensure_digits
+    from benchmarks.quality.study import train_run
     from ffcv_ddpm.train import read_stats
     from ffcv_ddpm.evaluate import load_run
     from ffcv_ddpm.step import resolve_device
@@ -460,8 +460,8 @@ def load_or_train_judge(args, cfg, device, n: int) -> tuple:
 
 
 def run(args, argv: list[str], t_start: float, stop) -> dict:
-    from benchmarks.peaks import card_slug
-    from benchmarks.study import saved_when_stopped
+    from benchmarks.common import results_dir
+    from benchmarks.quality.study import saved_when_stopped
     from ffcv_ddpm import compress, quality
     from ffcv_ddpm.env import environment
     from ffcv_ddpm.evaluate import default_sampler
@@ -472,14 +472,14 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every row: each conv shape's fastest algorithm (warm-up call pays)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    out = args.out or REPO / "benchmarks" / "results" / card_slug(card) / "compress"
+    out = args.out or results_dir(card) / "compress"
     try:
         torchao_version = compress.import_torchao().__version__
     except ImportError:
         torchao_version = None
     study = Study(args, device, cfg, dense, diffusion, AMP_DTYPES[cfg.train.precision] if device.type == "cuda"
                   else None, sampler=default_sampler(diffusion), stop=stop)
-    result = {"command": "python -m benchmarks.compress " + " ".join(argv), "device": card or "CPU",
+    result = {"command": "python -m benchmarks.quality.compress " + " ".join(argv), "device": card or "CPU",
               "environment": {**environment(), "torchao": torchao_version}, "budget_s": args.budget_s,
               "complete": False, "model": cfg.preset, "dense": {**dense_info, "config": cfg.to_dict()},
               "sampler": study.sampler,
@@ -561,7 +561,7 @@ def _summary(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.study import run_study
+    from benchmarks.quality.study import run_study
 
     t_start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
