@@ -1,7 +1,7 @@
-"""What every benchmark shares: the dataset's file names, a synthetic dataset when none is there, the results
-folder, atomic JSON files, Markdown tables and the commit line of a report. What both rooms (benchmarks.speed,
-benchmarks.quality) need lives here; what only one room shares stays in it (speed: rows, runner, report, flops,
-peaks; quality: study).
+"""What every benchmark shares: the dataset's file names, a synthetic dataset when none is there, the results folder,
+atomic JSON, Markdown and PNG files, Markdown tables and the commit line of a report. What both rooms (benchmarks.speed,
+benchmarks.quality) need lives here; what only one room shares stays in it (speed: rows, runner, report, flops, peaks;
+quality: study).
 """
 
 from __future__ import annotations
@@ -65,11 +65,35 @@ def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
     return beton, True
 
 
-def write_json(path: Path, obj, indent: int = 1) -> None:
+def write_text(path: Path, text: str) -> None:
     """The whole file or nothing (a temp name, fsync, rename): a run stopped mid-write keeps the previous file."""
     with Staged() as staged:
-        staged.path(path).write_text(json.dumps(obj, indent=indent, default=str) + "\n")
+        staged.path(path).write_text(text)
         staged.commit()
+
+
+def write_json(path: Path, obj, indent: int = 1) -> None:
+    write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files only (the Agg backend: no display on a GPU machine), imported on first use
+    so that a command that draws nothing never pays for it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int) -> Path:
+    """`fig` as a PNG at `path`, whole or not at all (as write_text), then closed."""
+    with Staged() as staged:
+        fig.savefig(staged.path(path), dpi=dpi, format="png")
+        staged.commit()
+    pyplot().close(fig)
+    return path
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> list[str]:

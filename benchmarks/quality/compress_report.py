@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.common import pyplot, save_figure, write_json, write_text
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
-from tools.atomic import Staged, write_json
 
 FAMILIES = ("reference", "int8", "unstructured", "structured", "architecture")
 BASELINE = "dense (baseline)"
@@ -178,25 +178,10 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    with Staged() as staged:
-        fig.savefig(staged.path(path), dpi=110, format="png")
-        staged.commit()
-
-
 def plot_quality(result: dict, path: Path) -> None:
     """FD-digits and conditional accuracy against checkpoint MB and latency: one colour per family, hollow markers
     as pruned, filled after fine-tuning."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in result["rows"] if r.get("status") == "ok" and r.get("fd_digits") is not None]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     for (metric, ylabel), ax_row in zip([("fd_digits", "FD-digits to the test set (lower is better)"),
@@ -219,13 +204,12 @@ def plot_quality(result: dict, path: Path) -> None:
     fig.suptitle(f"{result['model']}: quality vs size and latency, {result['device']}, commit "
                  f"{(result['environment'].get('commit') or '?')[:10]}", fontsize=9)
     fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def plot_latency(result: dict, path: Path) -> None:
     """Latency of every measured variant, one panel per model, the dense baseline as a dashed line."""
-    plt = _pyplot()
+    plt = pyplot()
     models = {m: [r for r in ordered(rows) if r.get("status") == "ok"] for m, rows in by_model(result["rows"]).items()}
     models = {m: rows for m, rows in models.items() if rows}
     if not models:
@@ -243,17 +227,14 @@ def plot_latency(result: dict, path: Path) -> None:
             ax.axvline(base["latency_ms"], color="k", ls="--", lw=1)
         ax.set(xlabel="sampling call (ms; dashed: dense baseline)", title=model)
     fig.tight_layout()
-    _save(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def write_report(result: dict, out: Path, draw: bool = True) -> None:
     """compress.json and compress.md; with `draw` also compress.png and latency.png (all written atomically)."""
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "compress.json", result)
-    with Staged() as staged:
-        staged.path(out / "compress.md").write_text(render_markdown(result))
-        staged.commit()
+    write_json(out / "compress.json", result, indent=2)
+    write_text(out / "compress.md", render_markdown(result))
     if draw:
         plot_quality(result, out / "compress.png")
         plot_latency(result, out / "latency.png")

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit_text, write_json
+from benchmarks.common import commit_text, pyplot, save_figure, write_json, write_text
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
-from tools.atomic import Staged
 
 GRID_COLUMNS = 8  # samples per class in each grid
 TARGET_ACC = 0.90  # issue 14: conditional accuracy at the best setting
@@ -101,10 +100,7 @@ def render_markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """FD-digits and conditional accuracy per guidance weight (one line per weights + sampler), training curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax_fd, ax_acc, ax_tr) = plt.subplots(1, 3, figsize=(15, 4.2))
     groups: dict[str, list[dict]] = {}
@@ -140,10 +136,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"digits, {result['device']}, commit {commit_text(result['environment'])}",
                  fontsize=9)
     fig.tight_layout()
-    with Staged() as staged:
-        fig.savefig(staged.path(path), dpi=110, format="png")
-        staged.commit()
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def class_grid(images, labels, num_classes: int = 10, columns: int = GRID_COLUMNS) -> np.ndarray:
@@ -160,10 +153,7 @@ def class_grid(images, labels, num_classes: int = 10, columns: int = GRID_COLUMN
 
 def plot_grids(images: dict, path: Path) -> None:
     """One panel per setting: row c holds samples generated for class c."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(images), figsize=(2.6 * len(images), 3.4), squeeze=False)
     for ax, (title, (x, y)) in zip(axes[0], images.items()):
@@ -173,19 +163,14 @@ def plot_grids(images: dict, path: Path) -> None:
         ax.set_yticks(range(2 + 16, 10 * 34, 34), labels=[str(c) for c in range(10)], fontsize=7)
     fig.suptitle("rows: the class asked for (EMA weights, main DDIM sampler)", fontsize=9)
     fig.tight_layout()
-    with Staged() as staged:
-        fig.savefig(staged.path(path), dpi=110, format="png")
-        staged.commit()
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def write_report(result: dict, out: Path, images: dict | None = None) -> None:
     """quality.json and quality.md; with `images` also quality.png and samples.png (all written atomically)."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "quality.json", result, indent=2)
-    with Staged() as staged:
-        staged.path(out / "quality.md").write_text(render_markdown(result))
-        staged.commit()
+    write_text(out / "quality.md", render_markdown(result))
     if images is not None:
         plot(result, out / "quality.png")
         if images:
@@ -201,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         md = render_markdown(result)
     except (OSError, ValueError, KeyError) as e:
         return fail("quality_report", f"{args.json} is not a benchmarks.quality.digits result ({e})")
-    args.json.with_suffix(".md").write_text(md)
+    write_text(args.json.with_suffix(".md"), md)
     plot(result, args.json.with_suffix(".png"))
     print(f"digits_report: wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
     return 0

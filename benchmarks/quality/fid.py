@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
+from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json, write_text
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.checks import Parser, at_least, one_of, option
 from ffcv_ddpm.evaluate import check_sampler, class_labels, generate, load_run
-from tools.atomic import Staged
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -179,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         json_path = out / f"fid-{result['name']}.json"
         write_json(json_path, result, indent=2)
-        with Staged() as staged:
-            staged.path(json_path.with_suffix(".md")).write_text(render(result))
-            staged.commit()
+        write_text(json_path.with_suffix(".md"), render(result))
         print(f"fid: {result['fid']:.3f} ({result['network']}); wrote {json_path} and "
               f"{json_path.with_suffix('.md').name}" + "".join(f"\nfid: NOTE: {n}" for n in result["notes"]))
 

@@ -9,9 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.common import commit_text
+from benchmarks.common import commit_text, pyplot, save_figure, write_json, write_text
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
-from tools.atomic import Staged
 
 
 TARGET_ACC = 0.90  # issue 23: each model's best sampler reaches this conditional accuracy, or the report says not
@@ -99,10 +98,7 @@ def _pct(x) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -128,18 +124,13 @@ def plot(result: dict, path: Path) -> None:
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Quality vs NFE, {result['device']}", fontsize=10)
     fig.tight_layout()
-    with Staged() as staged:
-        fig.savefig(staged.path(path), format="png", dpi=120)
-        staged.commit()
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 def render(result: dict, json_path: Path) -> None:
     """JSON, Markdown and plot beside each other, each written atomically."""
-    with Staged() as staged:
-        staged.path(json_path).write_text(json.dumps(result, indent=1, default=str) + "\n")
-        staged.path(json_path.with_suffix(".md")).write_text(markdown(result))
-        staged.commit()
+    write_json(json_path, result)
+    write_text(json_path.with_suffix(".md"), markdown(result))
     if measured(result["rows"]):
         plot(result, json_path.with_suffix(".png"))
 

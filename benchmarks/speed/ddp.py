@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, results_dir, write_json
+from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, pyplot, results_dir,
+                               save_figure, write_json, write_text)
 from benchmarks.speed.flops import train_flops_per_image
 from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
@@ -277,11 +278,9 @@ def render(result: dict, out: Path) -> None:
         lines += [f"| {a['nproc']} | {dt} | {a[dt]['bytes'] / 1e6:.0f} | {a[dt]['ms_median']:.2f} | "
                   f"{a[dt]['bus_gb_per_s']:.0f} |" for a in result["allreduce"] for dt in ("fp32", "bf16")]
         lines.append("")
-    out.with_suffix(".md").write_text("\n".join(lines))
+    write_text(out.with_suffix(".md"), "\n".join(lines))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, points in result["points"].items():
         ok = [p for p in points if "error" not in p]
@@ -296,8 +295,7 @@ def render(result: dict, out: Path) -> None:
     ax.set_title(f"DDP scaling, {result['preset']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    plt.close(fig)
+    save_figure(fig, out.with_suffix(".png"), 120)
 
 
 def main(argv: list[str] | None = None) -> int:

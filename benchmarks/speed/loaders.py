@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json
+from benchmarks.common import DEVICE_HELP, commit_text, pyplot, results_dir, save_figure, write_json, write_text
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
 from ffcv_ddpm.env import environment
@@ -270,10 +270,7 @@ def render_markdown(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     counts = result["settings"]["workers"]
     fig, ax = plt.subplots(figsize=(9, 5.5))
@@ -295,15 +292,14 @@ def plot(result: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 def write_outputs(result: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "loaders.json", out / "loaders.md", out / "loaders.png"]
     write_json(paths[0], result, indent=2)
-    paths[1].write_text(render_markdown(result))
+    write_text(paths[1], render_markdown(result))
     plot(result, paths[2])
     return paths
 

@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, results_dir,
-                               write_json)
+from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, pyplot,
+                               results_dir, save_figure, write_json, write_text)
 from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, int_list, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
@@ -334,11 +334,9 @@ def render(result: dict, out: Path) -> None:
                             *(f"{t[k]:.0f}" if t[k] is not None else "-" for k in ("first_line_s", "last_line_s")),
                             f"{t['median_step_ms']:.1f}" if t["median_step_ms"] is not None else "-"]
                            for leg, t in timing.items()]) + [""]
-    out.with_suffix(".md").write_text("\n".join(lines))
+    write_text(out.with_suffix(".md"), "\n".join(lines))
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     steps = [s["step"] for s in ref["stats"]]
     fig, (ax, bx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     colors = {"reference": "C0", "candidate": "C1", "control": "C2"}  # one color per leg in both panels
@@ -363,8 +361,7 @@ def render(result: dict, out: Path) -> None:
     bx.set_xlabel("step")
     bx.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    plt.close(fig)
+    save_figure(fig, out.with_suffix(".png"), 120)
 
 
 def main(argv: list[str] | None = None) -> int:

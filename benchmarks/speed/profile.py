@@ -36,9 +36,10 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from benchmarks.common import DATA_HELP, BenchError, commit_text, ensure_dataset, results_dir, write_json
+from benchmarks.common import (DATA_HELP, BenchError, commit_text, ensure_dataset, results_dir, write_json,
+                               write_text)
 from benchmarks.speed.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
-                                         reanalyse, top_ops_lines)
+                                               reanalyse, top_ops_lines)
 from ffcv_ddpm.checks import Parser, fail
 
 TRACE_LIMIT_MB = 15  # above this a trace is awkward to commit and slow to open: fewer --iters
@@ -306,14 +307,14 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     write_json(out / "summary.json", summary)
     write_json(out / "top_ops.json", {"top_ops": a["top_ops"], "top_kernels": a["top_kernels"]})
     head = _header(summary)
-    (out / "top_ops.md").write_text("\n".join([f"# Top ops: {title}", "", *head, "", *top_ops_lines(a), ""]))
-    (out / "op_classes.md").write_text("\n".join([f"# Op classes: {title}", "", *head, "", *class_lines(a), ""]))
+    write_text(out / "top_ops.md", "\n".join([f"# Top ops: {title}", "", *head, "", *top_ops_lines(a), ""]))
+    write_text(out / "op_classes.md", "\n".join([f"# Op classes: {title}", "", *head, "", *class_lines(a), ""]))
     plot_top(a, out / "top_ops.png", title)
     plot_classes(a, out / "op_classes.png", title)
     pics = ["![top ops](top_ops.png)", "", "![op classes](op_classes.png)"]
     if "telemetry_plot" in files:
         pics += ["", "![telemetry](telemetry.png)"]
-    (out / "profile.md").write_text("\n".join([
+    write_text(out / "profile.md", "\n".join([
         f"# Profile: {title}", "", *head, "", *top_ops_lines(a), "", *class_lines(a), "", *telemetry_lines(tel), "",
         *pics, ""]))
 

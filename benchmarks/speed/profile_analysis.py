@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import md_table, write_json
+from benchmarks.common import md_table, pyplot, save_figure, write_json, write_text
 
 
 class TraceError(ValueError):
@@ -427,10 +427,7 @@ def _bars(ax, labels: list[str], values: list[float], notes: list[str], xlabel: 
 
 
 def plot_top(a: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cuda = a["gpu"] is not None
     panels = [("self_cuda_ms" if cuda else "self_cpu_ms", a["top_ops"],
@@ -443,15 +440,11 @@ def plot_top(a: dict, path: Path, title: str) -> None:
               [f"{r['pct_of_step']:.1f}% ({r['class']})" for r in rows], xlabel)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def plot_classes(a: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = sorted(a["classes"], key=lambda c: -c["ms_per_step"])
     labels, values = [c["class"] for c in rows], [c["pct_of_step"] for c in rows]
@@ -462,8 +455,7 @@ def plot_classes(a: dict, path: Path, title: str) -> None:
     _bars(ax, labels, values, [f"{v:.1f}%" for v in values], f"% of step ({a['basis']})")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def reanalyse(trace: Path, out: Path, top: int) -> dict:
@@ -479,7 +471,7 @@ def reanalyse(trace: Path, out: Path, top: int) -> dict:
     head = [f"- Re-analysis of {link} (`python -m benchmarks.speed.profile --from-trace {trace}`); "
             "device, config and commit are those of the run that wrote it (profile.md, summary.json)"]
     text = "\n".join([f"# Re-analysis: {trace}", "", *head, "", *top_ops_lines(a), "", *class_lines(a), ""])
-    (out / "reanalysis.md").write_text(text)
+    write_text(out / "reanalysis.md", text)
     write_json(out / "reanalysis.json", {"trace": str(trace), **a})
     print(text)
     print(f"profile: wrote {out}/reanalysis.md, reanalysis.json")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import commit_text, md_table
+from benchmarks.common import commit_text, md_table, pyplot, save_figure, write_text
 from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm.checks import SINGLE_FILE_HELP, Parser, fail
 
@@ -335,10 +335,7 @@ def render_markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Horizontal bars of img/s per row, one panel per model, each bar labelled with its MFU (or 'n/a')."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     # One panel per model of training rows, one for the sampling rows: (title, bar names, img/s, labels, x label).
     panels = []
@@ -368,15 +365,14 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(f"{result.get('device_name') or 'CPU'} - torch {env.get('torch')} - "
                  f"{commit_text(env)}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
 def write_reports(result: dict, json_path: Path) -> tuple[Path, Path]:
     """(Markdown, PNG) written beside the JSON, metrics recomputed first."""
     add_metrics(result)
     md, png = json_path.with_suffix(".md"), json_path.with_suffix(".png")
-    md.write_text(render_markdown(result))
+    write_text(md, render_markdown(result))
     plot(result, png)
     return md, png
 

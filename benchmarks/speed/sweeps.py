@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.common import BenchError, commit_text
+from benchmarks.common import BenchError, commit_text, pyplot, save_figure
 from benchmarks.speed.rows import Row, merge, resolve_rows
 from benchmarks.speed.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser, fail
@@ -94,10 +94,7 @@ SWEEPS = {
 def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
     """img/s against the swept setting, one line per series; peak memory or data wait below. Failed rows
     (out of memory, ...) are listed in the title instead of plotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ok = [r for r in result["rows"] if r.get("metrics")]
     failed = [r["name"] for r in result["rows"] if not r.get("metrics")]
@@ -136,8 +133,7 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
         title += "\nnot plotted (failed): " + ", ".join(failed)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)
     return path
 
 

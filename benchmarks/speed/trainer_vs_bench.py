@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, results_dir,
-                               write_json)
+                               write_json, write_text)
 from ffcv_ddpm.checks import Parser, above, at_least, option
 
 KEPT = ("stats.jsonl", "config.json", "environment.json", "telemetry-summary.json")  # of the trainer's run folder
@@ -79,7 +79,7 @@ def render(result: dict, path: Path) -> None:
                          f"{t['data_wait_share']:.1%}",
                          f"{t['first_line_s']:.1f} (to its first log line: the first interval included)"]]), "",
              f"What the trainer does that the row does not: {TRAINER_EXTRAS}.", ""]
-    path.with_suffix(".md").write_text("\n".join(lines))
+    write_text(path.with_suffix(".md"), "\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
