@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.json.read_text())
         md = render_markdown(result)
     except (OSError, ValueError, KeyError) as e:
-        return fail("quality_report", f"{args.json} is not a benchmarks.quality.digits result ({e})")
+        return fail("digits_report", f"{args.json} is not a benchmarks.quality.digits result ({e})")
     write_text(args.json.with_suffix(".md"), md)
     plot(result, args.json.with_suffix(".png"))
     print(f"digits_report: wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")

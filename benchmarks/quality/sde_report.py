@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         render(json.loads(args.json.read_text()), args.json)
     except (OSError, ValueError, KeyError) as e:
-        return fail("sde_quality_report", f"{args.json} is not a benchmarks.quality.sde result ({e})")
+        return fail("sde_report", f"{args.json} is not a benchmarks.quality.sde result ({e})")
     print(f"wrote {args.json.with_suffix('.md')} and {args.json.with_suffix('.png')}")
     return 0
 
