@@ -88,16 +88,21 @@ def bench_table(path: Path, d: dict) -> str:
 
 
 def ddp(path: Path, d: dict) -> str:
-    """benchmarks.ddp: per mode, the largest GPU count's img/s and scaling efficiency."""
+    """benchmarks.ddp: per mode, the largest GPU count's img/s and scaling efficiency; the loss check if it ran."""
     parts = []
     for mode, points in d["points"].items():
         ok = [p for p in points if "error" not in p and p.get("scaling_efficiency") is not None]
-        if not ok:
-            parts.append(f"{mode}: failed")
-            continue
-        p = max(ok, key=lambda p: p["nproc"])
-        parts.append(f"{mode}: {p['nproc']} GPUs {p['img_per_s']:,.0f} img/s, {p['scaling_efficiency']:.1%} "
-                     "scaling efficiency")
+        p = max(ok, key=lambda p: p["nproc"], default=None)
+        if p is None:
+            parts.append(f"{mode}: no point finished")
+        elif p["nproc"] == 1:  # a run cut short after its one-GPU point: there is no scaling to report
+            parts.append(f"{mode}: only the 1-GPU point finished, {p['img_per_s']:,.0f} img/s")
+        else:
+            parts.append(f"{mode}: {p['nproc']} GPUs {p['img_per_s']:,.0f} img/s, {p['scaling_efficiency']:.1%} "
+                         "scaling efficiency")
+    for c in (d.get("loss_check") or {}).get("checks", []):
+        parts.append(f"loss check, {c['nproc']} GPUs: largest deviation {c['max_abs_smoothed']:.2%} vs tolerance "
+                     f"{c['tol']:.2%}: {'within' if c['ok'] else 'OUTSIDE'}")
     return "; ".join(parts)
 
 

@@ -29,7 +29,12 @@ def results_tree(root):
            "environment": {**ENV, "gpu_count": 4, "commit_source": "declared (FFCV_DDPM_COMMIT), not verified"},
            "flops_per_image": 3.7e10, "peak_tflops": 989.4,
            "points": {"per-GPU": [{"nproc": 1, "img_per_s": 6859.5, "scaling_efficiency": 1.0},
-                                  {"nproc": 4, "img_per_s": 24576.7, "scaling_efficiency": 0.8957}]}}
+                                  {"nproc": 4, "img_per_s": 24576.7, "scaling_efficiency": 0.8957}],
+                      # a mode cut short after its one-GPU point, and one whose 4-GPU point failed
+                      "global": [{"nproc": 1, "img_per_s": 8876.4, "scaling_efficiency": 1.0}],
+                      "independent (no DDP)": [{"nproc": 4, "error": "timed out"}]},
+           "loss_check": {"tol": 0.0072,
+                          "checks": [{"nproc": 4, "max_abs_smoothed": 0.0189, "tol": 0.0072, "ok": False}]}}
     (root / "h100" / "ddp.json").write_text(json.dumps(ddp))
     run = root / "h200" / "train-run"
     run.mkdir(parents=True)
@@ -57,7 +62,9 @@ def test_the_index_lists_each_file_with_figures_read_from_it(tmp_path, capsys):
     assert '2/3 rows ok, "best" (batch 1024): 119.5 ms/step, 8,534 img/s, MFU 32.2%' in bench
     assert "| 2026-11-20 09:05 | 0123456 |" in bench and "`python -m benchmarks.bench --data d`" in bench
     ddp = lines["h100/ddp.json"]
-    assert "per-GPU: 4 GPUs 24,577 img/s, 89.6% scaling efficiency" in ddp
+    assert ("per-GPU: 4 GPUs 24,577 img/s, 89.6% scaling efficiency; global: only the 1-GPU point finished, 8,876 "
+            "img/s; independent (no DDP): no point finished; loss check, 4 GPUs: largest deviation 1.89% vs "
+            "tolerance 0.72%: OUTSIDE") in ddp
     assert "0123456 (declared, not verified)" in ddp and "(4 visible)" in ddp
     run = lines["h200/train-run/environment.json"]
     assert "100 steps, last loss 0.8202, 5,516 img/s in the last interval" in run and "NVIDIA H200" in run
