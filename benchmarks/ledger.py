@@ -346,7 +346,7 @@ def render(root: Path) -> str:
         lines += ["", f"## {card}/" + _notes(root, Path(card))]
         for folder in sorted(folders, key=lambda f: (f != ".", f)):  # the card's own files first
             heading = (f"### {card}/ (top level)" if folder == "."
-                       else f"### {card}/{folder}/" + _notes(root, Path(card, folder)))
+                       else f"### {card}/{folder}/" + _notes(root, Path(card, folder), Path(card)))
             lines += ["", heading, ""]
             lines += md_table(["file", "kind", "GPU", "date (UTC)", "commit", "headline (read from the file)",
                                "command"],
@@ -356,9 +356,15 @@ def render(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _notes(root: Path, folder: Path) -> str:
-    notes = folder / CARD_NOTES
-    return f" ([notes]({notes.as_posix()}))" if folder != Path(".") and (root / notes).is_file() else ""
+def _notes(root: Path, folder: Path, card: Path | None = None) -> str:
+    """A link to the notes of `folder`, or of the nearest folder above it below `card` (notes on a study's
+    sub-folders sit in the study's folder)."""
+    for f in (folder, *folder.parents):
+        if f == card or f == Path("."):
+            break
+        if (root / f / CARD_NOTES).is_file():
+            return f" ([notes]({(f / CARD_NOTES).as_posix()}))"
+    return ""
 
 
 def staleness(committed: str | None, fresh: str, root: Path) -> str | None:

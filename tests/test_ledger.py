@@ -16,8 +16,9 @@ def bench_row(name: str, batch: int, ms: float, img_s: float, mfu: float) -> dic
 
 def results_tree(root):
     """A small results folder in the formats the commands write: a bench table, a DDP run and a trainer run."""
-    table = root / "h100" / "headline"
+    table = root / "h100" / "headline" / "cold"
     table.mkdir(parents=True)
+    (root / "h100" / "headline" / "README.md").write_text("# notes on the headline runs\n")
     bench = {"schema": 1, "table": "headline", "complete": True, "environment": ENV,
              "device_name": "NVIDIA H100 80GB HBM3", "command": ["python", "-m", "benchmarks.bench", "--data", "d"],
              "rows": [bench_row("baseline", 128, 180.38, 709.6, 0.395), bench_row("best", 1024, 119.46, 8534.2, 0.3217),
@@ -56,8 +57,8 @@ def test_the_index_lists_each_file_with_figures_read_from_it(tmp_path, capsys):
     assert ledger.main(["--results", str(root)]) == 0
     page = (root / "README.md").read_text()
     lines = {line.split("](")[1].split(")")[0]: line for line in page.splitlines() if line.startswith("| [")}
-    assert set(lines) == {"h100/headline/headline.json", "h100/ddp.json", "h200/train-run/environment.json"}
-    bench = lines["h100/headline/headline.json"]
+    assert set(lines) == {"h100/headline/cold/headline.json", "h100/ddp.json", "h200/train-run/environment.json"}
+    bench = lines["h100/headline/cold/headline.json"]
     # The fastest finished row (not the first, not the failed one), its figures, stamp and command.
     assert '2/3 rows ok, "best" (batch 1024): 119.5 ms/step, 8,534 img/s, MFU 32.2%' in bench
     assert "| 2026-11-20 09:05 | 0123456 |" in bench and "`python -m benchmarks.bench --data d`" in bench
@@ -69,9 +70,10 @@ def test_the_index_lists_each_file_with_figures_read_from_it(tmp_path, capsys):
     run = lines["h200/train-run/environment.json"]
     assert "100 steps, last loss 0.8202, 5,516 img/s in the last interval" in run and "NVIDIA H200" in run
     # Grouped by card, then folder; the card's notes linked; the run's config.json counted as not listed.
-    assert page.index("## h100/") < page.index("### h100/ (top level)") < page.index("### h100/headline/") \
+    assert page.index("## h100/") < page.index("### h100/ (top level)") < page.index("### h100/headline/cold/") \
         < page.index("## h200/") < page.index("### h200/train-run/")
     assert "## h100/ ([notes](h100/README.md))" in page and "## h200/\n" in page
+    assert "### h100/headline/cold/ ([notes](h100/headline/README.md))" in page  # the study's notes, a folder up
     assert "1 x `config.json`" in page
     assert ledger.main(["--check", "--results", str(root)]) == 0
 
@@ -107,17 +109,17 @@ def test_a_stale_page_fails_the_check(tmp_path, capsys):
     assert "README.md does not exist" in capsys.readouterr().err
     assert ledger.main(["--results", str(root)]) == 0
     # A new result lands without the page being regenerated.
-    run = json.loads((root / "h100" / "headline" / "headline.json").read_text())
+    run = json.loads((root / "h100" / "headline" / "cold" / "headline.json").read_text())
     run["rows"][1]["metrics"]["img_per_s"] = 9000.0
-    (root / "h100" / "headline" / "again.json").write_text(json.dumps(run))
+    (root / "h100" / "headline" / "cold" / "again.json").write_text(json.dumps(run))
     capsys.readouterr()
     assert ledger.main(["--check", "--results", str(root)]) == 1
     err = capsys.readouterr().err
-    assert "is stale: not listed: h100/headline/again.json (1 files)" in err and len(err.splitlines()) == 1
+    assert "is stale: not listed: h100/headline/cold/again.json (1 files)" in err and len(err.splitlines()) == 1
     # A figure changed in a file already listed.
-    (root / "h100" / "headline" / "again.json").unlink()
+    (root / "h100" / "headline" / "cold" / "again.json").unlink()
     run["rows"][1]["metrics"]["img_per_s"] = 8000.0
-    (root / "h100" / "headline" / "headline.json").write_text(json.dumps(run))
+    (root / "h100" / "headline" / "cold" / "headline.json").write_text(json.dumps(run))
     assert ledger.main(["--check", "--results", str(root)]) == 1
     assert "is stale: 2 changed lines, the first at line" in capsys.readouterr().err
     assert ledger.main(["--results", str(root)]) == 0 and ledger.main(["--check", "--results", str(root)]) == 0
