@@ -14,7 +14,7 @@ ENTRY_POINTS = {
     "benchmarks.ddp": True, "benchmarks.numerics": True, "benchmarks.loaders": True, "benchmarks.quality": True,
     "benchmarks.sde_quality": True, "benchmarks.fid": True, "benchmarks.norm_bench": True, "benchmarks.flops": True,
     "benchmarks.compress": True, "benchmarks.compress_report": False, "benchmarks.trainer_vs_bench": True,
-    "benchmarks.merge": False,
+    "benchmarks.merge": False, "benchmarks.ledger": False,
     "benchmarks.report": False, "benchmarks.quality_report": False, "benchmarks.sde_quality_report": False,
     "ffcv_ddpm.telemetry": False, "ffcv_ddpm.env": False, "tools.make_dataset": False,
 }
