@@ -5,5 +5,6 @@
   profile_analysis), sweeps, the normalization kernels (norm_bench), merging tables (merge), trainer_vs_bench.
 - benchmarks.quality: how good. Sample quality on the digits (digits, digits_report), the score-SDE samplers (sde,
   sde_report), compression (compress, compress_report), FID (fid), and what the studies share (study).
-- benchmarks.common: dataset names, the results folder, JSON/Markdown writing; results/ holds the committed results.
+- shared, at the root: benchmarks.common (dataset names, the results folder, JSON/Markdown/PNG writing),
+  benchmarks.ledger (results/README.md, the index of every committed result), results/ (the committed results).
 """

@@ -161,6 +161,39 @@ def test_run_dir_with_a_budget_and_a_shape_changing_override(study, tmp_path, ca
     assert len(err) == 1 and "does not fit the model" in err[0] and "model.base_channels=16" in err[0]
 
 
+def test_a_report_cut_by_its_budget_is_finished_by_a_second_call(study, tmp_path, capsys):
+    """--continue-from: the first call's measured rows are kept as they were, the skipped ones run now; a report of
+    another run or made with other row settings is refused in one line."""
+    _, work, first = study
+    run_dir, judge = first["dense"]["run_dir"], str(work / "compress-judge.pt")
+    common = [run_dir, "--judge", judge, "--work", str(tmp_path / "w"), "--speed-preset", "", *TOY]
+    a = tmp_path / "a"
+    # A complete report, made to look cut: every row after the first as a budget leaves it (skipped, no figures).
+    assert compress.main([*common, "--out", str(a), "--families", "reference,structured", "--budget-s", "1e9"]) == 0
+    cut = json.loads((a / "compress.json").read_text())
+    cut["rows"][1:] = [{**r, "status": "skipped: estimated 9 s would end past the 1 s budget"} for r in cut["rows"][1:]]
+    for r in cut["rows"][1:]:
+        for k in ("latency_ms", "size_mb"):
+            r.pop(k, None)
+    (a / "compress.json").write_text(json.dumps(cut))
+    b = tmp_path / "b"
+    args = [*common, "--out", str(b), "--families", "reference,structured", "--continue-from", str(a / "compress.json")]
+    assert compress.main(args) == 0
+    done = json.loads((b / "compress.json").read_text())
+    assert [compress.row_key(r) for r in done["rows"]] == [compress.row_key(r) for r in cut["rows"]]
+    assert done["rows"][0] == cut["rows"][0]  # kept as measured
+    assert all(r["status"] == "ok" and r["latency_ms"] > 0 for r in done["rows"])
+    assert done["continued_from"]["rows_kept"] == 1 and "previous" not in done["settings"]
+    assert "1 rows measured by an earlier call" in (b / "compress.md").read_text()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # other row settings
+        compress.main([*args, "--ddim-steps", "2"])
+    assert e.value.code == 2 and "--ddim-steps 1 there, 2 here" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # no RUN_DIR: a new dense model could not be the same one
+        compress.main(["--out", str(tmp_path / "c"), "--continue-from", str(a / "compress.json"), *TOY])
+    assert e.value.code == 2 and "give that run folder as RUN_DIR" in capsys.readouterr().err
+
+
 def test_bad_run_dir_is_one_error_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         compress.main([str(tmp_path), "--out", str(tmp_path / "o")])

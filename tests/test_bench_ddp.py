@@ -92,3 +92,15 @@ def test_a_point_past_its_timeout_is_recorded_and_the_rest_run(data, tmp_path):
     assert [p["nproc"] for p in points["per-GPU"]] == [1, 2] and len(points[ddp.CONTROL]) == 1
     for p in (*points["per-GPU"], *points[ddp.CONTROL]):
         assert p["error"].startswith("stopped after --timeout 0.5 s")
+
+
+def test_gpu_state_reads_the_measured_intervals_of_the_telemetry(tmp_path):
+    """Clock and power after the first interval (compilation) only; no file (CPU) gives None."""
+    path = tmp_path / "telemetry.jsonl"
+    rows = [{"t": t / 10, "sm_clock_mhz": 1980 if t < 50 else 1500 + t, "power_w": 300.0 + t} for t in range(100)]
+    rows.append({"t": 10.0, "sm_clock_mhz": None, "power_w": None})  # an unsupported query blanks a field
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    g = ddp.gpu_state(path, after_s=5.0)
+    assert g["samples"] == 51 and g["sm_clock_mhz_median"] == 1574.5 and g["power_w_max"] == 399.0
+    assert 1554 <= g["sm_clock_mhz_p10"] <= 1556 and g["power_w_median"] == 374.5
+    assert ddp.gpu_state(tmp_path / "none.jsonl", after_s=0.0) is None

@@ -11,6 +11,7 @@ import pytest
 # Every `python -m` entry point, and whether it takes KEY=VALUE config overrides.
 ENTRY_POINTS = {
     "ffcv_ddpm.train": True, "ffcv_ddpm.telemetry": False, "ffcv_ddpm.env": False, "tools.make_dataset": False,
+    "benchmarks.ledger": False,  # shared: the index of both rooms' results
     # how fast
     "benchmarks.speed.bench": True, "benchmarks.speed.sweeps": True, "benchmarks.speed.profile": True,
     "benchmarks.speed.ddp": True, "benchmarks.speed.numerics": True, "benchmarks.speed.loaders": True,

@@ -3,6 +3,8 @@ depthwise-separable convolutions and int8 side by side: size, speed and quality 
 
     python -m benchmarks.quality.compress --out benchmarks/results/h100/compress  # trains the dense digits model first
     python -m benchmarks.quality.compress runs/00007-digits-quality --out DIR     # or studies a trained run folder
+    python -m benchmarks.quality.compress RUN --judge J --continue-from c1/compress.json --out c2   # a report cut by
+                                                   # its budget, finished by a second call: its rows kept, the rest run
     python -m benchmarks.quality.compress --data /tmp/d --out /tmp/c --preset tiny --steps 4 ...   # CPU toy (tests)
 
 In this order (the report is rewritten after every row; a row whose estimated time would end past --budget-s is
@@ -121,6 +123,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--budget-s", type=option(float, at_least(0)), default=485,
                    help="no row starts that would end after this many seconds from the start")
     p.add_argument("--seed", type=option(int, at_least(0)), default=0)
+    p.add_argument("--continue-from", type=Path, metavar="REPORT.json",
+                   help="a report of RUN_DIR cut by its budget: keep its measured rows, run the others (same settings)")
     args, args.overrides = p.parse_with_overrides(argv)
     if args.run_dir is not None and "=" in str(args.run_dir):  # an override where RUN_DIR would be
         args.overrides.insert(0, str(args.run_dir))
@@ -133,7 +137,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(str(e))
     if args.ft_steps and args.ft_steps < 2:
         p.error(f"--ft-steps {args.ft_steps}: 0 (no fine-tuning) or at least 2")
+    if args.continue_from is not None:
+        try:
+            args.previous = previous_report(args)
+        except ValueError as e:
+            p.error(str(e))
     return args
+
+
+# The options a row's figures depend on: a report continued by another call must have been made with the same.
+ROW_SETTINGS = ("ddim_steps", "sample_batch", "reps", "guidance", "seed", "ft_steps", "ft_lr", "ft_ema",
+                "scratch_steps", "ratios", "speed_preset")
+
+
+def previous_report(args) -> dict:
+    """The report --continue-from names, checked to be one this command can continue: of RUN_DIR (the same dense
+    model, so that its rows and the new ones describe one network) with the same row settings. ValueError if not."""
+    path = args.continue_from
+    try:
+        prev = json.loads(path.read_text())
+        rows, dense, settings = prev["rows"], prev["dense"], prev["settings"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--continue-from {path}: not a compress report ({type(e).__name__}: {e}); give the "
+                         "compress.json of an earlier run") from None
+    if args.run_dir is None or Path(dense["run_dir"]).resolve() != args.run_dir.resolve():
+        raise ValueError(f"--continue-from {path} studied the run {dense['run_dir']}: give that run folder as "
+                         f"RUN_DIR (its rows and the new ones must describe one model)")
+    changed = [k for k in ROW_SETTINGS if settings.get(k) != getattr(args, k)]
+    if changed:
+        diffs = ", ".join(f"--{k.replace('_', '-')} {settings.get(k)} there, {getattr(args, k)} here" for k in changed)
+        raise ValueError(f"--continue-from {path} was made with other row settings ({diffs}): use the same")
+    return prev
 
 
 def study_config(args):
@@ -483,11 +517,12 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
               "environment": {**environment(), "torchao": torchao_version}, "budget_s": args.budget_s,
               "complete": False, "model": cfg.preset, "dense": {**dense_info, "config": cfg.to_dict()},
               "sampler": study.sampler,
-              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "cfg"},
+              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("cfg", "previous")},
               "notes": [], "rows": []}
     reason = compress.structured_refusal(dense)
     if reason:
         result["notes"].append(f"no structured pruning rows: {reason}")
+    kept = continued_rows(args, result, dense_info)
 
     def save(message: str | None = None, draw: bool = False) -> None:
         result["elapsed_s"] = time.perf_counter() - t_start
@@ -500,6 +535,9 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         stop.where = "training the judge"
         n = args.reps * args.sample_batch
         study.judge, study.test_x, result["judge"] = load_or_train_judge(args, cfg, device, n)
+        if kept and result["judge"].get("path") != args.previous["judge"].get("path"):
+            raise ValueError(f"--continue-from {args.continue_from} judged its rows with "
+                             f"{args.previous['judge'].get('path')}: give it as --judge")
         if study.judge is not None:
             stop.kept["judge"] = f"the judge {result['judge']['path']}"
         study.data = train_x, train_y = quality.beton_tensors(cfg.data.path, device)
@@ -519,6 +557,9 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
             stop.where = f"row {label}"
             row = {"model": v.model, "family": v.family, "variant": v.name, "precision": v.precision,
                    "fine_tune_steps": args.ft_steps if v.fine_tune else 0, "rank": v.rank, **v.extra}
+            if row_key(row) in kept:  # measured by the call this one continues
+                result["rows"].append(kept[row_key(row)])
+                continue
             est = estimate_s(study, v)
             if time.perf_counter() - t_start + est > args.budget_s:
                 row["status"] = f"skipped: estimated {est:.0f} s would end past the {args.budget_s:.0f} s budget"
@@ -551,6 +592,32 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         result["complete"] = True
         save("done", draw=True)
     return result
+
+
+def row_key(row: dict) -> tuple:
+    return row["model"], row["family"], row["variant"], row["fine_tune_steps"]
+
+
+def continued_rows(args, result: dict, dense_info: dict) -> dict:
+    """The measured rows of the report this call continues, by row_key (empty without --continue-from); the
+    report says where they came from."""
+    prev = getattr(args, "previous", None)
+    if prev is None:
+        return {}
+    if prev["dense"]["step"] != dense_info["step"] or prev["device"] != result["device"]:
+        raise ValueError(f"--continue-from {args.continue_from}: its rows were measured at step "
+                         f"{prev['dense']['step']} on {prev['device']}, this call studies step {dense_info['step']} "
+                         f"on {result['device']}; start a new report instead")
+    kept = {row_key(r): r for r in prev["rows"] if r["status"] == "ok"}
+    # The dense model's own record (trained by the first call: its training time, stats) stays the report's.
+    result["dense"] = {**prev["dense"], "config": result["dense"]["config"]}
+    result["continued_from"] = {"path": str(args.continue_from), "command": prev["command"],
+                                "date_utc": prev["environment"].get("date_utc"), "elapsed_s": prev.get("elapsed_s"),
+                                "rows_kept": len(kept)}
+    result["notes"].append(f"{len(kept)} rows measured by an earlier call on the same card "
+                           f"({prev['environment'].get('date_utc')}: `{prev['command']}`), kept as measured; the "
+                           "other rows by this call")
+    return kept
 
 
 def _summary(row: dict) -> str:

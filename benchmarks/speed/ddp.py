@@ -48,7 +48,7 @@ def trainer_args(args, overrides: list[str], beton: Path, out_dir: Path, per_ran
     """The trainer's command-line arguments of one point (after `-m ffcv_ddpm.train`)."""
     common = [f"data.num_workers={workers}", f"train.steps={args.steps}",
               f"train.log_every={args.log_every}", "train.ckpt_every=1000000000", "train.sample_every=0",
-              "train.progress=False", "train.telemetry=False", f"train.out_dir={out_dir}",
+              "train.progress=False", "train.telemetry=True", f"train.out_dir={out_dir}",
               f"train.device={args.device}", *overrides, f"data.batch_size={per_rank_batch}"]
     if args.device == "cpu":
         common += ["train.precision=fp32", "train.compile=False"]
@@ -67,7 +67,26 @@ def read_run(out_dir: Path) -> dict:
              "config": json.loads((run_dir / "config.json").read_text())}
     if "rank_data_wait_share" in steady[-1]:  # every rank's data wait: the slowest rank sets the pace
         point["max_rank_data_wait_share"] = float(np.median([max(s["rank_data_wait_share"]) for s in steady]))
+    gpu = gpu_state(run_dir / "telemetry.jsonl", after_s=stats[0]["wall_s"] if len(stats) > 1 else 0.0)
+    if gpu:
+        point["gpu0"] = gpu
     return point
+
+
+def gpu_state(path: Path, after_s: float) -> dict | None:
+    """GPU 0's SM clock and power over the measured intervals (NVML samples after the first interval): a point
+    slower than its twin with the same settings shows here whether the card throttled (clock, power) or not."""
+    if not path.exists():
+        return None
+    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    samples = [s for s in samples if s["t"] >= after_s]
+    clock = [s["sm_clock_mhz"] for s in samples if s.get("sm_clock_mhz") is not None]
+    power = [s["power_w"] for s in samples if s.get("power_w") is not None]
+    if not clock or not power:
+        return None
+    return {"samples": len(samples), "sm_clock_mhz_p10": float(np.percentile(clock, 10)),
+            "sm_clock_mhz_median": float(np.median(clock)), "power_w_median": float(np.median(power)),
+            "power_w_max": float(max(power))}
 
 
 def _text(*outputs) -> str:
@@ -122,7 +141,8 @@ def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_ran
             "workers_per_rank": workers, "img_per_s": sum(r["img_per_s"] for r in runs),
             "per_process_img_per_s": [r["img_per_s"] for r in runs],
             "data_wait_share": max(r["data_wait_share"] for r in runs),
-            "peak_mem_gib": runs[0]["peak_mem_gib"], "config": runs[0]["config"]}
+            "peak_mem_gib": runs[0]["peak_mem_gib"], "config": runs[0]["config"],
+            **({"gpu0": runs[0]["gpu0"]} if "gpu0" in runs[0] else {})}
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -245,19 +265,23 @@ def render(result: dict, out: Path) -> None:
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
     for mode, points in result["points"].items():
         lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
-                  "| scaling efficiency | data wait (rank 0) | data wait (slowest rank) | peak mem GiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| scaling efficiency | data wait (rank 0) | data wait (slowest rank) | peak mem GiB "
+                  "| GPU 0 SM clock MHz (p10 / median), power W (median) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             if "error" in p:
-                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | |")
+                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | |")
                 continue
             mfu = f"{p['mfu_per_gpu']:.1%}" if p["mfu_per_gpu"] is not None else "n/a"
             eff = f"{p['scaling_efficiency']:.1%}" if p["scaling_efficiency"] is not None else "n/a"
             mem = f"{p['peak_mem_gib']:.1f}" if p["peak_mem_gib"] is not None else "n/a"
             slowest = f"{p['max_rank_data_wait_share']:.2%}" if "max_rank_data_wait_share" in p else "-"
+            g = p.get("gpu0")
+            gpu = (f"{g['sm_clock_mhz_p10']:.0f} / {g['sm_clock_mhz_median']:.0f}, {g['power_w_median']:.0f}" if g
+                   else "-")
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
                          f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {p['data_wait_share']:.2%} | {slowest} "
-                         f"| {mem} |")
+                         f"| {mem} | {gpu} |")
         lines.append("")
     lc = result.get("loss_check")
     if lc and "error" not in lc:

@@ -1,0 +1,125 @@
+"""The results ledger (benchmarks/results/README.md): current with the committed files, built from what each file
+says, and refusing a result it cannot read or a page that no longer matches the files."""
+
+import json
+
+from benchmarks import ledger
+
+ENV = {"commit": "0123456789abcdef", "dirty": False, "commit_source": "git", "date_utc": "2026-11-20T09:05:00+00:00",
+       "torch": "2.11.0+cu130", "gpu_count": 1, "gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}
+
+
+def bench_row(name: str, batch: int, ms: float, img_s: float, mfu: float) -> dict:
+    return {"name": name, "status": "ok", "raw": {"batch_size": batch, "iter_ms": [ms] * 3},
+            "metrics": {"ms_median": ms, "img_per_s": img_s, "mfu": mfu}}
+
+
+def results_tree(root):
+    """A small results folder in the formats the commands write: a bench table, a DDP run and a trainer run."""
+    table = root / "h100" / "headline" / "cold"
+    table.mkdir(parents=True)
+    (root / "h100" / "headline" / "README.md").write_text("# notes on the headline runs\n")
+    bench = {"schema": 1, "table": "headline", "complete": True, "environment": ENV,
+             "device_name": "NVIDIA H100 80GB HBM3", "command": ["python", "-m", "benchmarks.bench", "--data", "d"],
+             "rows": [bench_row("baseline", 128, 180.38, 709.6, 0.395), bench_row("best", 1024, 119.46, 8534.2, 0.3217),
+                      {"name": "broken", "status": "failed", "raw": None}],
+             "sampling": None}
+    (table / "headline.json").write_text(json.dumps(bench))
+    ddp = {"preset": "ddpm-cifar10", "device_name": "NVIDIA H100 80GB HBM3",
+           "command": "python -m benchmarks.ddp --gpus 1,4",
+           "environment": {**ENV, "gpu_count": 4, "commit_source": "declared (FFCV_DDPM_COMMIT), not verified"},
+           "flops_per_image": 3.7e10, "peak_tflops": 989.4,
+           "points": {"per-GPU": [{"nproc": 1, "img_per_s": 6859.5, "scaling_efficiency": 1.0},
+                                  {"nproc": 4, "img_per_s": 24576.7, "scaling_efficiency": 0.8957}],
+                      # a mode cut short after its one-GPU point, and one whose 4-GPU point failed
+                      "global": [{"nproc": 1, "img_per_s": 8876.4, "scaling_efficiency": 1.0}],
+                      "independent (no DDP)": [{"nproc": 4, "error": "timed out"}]},
+           "loss_check": {"tol": 0.0072,
+                          "checks": [{"nproc": 4, "max_abs_smoothed": 0.0189, "tol": 0.0072, "ok": False}]}}
+    (root / "h100" / "ddp.json").write_text(json.dumps(ddp))
+    run = root / "h200" / "train-run"
+    run.mkdir(parents=True)
+    (run / "environment.json").write_text(json.dumps({**ENV, "world_size": 1, "gpus": [{"name": "NVIDIA H200"}]}))
+    (run / "config.json").write_text(json.dumps({"preset": "ddpm-cifar10"}))  # not a result: not listed
+    (run / "stats.jsonl").write_text("".join(json.dumps({"step": s, "loss": loss, "img_per_s": ips}) + "\n"
+                                             for s, loss, ips in ((50, 1.08, 311.0), (100, 0.8202, 5515.8))))
+    (root / "h100" / "README.md").write_text("# notes\n")
+    return root
+
+
+def test_the_committed_ledger_is_current(capsys):
+    """What keeps benchmarks/results/README.md from drifting: every committed JSON has a reader and is listed."""
+    assert ledger.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_the_index_lists_each_file_with_figures_read_from_it(tmp_path, capsys):
+    root = results_tree(tmp_path)
+    assert ledger.main(["--results", str(root)]) == 0
+    page = (root / "README.md").read_text()
+    lines = {line.split("](")[1].split(")")[0]: line for line in page.splitlines() if line.startswith("| [")}
+    assert set(lines) == {"h100/headline/cold/headline.json", "h100/ddp.json", "h200/train-run/environment.json"}
+    bench = lines["h100/headline/cold/headline.json"]
+    # The fastest finished row (not the first, not the failed one), its figures, stamp and command.
+    assert '2/3 rows ok, "best" (batch 1024): 119.5 ms/step, 8,534 img/s, MFU 32.2%' in bench
+    assert "| 2026-11-20 09:05 | 0123456 |" in bench and "`python -m benchmarks.bench --data d`" in bench
+    ddp = lines["h100/ddp.json"]
+    assert ("per-GPU: 4 GPUs 24,577 img/s, 89.6% scaling efficiency; global: only the 1-GPU point finished, 8,876 "
+            "img/s; independent (no DDP): no point finished; loss check, 4 GPUs: largest deviation 1.89% vs "
+            "tolerance 0.72%: OUTSIDE") in ddp
+    assert "0123456 (declared, not verified)" in ddp and "(4 visible)" in ddp
+    run = lines["h200/train-run/environment.json"]
+    assert "100 steps, last loss 0.8202, 5,516 img/s in the last interval" in run and "NVIDIA H200" in run
+    # Grouped by card, then folder; the card's notes linked; the run's config.json counted as not listed.
+    assert page.index("## h100/") < page.index("### h100/ (top level)") < page.index("### h100/headline/cold/") \
+        < page.index("## h200/") < page.index("### h200/train-run/")
+    assert "## h100/ ([notes](h100/README.md))" in page and "## h200/\n" in page
+    assert "### h100/headline/cold/ ([notes](h100/headline/README.md))" in page  # the study's notes, a folder up
+    assert "1 x `config.json`" in page
+    assert ledger.main(["--check", "--results", str(root)]) == 0
+
+
+def test_a_json_no_reader_knows_fails_the_check(tmp_path, capsys):
+    root = results_tree(tmp_path)
+    assert ledger.main(["--results", str(root)]) == 0
+    (root / "h200" / "train-run" / "mystery.json").write_text(json.dumps({"speed": 12.5}))
+    capsys.readouterr()
+    assert ledger.main(["--check", "--results", str(root)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("ledger: error: h200/train-run/mystery.json: no reader recognises this JSON; add one to READERS in "
+                   "benchmarks/ledger.py (or its name to NOT_RESULTS if it is no result of its own)")
+    # Writing refuses too, and leaves the page as it was.
+    before = (root / "README.md").read_text()
+    assert ledger.main(["--results", str(root)]) == 2
+    assert (root / "README.md").read_text() == before
+    assert not list(root.glob(".README.md*"))
+
+
+def test_a_reader_that_cannot_read_its_file_names_it(tmp_path, capsys):
+    root = results_tree(tmp_path)
+    ddp = json.loads((root / "h100" / "ddp.json").read_text())
+    ddp["points"] = [1, 2]  # points per mode is a dict
+    (root / "h100" / "ddp.json").write_text(json.dumps(ddp))
+    assert ledger.main(["--check", "--results", str(root)]) == 1
+    assert "h100/ddp.json: the DDP scaling reader cannot read it (AttributeError" in capsys.readouterr().err
+
+
+def test_a_stale_page_fails_the_check(tmp_path, capsys):
+    root = results_tree(tmp_path)
+    assert ledger.main(["--check", "--results", str(root)]) == 1  # no page yet
+    assert "README.md does not exist" in capsys.readouterr().err
+    assert ledger.main(["--results", str(root)]) == 0
+    # A new result lands without the page being regenerated.
+    run = json.loads((root / "h100" / "headline" / "cold" / "headline.json").read_text())
+    run["rows"][1]["metrics"]["img_per_s"] = 9000.0
+    (root / "h100" / "headline" / "cold" / "again.json").write_text(json.dumps(run))
+    capsys.readouterr()
+    assert ledger.main(["--check", "--results", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "is stale: not listed: h100/headline/cold/again.json (1 files)" in err and len(err.splitlines()) == 1
+    # A figure changed in a file already listed.
+    (root / "h100" / "headline" / "cold" / "again.json").unlink()
+    run["rows"][1]["metrics"]["img_per_s"] = 8000.0
+    (root / "h100" / "headline" / "cold" / "headline.json").write_text(json.dumps(run))
+    assert ledger.main(["--check", "--results", str(root)]) == 1
+    assert "is stale: 2 changed lines, the first at line" in capsys.readouterr().err
+    assert ledger.main(["--results", str(root)]) == 0 and ledger.main(["--check", "--results", str(root)]) == 0
