@@ -62,8 +62,12 @@ def _cell(text: str) -> str:
 
 def bench_table(path: Path, d: dict) -> str:
     """benchmarks.speed.bench: the fastest finished row (img/s) with its ms/step and MFU; the fastest sampling row."""
+    from benchmarks.speed.report import add_metrics
+
     parts = []
     rows, ok = d.get("rows") or [], [r for r in d.get("rows") or [] if r.get("status") == "ok"]
+    if ok and not all(r.get("metrics") for r in ok):  # a run cut short stored raw timings: derive as its report does
+        add_metrics(d)
     timed = [r for r in ok if r.get("metrics")]
     if timed:
         best = max(timed, key=lambda r: r["metrics"]["img_per_s"])
