@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from ffcv_ddpm.norm import GroupNormAct
-from ffcv_ddpm.unet import AnnotatedResBlock, DDPMResBlock, WSConv2d
+from ffcv_ddpm.unet import AnnotatedResBlock, DDPMResBlock, ImageConv2d, WSConv2d
 
 PRUNE_METHODS = {"l1": prune.L1Unstructured, "random": prune.RandomUnstructured}
 PRUNE_SCOPES = ("global", "local")
@@ -332,6 +332,11 @@ def quantize_int8(model: nn.Module, mode: str) -> nn.Module:
     )
 
     make_permanent(model)
+    # The image convs' channel padding (a cuDNN kernel choice for bf16 training) pads the weight, which torchao's
+    # int8 tensors cannot do (constant_pad_nd: NotImplementedError); unpadded they compute the same function.
+    for m in model.modules():
+        if isinstance(m, ImageConv2d):
+            m.pad_to = 0
     chosen = {id(m) for m in compressible_layers(model)}
     if mode == "weight-only":
         quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
