@@ -38,8 +38,10 @@ step time (ms, median) where it trains; FD-digits to the test set and conditiona
 these numbers (compress_report.findings). Variants run eagerly (a compilation per variant would cost more than the
 study), channels_last, cuDNN benchmark mode; training steps are the trainer's (ffcv_ddpm.step.make_step).
 
-Time on one H100 (8.5 minutes for this report): the dense training as `make quality`'s, measured there at commit
-44a0e9b, ~225 s with compilation (without its evaluations); judge ~10 s; the rows, estimated from that run (eager
+Time on one H100 of its own at commit 80f184a: 13.5 minutes in all (dense training 270 s with compilation, judge
+~30 s, rows ~510 s), over two GPU calls joined by --continue-from. The estimates the budget works with: the dense
+training as `make quality`'s, measured there at commit 44a0e9b, ~225 s with compilation (without its evaluations);
+judge ~10 s; the rows, estimated from that run (eager
 DDIM sampling of this model at >= ~14,000 image-evaluations per second) and FLOP counts: ~1-2 s per sampled digits
 row, ~20 s per model trained from scratch (400 eager steps), ~3 s per fine-tuning, ~50 s for the speed preset's 18
 rows: ~240 s, so the default --budget-s 485 may leave the last fine-tuned rows out (the report lists them as
