@@ -336,7 +336,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             stats = {
                 "step": step, "loss": float(loss_sum) / window, "lr": lr_at(step - 1, cfg.train),
                 "img_per_s": window * global_batch / (sum(iter_ms) / 1e3),
-                "iter_ms_median": float(np.median(iter_ms)), "data_wait_ms": float(np.mean(wait_ms)),
+                "iter_ms_median": float(np.median(iter_ms)), "iter_ms_max": float(max(iter_ms)),
+                "data_wait_ms": float(np.mean(wait_ms)),
                 "data_wait_share": sum(wait_ms) / sum(iter_ms),
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                 "wall_s": time.perf_counter() - t_start,

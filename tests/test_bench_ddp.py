@@ -104,3 +104,13 @@ def test_gpu_state_reads_the_measured_intervals_of_the_telemetry(tmp_path):
     assert g["samples"] == 51 and g["sm_clock_mhz_median"] == 1574.5 and g["power_w_max"] == 399.0
     assert 1554 <= g["sm_clock_mhz_p10"] <= 1556 and g["power_w_median"] == 374.5
     assert ddp.gpu_state(tmp_path / "none.jsonl", after_s=0.0) is None
+
+
+def test_step_ms_tells_a_few_stalled_steps_from_a_slower_step():
+    """Median over the measured intervals (the first, compiling one dropped) against the mean img/s counts: one
+    interval with a stalled step moves the mean, not the median; the control (no stats) has none."""
+    stats = [{"iter_ms_median": 900.0}, {"iter_ms_median": 64.0}, {"iter_ms_median": 65.0}, {"iter_ms_median": 66.0}]
+    p = {"stats": stats, "per_rank_batch": 512, "nproc": 2, "img_per_s": 1024 / 0.070}  # 70 ms per step on average
+    median, mean = ddp.step_ms(p)
+    assert median == 65.0 and mean == pytest.approx(70.0)
+    assert ddp.step_ms({"per_rank_batch": 512, "nproc": 2, "img_per_s": 1.0}) is None

@@ -63,6 +63,7 @@ def test_run_folder_contents(beton, tmp_path):
     assert [s["step"] for s in stats] == [2, 4, 6, 8]
     for s in stats:
         assert np.isfinite(s["loss"]) and s["img_per_s"] > 0 and 0 <= s["data_wait_share"] <= 1
+        assert 0 < s["iter_ms_median"] <= s["iter_ms_max"]  # the slowest step of the interval: stalls show here
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
     assert (run_dir / "samples-00000008.png").stat().st_size > 0
     mode = lambda name: (run_dir / name).stat().st_mode & 0o777  # noqa: E731

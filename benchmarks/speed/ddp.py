@@ -3,7 +3,7 @@
     python -m benchmarks.speed.ddp --data data  # ddpm-cifar10, bf16, compile, batch 512 per GPU
     python -m benchmarks.speed.ddp --data data --gpus 1,2 --mode global   # global batch fixed instead of per-GPU batch
     python -m benchmarks.speed.ddp --data data --gpus 1,4 --mode per-gpu --control --allreduce \
-        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant one-graph:train.ddp_split=False   # where time goes
+        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant graph-cuts:train.ddp_split=True   # where time goes
     python -m benchmarks.speed.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
 
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
@@ -15,7 +15,8 @@ NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put
 Where a loss comes from: --control runs N independent single-GPU trainers at once (no process group), the host's own
 ceiling for N GPUs (shared cores, memory, power); --allreduce times an all-reduce of the model's gradient size, the
 communication a step must hide behind its backward; --variant reruns the DDP points with other train.ddp_* settings
-(bucket size, bf16 all-reduce, one graph without overlap); every rank's data wait is in each point's stats.
+(bucket size, bf16 all-reduce, graph cut at the buckets for overlap); every rank's data wait is in each point's
+stats, and its step time as median and mean: a mean well above the median is a few stalled steps, not a slower one.
 """
 
 from __future__ import annotations
@@ -257,6 +258,16 @@ def add_metrics(result: dict) -> None:
             p["scaling_efficiency"] = p["img_per_s"] / (p["nproc"] * one) if one else None
 
 
+def step_ms(p: dict) -> tuple[float, float] | None:
+    """(median, mean) ms per step of a point over its measured intervals, or None without per-interval stats (the
+    independent control). The mean is what img/s counts; a mean well above the median means a few stalled steps."""
+    if not p.get("stats"):
+        return None
+    steady = p["stats"][1:] or p["stats"]
+    mean = p["per_rank_batch"] * p["nproc"] / p["img_per_s"] * 1e3
+    return float(np.median([s["iter_ms_median"] for s in steady])), mean
+
+
 def render(result: dict, out: Path) -> None:
     lines = [f"# DDP scaling: {result['preset']} on {result['device_name'] or 'CPU (gloo)'}", "",
              f"- commit {commit_text(result['environment'], 40)}, torch {result['environment'].get('torch')}, "
@@ -265,23 +276,25 @@ def render(result: dict, out: Path) -> None:
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
     for mode, points in result["points"].items():
         lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
-                  "| scaling efficiency | data wait (rank 0) | data wait (slowest rank) | peak mem GiB "
-                  "| GPU 0 SM clock MHz (p10 / median), power W (median) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| scaling efficiency | step ms (median / mean) | data wait (rank 0) | data wait (slowest rank) "
+                  "| peak mem GiB | GPU 0 SM clock MHz (p10 / median), power W (median) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             if "error" in p:
-                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | |")
+                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | | |")
                 continue
             mfu = f"{p['mfu_per_gpu']:.1%}" if p["mfu_per_gpu"] is not None else "n/a"
             eff = f"{p['scaling_efficiency']:.1%}" if p["scaling_efficiency"] is not None else "n/a"
             mem = f"{p['peak_mem_gib']:.1f}" if p["peak_mem_gib"] is not None else "n/a"
             slowest = f"{p['max_rank_data_wait_share']:.2%}" if "max_rank_data_wait_share" in p else "-"
+            ms = step_ms(p)
+            ms = f"{ms[0]:.1f} / {ms[1]:.1f}" if ms else "-"
             g = p.get("gpu0")
             gpu = (f"{g['sm_clock_mhz_p10']:.0f} / {g['sm_clock_mhz_median']:.0f}, {g['power_w_median']:.0f}" if g
                    else "-")
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
-                         f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {p['data_wait_share']:.2%} | {slowest} "
-                         f"| {mem} | {gpu} |")
+                         f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {ms} | {p['data_wait_share']:.2%} "
+                         f"| {slowest} | {mem} | {gpu} |")
         lines.append("")
     lc = result.get("loss_check")
     if lc and "error" not in lc:
@@ -342,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                         "gives N GPUs without communication")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE]",
                    help="also run the per-GPU points N > 1 with these overrides (repeatable), e.g. "
-                        "'bf16-grads:train.ddp_grad_dtype=bf16' or 'one-graph:train.ddp_split=False'")
+                        "'bf16-grads:train.ddp_grad_dtype=bf16' or 'graph-cuts:train.ddp_split=True'")
     p.add_argument("--loss-check", action="store_true",
                    help="global mode: compare each N-process loss curve with the one-process curve at the same global "
                         "batch, against a one-process run from the same weights with other random draws (data order, noise, "
