@@ -114,3 +114,24 @@ def test_step_ms_tells_a_few_stalled_steps_from_a_slower_step():
     median, mean = ddp.step_ms(p)
     assert median == 65.0 and mean == pytest.approx(70.0)
     assert ddp.step_ms({"per_rank_batch": 512, "nproc": 2, "img_per_s": 1.0}) is None
+
+
+def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_path):
+    """--warm on: one short run per distinct (processes, per-rank batch, overrides) of the plan (the independent
+    control shares the one-process graph), recorded; the points then run as usual."""
+    plan = [("per-GPU", [1, 2], True, ddp.run_point, []), (ddp.CONTROL, [2], True, ddp.run_independent, []),
+            ("per-GPU, v", [2], True, ddp.run_point, ["train.ddp_split=True"]),
+            ("global", [1, 2], False, ddp.run_point, [])]
+    assert ddp.warm_jobs(plan, 16) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)), (2, 8, ())]
+    out = tmp_path / "res"
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
+                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
+                   "--variant", "cuts:train.ddp_split=True"])
+    assert rc == 0
+    result = json.loads((out / "ddp.json").read_text())
+    runs = result["warm_up"]["runs"]
+    given = ["data.batch_size=16"]  # the command's own overrides go to every run
+    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(1, given), (2, given),
+                                                                  (2, [*given, "train.ddp_split=True"])]
+    assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
+    assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]

@@ -11,6 +11,8 @@ FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as
 wait come from the run's stats.jsonl (CUDA events on rank 0, the wait for data inside each iteration); the first
 log interval (compilation, FFCV's first epoch) is dropped. Scaling efficiency = img/s(N) / (N x img/s(1)).
 NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put in the children's environment).
+A compiled CUDA run first compiles every graph its points use, all at once (--warm: each point would otherwise compile
+cold in turn, ~150 s for a DDP graph), so a 1, 2, 4-GPU comparison fits in one 10-minute GPU call.
 
 Where a loss comes from: --control runs N independent single-GPU trainers at once (no process group), the host's own
 ceiling for N GPUs (shared cores, memory, power); --allreduce times an all-reduce of the model's gradient size, the
@@ -21,6 +23,7 @@ stats, and its step time as median and mean: a mean well above the median is a f
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -110,6 +113,72 @@ def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batc
         return {"nproc": nproc, "error": (proc.stdout + proc.stderr)[-3000:]}
     return {"nproc": nproc, "per_rank_batch": per_rank_batch, "global_batch": per_rank_batch * nproc,
             "workers_per_rank": workers, **read_run(out_dir)}
+
+
+WARM_IMAGES_PER_GPU = 2048  # per-rank batch summed over the warm-up runs sharing a GPU (ddpm-cifar10: ~50 GB)
+
+
+def warm_jobs(plan: list, batch: int) -> list[tuple[int, int, tuple[str, ...]]]:
+    """The distinct compiled graphs the plan's points run, as (processes, per-rank batch, overrides); an independent
+    trainer runs the one-process graph of its batch."""
+    jobs = []
+    for _, ns, per_gpu, runner, extra in plan:
+        for n in ns:
+            job = (1 if runner is run_independent else n, batch if per_gpu else batch // n, tuple(extra))
+            if job not in jobs:
+                jobs.append(job)
+    return jobs
+
+
+def warm_up(args, jobs: list, beton: Path, gpus: int) -> dict:
+    """Compiles every graph the timed points will run before any of them is timed, all at once (compilation is
+    CPU-bound, so N graphs at once take little longer than one), each a 3-step run of the trainer that leaves its
+    kernels in the compile cache (ffcv_ddpm.env); each timed point then loads them instead of compiling cold
+    (a DDP graph compiled for ~150 s on 4 H100s). GPUs are shared by at most WARM_IMAGES_PER_GPU of per-rank batch at
+    a time; a one-process run goes to the least loaded GPU. A warm-up that fails is recorded and costs nothing else:
+    its point compiles for itself."""
+    print(f"bench-ddp: compiling the {len(jobs)} graphs of the points at once, before timing any", flush=True)
+    t0 = time.perf_counter()
+    load = [0] * max(gpus, 1)
+    pending, running, done = list(jobs), [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        while pending or running:
+            for job in list(pending):
+                n, per_rank, extra = job
+                used = ([g % len(load) for g in range(n)] if n > 1  # (on the CPU one slot stands for the host)
+                        else [min(range(len(load)), key=load.__getitem__)])
+                if running and any(load[g] + per_rank > WARM_IMAGES_PER_GPU for g in used):
+                    continue
+                pending.remove(job)
+                for g in used:
+                    load[g] += per_rank
+                out_dir = Path(tmp) / f"w{len(done) + len(running)}"
+                out_dir.mkdir()
+                env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "2"}
+                if n == 1 and args.device != "cpu":
+                    env["CUDA_VISIBLE_DEVICES"] = str(used[0])  # seen as cuda:0, as in the timed point: one graph
+                warm = argparse.Namespace(**{**vars(args), "steps": 3, "log_every": 1})
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
+                       "-m", "ffcv_ddpm.train", *trainer_args(warm, list(extra), beton, out_dir, per_rank, 2)]
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+                running.append((job, used, proc, time.perf_counter()))
+            job, used, proc, started = running.pop(0)
+            try:
+                output = proc.communicate(timeout=max(1.0, args.timeout - (time.perf_counter() - started)))[0]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output = proc.communicate()[0] + f"\nstopped after --timeout {args.timeout:g} s"
+            for g in used:
+                load[g] -= job[1]
+            done.append({"nproc": job[0], "per_rank_batch": job[1], "overrides": list(job[2]),
+                         "seconds": time.perf_counter() - started, "rc": proc.returncode,
+                         **({"error": output[-1500:]} if proc.returncode else {})})
+            print(f"bench-ddp: warm-up {job[0]} process(es), batch {job[1]} per rank"
+                  f"{' ' + ' '.join(job[2]) if job[2] else ''}: "
+                  f"{'rc ' + str(proc.returncode) if proc.returncode else 'compiled'} "
+                  f"({done[-1]['seconds']:.0f} s)", flush=True)
+    return {"seconds": time.perf_counter() - t0, "runs": done}
 
 
 def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
@@ -362,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                         "timesteps, dropout: the tolerance); exit 1 if a curve strays further")
     p.add_argument("--allreduce", action="store_true",
                    help="also time an all-reduce of the model's gradient size (fp32 and bf16) on each N > 1")
+    p.add_argument("--warm", choices=("auto", "on", "off"), default="auto",
+                   help="compile every point's graph at once before timing any (3-step runs filling the compile "
+                        "cache): auto = on for compiled CUDA runs")
     args, overrides = p.parse_with_overrides(argv)
     import torch
 
@@ -413,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
         plan.append((CONTROL, many, True, run_independent, overrides))
     plan += [(f"per-GPU, {name}", many, True, run_point, [*overrides, *extra]) for name, extra in variants]
     plan += [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[1:]]
+    if args.warm == "on" or (args.warm == "auto" and args.device != "cpu" and cfg.train.compile):
+        result["warm_up"] = warm_up(args, warm_jobs(plan, batch), beton,
+                                    torch.cuda.device_count() if args.device != "cpu" else 1)
+        write_json(out, result, indent=2)
     if args.allreduce:
         result["allreduce"] = []
         numel = sum(p.numel() for p in build_model(cfg.model).parameters() if p.requires_grad)
