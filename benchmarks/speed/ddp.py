@@ -140,7 +140,8 @@ def warm_up(args, jobs: list, beton: Path, gpus: int) -> dict:
     print(f"bench-ddp: compiling the {len(jobs)} graphs of the points at once, before timing any", flush=True)
     t0 = time.perf_counter()
     load = [0] * max(gpus, 1)
-    pending, running, done = list(jobs), [], []
+    # Multi-process runs placed first, so that the one-process runs go to the GPUs they leave least loaded.
+    pending, running, done = sorted(jobs, key=lambda j: -j[0]), [], []
     with tempfile.TemporaryDirectory() as tmp:
         while pending or running:
             for job in list(pending):
