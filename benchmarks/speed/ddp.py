@@ -161,15 +161,18 @@ def warm_up(args, jobs: list, beton: Path, gpus: int) -> dict:
                 warm = argparse.Namespace(**{**vars(args), "steps": 3, "log_every": 1})
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
                        "-m", "ffcv_ddpm.train", *trainer_args(warm, list(extra), beton, out_dir, per_rank, 2)]
-                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True)
-                running.append((job, used, proc, time.perf_counter()))
-            job, used, proc, started = running.pop(0)
+                with open(out_dir / "log.txt", "w") as log:  # a file, not a pipe: no run waits on a full pipe
+                    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                running.append((job, used, proc, time.perf_counter(), out_dir / "log.txt"))
+            job, used, proc, started, log_path = running.pop(0)
+            note = ""
             try:
-                output = proc.communicate(timeout=max(1.0, args.timeout - (time.perf_counter() - started)))[0]
+                proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - started)))
             except subprocess.TimeoutExpired:
                 proc.kill()
-                output = proc.communicate()[0] + f"\nstopped after --timeout {args.timeout:g} s"
+                proc.wait()
+                note = f"\nstopped after --timeout {args.timeout:g} s"
+            output = log_path.read_text(errors="replace") + note
             for g in used:
                 load[g] -= job[1]
             done.append({"nproc": job[0], "per_rank_batch": job[1], "overrides": list(job[2]),
