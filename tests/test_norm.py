@@ -145,6 +145,17 @@ def test_triton_kernels_against_reference(case):
     assert dx.stride() == x.stride()
 
 
+@pytest.mark.parametrize("plan", [(1024, 8192, 4), (8192, 65536, 8)], ids=["smallest", "largest"])
+def test_triton_kernels_under_the_swept_plans(plan, monkeypatch):
+    """benchmarks.speed.norm_bench --plans grid times the kernels under other tile, chunk and warp plans: the
+    extremes of its grid compute the same as the default plan (padded tiles, dropout, add, bf16)."""
+    monkeypatch.setattr(N, "TILE_ELEMENTS", plan[0])
+    monkeypatch.setattr(N, "CHUNK_ELEMENTS", plan[1])
+    monkeypatch.setattr(N, "NUM_WARPS", plan[2])
+    for case in (CASES[2], CASES[5]):
+        test_triton_kernels_against_reference(case)
+
+
 def test_keep_mask_is_a_fair_coin_per_element():
     """The hash mask: about 1 - p kept, independent of position (rows, channels) and different per seed."""
     shape = (8, 16, 16, 16)
