@@ -18,7 +18,7 @@ Where a loss comes from: --control runs N independent single-GPU trainers at onc
 ceiling for N GPUs (shared cores, memory, power); --allreduce times an all-reduce of the model's gradient size, the
 communication a step must hide behind its backward; --variant reruns the DDP points with other train.ddp_* settings
 (bucket size, bf16 all-reduce, graph cut at the buckets for overlap); every rank's data wait is in each point's
-stats, and its step time as median and mean: a mean well above the median is a few stalled steps, not a slower one.
+stats, and its step time as median and mean: a mean well above the median means some steps stalled.
 """
 
 from __future__ import annotations
@@ -332,8 +332,9 @@ def add_metrics(result: dict) -> None:
 
 
 def step_ms(p: dict) -> tuple[float, float] | None:
-    """(median, mean) ms per step of a point over its measured intervals, or None without per-interval stats (the
-    independent control). The mean is what img/s counts; a mean well above the median means a few stalled steps."""
+    """(median, mean) ms per step of a point, or None without per-interval stats (the independent control): the
+    median over the measured intervals of each one's median step, and the mean step of the interval whose rate the
+    point's img/s reports. A mean well above the median means some steps stalled."""
     if not p.get("stats"):
         return None
     steady = p["stats"][1:] or p["stats"]
