@@ -99,12 +99,24 @@ def _text(*outputs) -> str:
     return text[-3000:]
 
 
+def child_env(workers: int) -> dict:
+    """A trainer process's environment: NVLink multicast off, OpenMP threads to its share of the cores."""
+    return {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
+
+
+def torchrun_cmd(args, overrides: list[str], beton: Path, out_dir: Path, nproc: int, per_rank_batch: int,
+                 workers: int) -> list[str]:
+    """`torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...`: a point, or its warm-up (the same command
+    with fewer steps, so that it compiles the graph the point will load)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "ffcv_ddpm.train", *trainer_args(args, overrides, beton, out_dir, per_rank_batch, workers)]
+
+
 def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batch: int, out_dir: Path) -> dict:
     """One `torchrun --nproc_per_node N -m ffcv_ddpm.train` run."""
     workers = max(1, (os.cpu_count() or 1) // nproc)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "ffcv_ddpm.train", *trainer_args(args, overrides, beton, out_dir, per_rank_batch, workers)]
-    env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
+    cmd = torchrun_cmd(args, overrides, beton, out_dir, nproc, per_rank_batch, workers)
+    env = child_env(workers)
     try:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:  # recorded like a failure: the points after it still run
@@ -155,12 +167,11 @@ def warm_up(args, jobs: list, beton: Path, gpus: int) -> dict:
                     load[g] += per_rank
                 out_dir = Path(tmp) / f"w{len(done) + len(running)}"
                 out_dir.mkdir()
-                env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "2"}
+                env = child_env(2)
                 if n == 1 and args.device != "cpu":
                     env["CUDA_VISIBLE_DEVICES"] = str(used[0])  # seen as cuda:0, as in the timed point: one graph
                 warm = argparse.Namespace(**{**vars(args), "steps": 3, "log_every": 1})
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-                       "-m", "ffcv_ddpm.train", *trainer_args(warm, list(extra), beton, out_dir, per_rank, 2)]
+                cmd = torchrun_cmd(warm, list(extra), beton, out_dir, n, per_rank, 2)
                 with open(out_dir / "log.txt", "w") as log:  # a file, not a pipe: no run waits on a full pipe
                     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running.append((job, used, proc, time.perf_counter(), out_dir / "log.txt"))
@@ -194,7 +205,7 @@ def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_ran
     for i in range(nproc):
         run_out = out_dir / f"gpu{i}"
         run_out.mkdir()
-        env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": str(workers)}
+        env = child_env(workers)
         if args.device != "cpu":
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, "-m", "ffcv_ddpm.train",
