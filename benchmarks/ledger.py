@@ -30,6 +30,7 @@ CARD_NOTES = "README.md"  # a card's or a folder's hand-written notes, linked fr
 # JSON files that are parts of a result, not results: listed by name, with the reason, on the generated page.
 NOT_RESULTS = {
     "config.json": "a trainer run folder's config (the run is listed by its environment.json)",
+    "top_ops.json": "a profile's top-ops table (the profile is listed by its summary.json)",
 }
 
 
