@@ -208,6 +208,7 @@ def test_quick_table_end_to_end(tmp_path):
     assert result["dataset"]["synthetic"] is True and result["dataset_built_now"] is True
     assert [(r["preset"], r["name"]) for r in result["rows"]] == [
         ("tiny", "baseline (fp32, eager, math attention, PyTorch DataLoader)")]
+    assert result["planned"] == [[r["preset"], r["name"]] for r in result["rows"]] and result["complete"]
     for row in result["rows"]:
         assert row["status"] == "ok", row.get("error")
         assert len(row["raw"]["iter_ms"]) == 2 and all(ms > 0 for ms in row["raw"]["iter_ms"])

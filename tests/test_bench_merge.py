@@ -78,3 +78,26 @@ def test_a_file_that_is_not_a_result_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"merge: error: {bad} is not a benchmarks.speed.bench result (no 'rows'/'environment')"
     assert merge.main([str(tmp_path / "m.md"), str(bad)]) == 2
     assert "must end in .json" in capsys.readouterr().err
+
+
+def test_a_cut_call_finished_by_a_later_call_is_one_complete_table(tmp_path):
+    # Call 1 planned "base", "oom", "fast" and was cut after "base"; call 2 ran the other two.
+    g = "annotated-small"
+    a = _part(tmp_path, "a", "aaa", ["base"], complete=False)
+    cut = json.loads(a.read_text())
+    cut["planned"] = [[g, "base"], [g, "oom"], [g, "fast"]]
+    a.write_text(json.dumps(cut))
+    b = _part(tmp_path, "b", "bbb", ["fast"])
+    rest = json.loads(b.read_text())
+    rest["rows"] = [{**rest["rows"][0], "name": "oom"}, rest["rows"][0]]
+    rest["planned"] = [[g, "oom"], [g, "fast"]]
+    b.write_text(json.dumps(rest))
+    out = tmp_path / "m.json"
+    assert merge.main([str(out), str(a), str(b)]) == 0
+    assert json.loads(out.read_text())["complete"]
+    assert "INCOMPLETE" not in out.with_suffix(".md").read_text()
+    # Without the second call, or with its "oom" row failed, the table is not complete.
+    assert merge.main([str(out), str(a)]) == 0 and not json.loads(out.read_text())["complete"]
+    rest["rows"][0]["status"] = "failed"
+    b.write_text(json.dumps(rest))
+    assert merge.main([str(out), str(a), str(b)]) == 0 and not json.loads(out.read_text())["complete"]

@@ -53,7 +53,7 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
     first = parts[0][1]
     merged = {**first, "rows": [], "sampling": [], "sources": [], "flops": {}, "measured_peaks": None,
               "table": "+".join(dict.fromkeys(r["table"] for _, r in parts)),
-              "complete": all(r.get("complete", False) for _, r in parts),
+              "complete": False,  # below: whether the parts together measured every row each of them planned
               "dataset": next((r["dataset"] for _, r in parts if r.get("dataset")), None),
               "command": ["python", "-m", "benchmarks.speed.merge", *(str(p) for p, _ in parts)]}
     where: dict[tuple, tuple[int, str]] = {}  # row key -> (index in merged rows or sampling, file it came from)
@@ -86,7 +86,23 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
             if ok or merged[kind][index].get("status", "ok") != "ok":
                 merged[kind][index] = entry  # an ok row replaces a failed one; --prefer-later: the later one
                 where[(kind, key)] = (index, path.name)
+    merged["complete"] = is_complete([r for _, r in parts], merged["rows"])
     return merged
+
+
+def is_complete(parts: list[dict], rows: list[dict]) -> bool:
+    """A call cut mid-table and finished by a later call makes one complete table: complete when every row any part
+    planned was measured ok in some part. Parts written before results named their planned rows count as complete
+    only if they finished."""
+    ok = {(r["group"], r["name"]) for r in rows if r.get("status", "ok") == "ok"}
+    for part in parts:
+        if "planned" not in part:
+            if not part.get("complete", False):
+                return False
+            continue
+        if not all(tuple(row) in ok for row in part["planned"]):
+            return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

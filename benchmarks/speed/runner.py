@@ -121,6 +121,12 @@ def flops_of(row: Row, overrides: list[str]) -> dict:
     return {"train": train_flops_per_image(model), "published": published_style_flops_per_image(model)}
 
 
+def row_name(row: Row, overrides: list[str]) -> str:
+    """A row's name in the result: the command's own overrides are part of what it ran, so that a table merged from
+    several calls (benchmarks.speed.merge) cannot mistake a row with a switch for the row without it."""
+    return row.name + (f" [{' '.join(overrides)}]" if overrides else "")
+
+
 def spawn(kind: str, spec: dict, timeout: float) -> dict:
     """Run one job of benchmarks.speed.jobs in a fresh Python process; its output streams through, its result comes back
     as JSON."""
@@ -252,6 +258,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
         "table": table,
         "note": note,
         "complete": False,  # True once every row has run (the file is rewritten after each row)
+        "planned": [[row.preset, row_name(row, overrides)] for row in rows],  # what a merge must find to call a table complete
         "command": ["python", "-m", command, *argv],
         "environment": env,
         "device_name": gpu,
@@ -283,9 +290,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     cap = min(args.max_batch, dataset["num_images"]) if dataset else None
     for i, (row, row_f) in enumerate(zip(rows, row_flops), 1):
         row_over = [*row_overrides(row, data_overrides, data_dir), *overrides]
-        # The command's own overrides are part of what the row ran: named in it, so that a table merged from several
-        # calls (benchmarks.speed.merge) cannot mistake a row with a switch for the row without it.
-        entry = {"name": row.name + (f" [{' '.join(overrides)}]" if overrides else ""), "group": row.preset,
+        entry = {"name": row_name(row, overrides), "group": row.preset,
                  "preset": row.preset, "baseline": row.baseline, "overrides": row_over, "batch_rule": row.batch,
                  "flops": row_f, "status": None, "raw": None}
         batch_note, probe, why = None, None, None
