@@ -55,3 +55,24 @@ def test_bad_data_is_a_clear_error_not_a_traceback(small_dataset, tmp_path, caps
     assert main(["--data", str(small_dataset), "--out", str(tmp_path / "out"), "data.batch_size=100000"]) == 2
     assert "lower data.batch_size" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_cut_mid_sweep_keeps_the_rows_it_measured(small_dataset, tmp_path, monkeypatch):
+    # A time limit (here: the third measurement raising) must leave the JSON of the rows before it, marked incomplete.
+    from benchmarks.speed import loaders
+
+    real, calls = loaders.measure, []
+
+    def measure(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what `timeout` amounts to: the process stops mid-sweep
+        return real(*a, **k)
+
+    monkeypatch.setattr(loaders, "measure", measure)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        main(["--data", str(small_dataset), "--out", str(out), "--quick", "--loaders", "torch-memory,gpu"])
+    result = json.loads((out / "loaders.json").read_text())
+    assert not result["complete"] and len([r for r in result["rows"] if "skipped" not in r]) == 2
+    assert "INCOMPLETE" in loaders.render_markdown(result)

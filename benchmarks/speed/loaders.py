@@ -172,15 +172,29 @@ def skip_reason(variant: Variant, workers: int | None, args, cores: int) -> str 
     return None
 
 
-def run(args, device: torch.device) -> dict:
+def run(args, device: torch.device, json_path: Path) -> dict:
+    """Every variant x worker count; the JSON is rewritten after each row, so a run cut by a time limit keeps the rows
+    it measured ("complete" stays false)."""
     env = environment()
     cores = env["cpu_count"]
+    result = {
+        "benchmark": "loaders",
+        "device": _device_name(device),
+        "command": " ".join(["python -m benchmarks.speed.loaders", *sys.argv[1:]]),
+        "settings": {"batch_size": args.batch_size, "epochs": args.epochs, "workers": args.workers,
+                     "quick": args.quick, "data": str(args.data), "png_dir": str(args.png_dir)},
+        "dataset": dataset_info(args.data / "cifar10_train_raw.beton"),
+        "environment": env,
+        "complete": False,
+        "rows": [],
+    }
+    rows = result["rows"]
     if args.loaders:
         words = [w.strip() for w in args.loaders.split(",")]
         variants = [v for v in VARIANTS if any(w in v.name for w in words)]
     else:
         variants = [v for v in VARIANTS if not args.quick or v.name in QUICK_VARIANTS]
-    rows, skipped = [], set()
+    skipped = set()
     for v in variants:
         for workers in (args.workers if v.uses_workers else [None]):
             reason = skip_reason(v, workers, args, cores)
@@ -195,16 +209,9 @@ def run(args, device: torch.device) -> dict:
                   f"{row['img_s_median']:12,.0f} img/s  first epoch {row['first_epoch_s']:6.2f} s  "
                   f"setup {row['setup_s']:5.2f} s", flush=True)
             rows.append(row)
-    return {
-        "benchmark": "loaders",
-        "device": _device_name(device),
-        "command": " ".join(["python -m benchmarks.speed.loaders", *sys.argv[1:]]),
-        "settings": {"batch_size": args.batch_size, "epochs": args.epochs, "workers": args.workers,
-                     "quick": args.quick, "data": str(args.data), "png_dir": str(args.png_dir)},
-        "dataset": dataset_info(args.data / "cifar10_train_raw.beton"),
-        "environment": env,
-        "rows": rows,
-    }
+            write_json(json_path, result, indent=2)
+    result["complete"] = True
+    return result
 
 
 def _device_name(device: torch.device) -> str:
@@ -255,6 +262,7 @@ def render_markdown(result: dict) -> str:
         f"- torch {env['torch']}, CUDA {env['cuda']}, ffcv {env['ffcv']}, {env['cpu_count']} CPU cores, "
         f"commit {commit_text(env, 12)}, {env['date_utc']}",
         f"- command: `{result['command']}`",
+        *([] if result.get("complete", True) else ["- INCOMPLETE: the run stopped before its last variant"]),
         "",
         "## Steady-state images/s (median over epochs after the first)",
         "",
@@ -314,8 +322,9 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
     except (FileNotFoundError, ValueError, RuntimeError, TrainingError) as e:  # RuntimeError: a bad --device
         return fail("loaders", str(e))
-    result = run(args, device)
     out = args.out or results_dir(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run(args, device, out / "loaders.json")
     for path in write_outputs(result, out):
         print(f"loaders: wrote {path}")
     measured = [r["img_s_median"] for r in result["rows"] if "skipped" not in r]
