@@ -324,6 +324,11 @@ def render(result: dict, out: Path) -> None:
                   f"(noise floor) {pct(nf['control'])}, {ratio}: the candidate's deviation "
                   f"{'EXCEEDS' if nf['exceeds'] else 'does not exceed'} the noise floor. One control run: the floor "
                   "is one draw of the fp32-vs-fp32 deviation, not a bound.", ""]
+        if nf["control"] > c["tol"]:
+            lines += [f"**The control is outside the tolerance too** ({pct(nf['control'])} > {c['tol']:.1%}): two fp32 "
+                      "runs that differ only by an exact rewrite stray that far apart, so this check cannot tell what "
+                      "the candidate's precision does from how far any two runs drift (benchmarks/NOTES.md, item 16).",
+                      ""]
     timing = result.get("leg_timing")
     if timing:
         lines += ["Where each leg's time went (its stats.jsonl; seconds counted from the start of its training loop, "
@@ -412,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     if nf:
         floor = (f"; noise floor (control vs fp32) {pct(nf['control'])}, "
                  + (f"candidate {nf['ratio']:,.1f}x it" if nf["ratio"] is not None else "zero") + ": "
-                 + ("exceeds" if nf["exceeds"] else "does not exceed") + " the noise floor")
+                 + ("exceeds" if nf["exceeds"] else "does not exceed") + " the noise floor"
+                 + ("; the control is outside the tolerance too: the check cannot separate precision from drift"
+                    if nf["control"] > args.tol else ""))
     print(f"numerics: {result['candidate']['precision']} vs fp32: max |smoothed ratio - 1| {c['max_abs_smoothed']:.2%} "
           f"(tolerance {args.tol:.1%}) -> {'ok' if c['ok'] else 'OUTSIDE TOLERANCE'}{floor}; wrote {out}, "
           f"{out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
