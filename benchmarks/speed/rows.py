@@ -91,6 +91,11 @@ VARIANTS = (
         ("image convs not padded (model.pad_image_channels=0)", ("model.pad_image_channels=0",)),
         ("attention projections as 1x1 convs (model.attn_linear=False)", ("model.attn_linear=False",)),
     )),
+    # NOTES item 15: the fused kernels' median step beat scale-shift's while their mean did not, and the host's
+    # launches per step are the suspect; replayed CUDA graphs launch nothing per kernel. (Its scale-shift twin: the
+    # reformulations row with the command override train.compile_mode=reduce-overhead.)
+    ("fused kernels under CUDA graphs (reduce-overhead)", "+ fused GroupNorm/SiLU/dropout kernels",
+     ("train.compile_mode=reduce-overhead",)),
 )
 
 # End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
