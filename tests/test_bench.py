@@ -100,6 +100,60 @@ def test_runner_counts_flops_per_row_and_fails_when_any_row_fails(small_dataset,
     assert "github.com/kimbochen/ddpm" in md  # the published table's source, beside its figures
 
 
+def test_warm_compiles_the_compiled_rows_n_at_a_time_before_timing(small_dataset, tmp_path, monkeypatch):
+    """--warm 2 on a (pretended) GPU: the probe runs once, alone, before any warm-up job; the compiled rows (not the
+    eager one, not the autotuning one, whose choices must be timed on an idle GPU) compile two at a time in one-step
+    jobs, each held to half the GPU's memory; then every row is timed in its turn, as without --warm."""
+    import argparse
+    import threading
+    import time
+
+    from benchmarks.speed import runner
+    from benchmarks.speed.rows import Row
+
+    calls, running, peak, lock = [], [0], [0], threading.Lock()
+
+    def spawned(kind, spec, timeout, log=None):
+        with lock:
+            calls.append((kind, spec.get("overrides", [None])[-1], spec.get("iters"), spec.get("mem_fraction"),
+                          log is not None))
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05)  # long enough for a second job to start beside this one
+        with lock:
+            running[0] -= 1
+        if kind == "probe":
+            return {"status": "ok", "result": {"batch_size": 8}}
+        if kind == "env":
+            return _spawned(kind, spec, timeout)
+        return {"status": "ok", "result": {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2,
+                                           "wait_ms": [1.0] * 2, "first_step_s": 30.0 if log else 2.0,
+                                           "peak_mem_bytes": None, "sdpa_backend": "math", "config": {},
+                                           "compiled": True}}
+
+    monkeypatch.setattr(runner, "spawn", spawned)
+    monkeypatch.setattr(runner, "cuda_available", lambda: True)
+    base = ("data.loader=torch-memory",)
+    rows = [Row("eager", "tiny", (*base, "train.compile=False"), 4, baseline=True),
+            Row("compiled", "tiny", (*base, "train.compile=True"), "max"),
+            Row("autotune", "tiny", (*base, "train.compile=True", "train.compile_mode=max-autotune"), "compiled"),
+            Row("wider", "tiny", (*base, "train.compile=True", "model.base_channels=16"), "compiled")]
+    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
+                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
+                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows=None, warm=2)
+    rc, path = runner.run_table(rows, "t", args, [], [])
+    kinds = [(k, last, iters, frac, logged) for k, last, iters, frac, logged in calls if k != "env"]
+    assert kinds[0] == ("probe", "train.compile=True", None, 0.9, False)  # alone, before any warm-up job
+    warm = kinds[1:3]
+    assert sorted(w[1] for w in warm) == ["model.base_channels=16", "train.compile=True"]
+    assert all(w[0] == "row" and w[2] == 1 and w[3] == 0.5 and w[4] for w in warm) and peak[0] == 2
+    assert [(k, iters) for k, _, iters, _, _ in kinds[3:]] == [("row", 50)] * 4  # then every row, timed, in turn
+    result = json.loads(path.read_text())
+    assert rc == 0 and result["warm"] == {"jobs": 2, "rows": 2}
+    assert [(r["warm"] or {}).get("first_step_s") for r in result["rows"]] == [None, 30.0, None, 30.0]
+    assert "compiled in the --warm warm-up beside other rows (first step 30 s)" in path.with_suffix(".md").read_text()
+
+
 def test_merge_keeps_one_entry_per_key_last_wins():
     assert merge(("a=1", "b=2"), ("a=3",)) == ("a=3", "b=2")
 

@@ -1,7 +1,8 @@
 """`make bench`: the training-step tables (the published MFU table's rows, then ours), each row in a fresh process.
 
     python -m benchmarks.speed.bench --data data          # CUDA: the headline (4 rows, minutes); no CUDA: 'quick'
-    python -m benchmarks.speed.bench --data data --table full   # both models, every row (= --table both; ~45 min cold)
+    python -m benchmarks.speed.bench --data data --table full   # both models, every row (= --table both; over an hour cold)
+    python -m benchmarks.speed.bench --data data --table ddpm --warm 3   # compile the rows' graphs 3 at a time first
     python -m benchmarks.speed.bench --data data --table small --measure-peak --sampling
     python -m benchmarks.speed.bench --table sampling     # DDIM and DDPM sampling, eager vs compiled (no data read)
     python -m benchmarks.speed.bench --list --table both  # print the rows and their overrides, run nothing

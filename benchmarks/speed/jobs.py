@@ -65,6 +65,8 @@ def run_row(spec: dict) -> dict:
 
     cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.get("mem_fraction") and device.type == "cuda":  # a warm-up job sharing the GPU (runner.warm_rows)
+        torch.cuda.set_per_process_memory_fraction(spec["mem_fraction"], device)
     cfg.train.device = str(device)
     torch.manual_seed(cfg.train.seed)
     # What the compile cache held before this row: with the first step's seconds, "cold vs warm, same row".

@@ -193,6 +193,11 @@ def _row_cells(row: dict, measured: bool) -> list[str]:
     if cache and raw.get("compiled"):
         notes.append("compile cache cold (empty)" if not cache["files"] else
                      f"compile cache warm ({cache['bytes'] / 2**20:,.0f} MB before the row)")
+    warm = row.get("warm") or {}
+    if warm.get("status") == "ok":  # bench --warm: the row's cold compile happened there, beside other rows'
+        notes.append(f"compiled in the --warm warm-up beside other rows (first step {warm['first_step_s']:.0f} s)")
+    elif warm:
+        notes.append(f"its --warm warm-up failed ({warm.get('error')}); it compiled in its turn")
     cells = [
         row["name"],
         batch,

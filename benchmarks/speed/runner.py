@@ -13,10 +13,13 @@ seconds of process start per row, outside the timed region.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import DATA_HELP, PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
@@ -59,6 +62,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         "--table sampling; tiny on CPU)")
     p.add_argument("--num-synthetic", type=option(int, at_least(1)),
                    help="images in a synthetic dataset built when none exists (default: 50000 on CUDA, 4096 on CPU)")
+    p.add_argument("--warm", type=option(int, at_least(0)), default=0, metavar="N",
+                   help="CUDA: compile the compiled rows' graphs N at a time before timing any (each timed row then "
+                        "starts from the compile cache); 0: each row compiles in its turn")
     p.add_argument("--row-timeout", type=option(float, above(0)), default=1800,
                    help="seconds before a row's process is stopped")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
@@ -127,20 +133,67 @@ def row_name(row: Row, overrides: list[str]) -> str:
     return row.name + (f" [{' '.join(overrides)}]" if overrides else "")
 
 
-def spawn(kind: str, spec: dict, timeout: float) -> dict:
-    """Run one job of benchmarks.speed.jobs in a fresh Python process; its output streams through, its result comes back
-    as JSON."""
+def spawn(kind: str, spec: dict, timeout: float, log: Path | None = None) -> dict:
+    """Run one job of benchmarks.speed.jobs in a fresh Python process; its output streams through (or into `log`), its
+    result comes back as JSON."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "benchmarks.speed.jobs", kind, str(spec_path), str(result_path)]
         try:
-            proc = subprocess.run(cmd, cwd=REPO, timeout=timeout)
+            with open(log, "w") if log else contextlib.nullcontext() as out:
+                proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, stdout=out,
+                                      stderr=subprocess.STDOUT if log else None)
         except subprocess.TimeoutExpired:
             return {"status": "failed", "error": f"timed out after {timeout:.0f} s (raise --row-timeout)"}
         if not result_path.is_file():
             return {"status": "failed", "error": f"worker exited with code {proc.returncode} and no result"}
         return json.loads(result_path.read_text())
+
+
+def warm_rows(rows: list[Row], over: dict, batch_of, args: argparse.Namespace) -> dict:
+    """--warm N: compiles the compiled rows' graphs N at a time before any row is timed, each in a one-step run of the
+    row's own job, so that each timed row loads its kernels from the compile cache (ffcv_ddpm.env) instead of
+    compiling for 60-120 s in its turn. Compilation is mostly CPU work: N graphs at once take far less than N times one
+    (bench-ddp's warm-up: 3 graphs in 202 s, one alone ~120 s). Left to compile in their turn: eager rows, autotuning
+    compile modes (their choices must be timed on an idle GPU), rows without a batch. The jobs share the GPU, each
+    held to 1/N of its memory; a warm-up that fails (out of memory, say) costs its time only: its row compiles in
+    its turn. `batch_of(row, known)` is run_table's batch rule (probes run here, alone, before any warm-up job).
+    Returns {(preset, row name): {"status", "first_step_s" or "error", "seconds"}}."""
+    from ffcv_ddpm.config import load_config
+
+    known, jobs = {}, []
+    for row in rows:
+        key = (row.preset, row.name)
+        batch = batch_of(row, known)[0]
+        if batch is None:
+            continue
+        known[key] = batch
+        cfg = load_config(row.preset, over[key])
+        if cfg.train.compile and "max-autotune" not in cfg.train.compile_mode:
+            jobs.append((key, {"preset": row.preset, "overrides": over[key], "batch_size": batch, "iters": 1,
+                               "warmup": 0, "mem_fraction": 1 / args.warm}))
+    print(f"\nbench: warm-up: compiling {len(jobs)} rows' graphs, {args.warm} at a time, before timing any", flush=True)
+    t0 = time.perf_counter()
+
+    def one(job):
+        key, spec = job
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
+            got = spawn("row", spec, args.row_timeout, log=Path(tmp) / "log.txt")
+        out = {"status": got["status"], "seconds": round(time.perf_counter() - start, 1)}
+        if got["status"] == "ok":
+            out["first_step_s"] = got["result"]["first_step_s"]
+        else:
+            out["error"] = got.get("error")
+        print(f"bench: warm-up {key[0]}: {key[1]}: {out['status']} in {out['seconds']:.0f} s"
+              + (f" ({out['error']})" if "error" in out else ""), flush=True)
+        return key, out
+
+    with ThreadPoolExecutor(max_workers=args.warm) as pool:
+        done = dict(pool.map(one, jobs))
+    print(f"bench: warm-up done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return done
 
 
 def environment(cuda: bool) -> tuple[dict, str | None]:
@@ -226,6 +279,8 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "
           "each row in a fresh process" + (f"; then sampling rows of {', '.join(sample_presets)}" if sampling else ""),
           flush=True)
+    if getattr(args, "warm", 0) and not cuda:
+        print("bench: --warm ignored: the rows compile on CUDA only")
     if not cuda and table not in ("quick", "sampling"):
         print(f"bench: WARNING: table '{table}' on a CPU will take a long time; --table quick is sized for CPUs")
     dataset, built, data_dir, data_overrides = None, False, None, ()
@@ -258,7 +313,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
         "table": table,
         "note": note,
         "complete": False,  # True once every row has run (the file is rewritten after each row)
-        "planned": [[row.preset, row_name(row, overrides)] for row in rows],  # what a merge must find to call a table complete
+        "planned": [[row.preset, row_name(row, overrides)] for row in rows],  # what a merge needs for a complete table
         "command": ["python", "-m", command, *argv],
         "environment": env,
         "device_name": gpu,
@@ -288,29 +343,38 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     # ---- the rows --------------------------------------------------------------------------------------------------
     resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
     cap = min(args.max_batch, dataset["num_images"]) if dataset else None
+    over = {(row.preset, row.name): [*row_overrides(row, data_overrides, data_dir), *overrides] for row in rows}
+    probes: dict[tuple[str, str], dict] = {}  # a probe runs once, in the warm-up's planning or in the row's turn
+
+    def batch_of(row: Row, known: dict) -> tuple[int | None, str | None, dict | None, str | None]:
+        """(batch, how it was chosen, the probe's result, why there is none) of a row; `known`: the batches of the
+        rows before it."""
+        if batch_fixed:
+            return batch_fixed, "fixed by data.batch_size", None, None
+        if isinstance(row.batch, int):
+            return min(row.batch, dataset["num_images"]), None, None, None
+        if row.batch == "max" and not cuda:
+            return None, None, None, "the largest-batch probe needs CUDA; pass data.batch_size=N"
+        if row.batch == "max":
+            key = (row.preset, row.name)
+            if key not in probes:
+                probes[key] = spawn("probe", {"preset": row.preset, "overrides": over[key], "cap": cap,
+                                              "mem_fraction": args.mem_fraction}, args.row_timeout)
+            probe = probes[key]
+            how = f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory (eager probe, cap {cap})"
+            return (probe.get("result") or {}).get("batch_size"), how, probe, probe.get("error")
+        return (known.get((row.preset, row.batch)), None, None,
+                f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass "
+                "data.batch_size=N")
+
+    warmed = warm_rows(rows, over, batch_of, args) if getattr(args, "warm", 0) and cuda else {}
+    result["warm"] = {"jobs": args.warm, "rows": len(warmed)} if warmed else None
     for i, (row, row_f) in enumerate(zip(rows, row_flops), 1):
-        row_over = [*row_overrides(row, data_overrides, data_dir), *overrides]
+        row_over = over[(row.preset, row.name)]
         entry = {"name": row_name(row, overrides), "group": row.preset,
                  "preset": row.preset, "baseline": row.baseline, "overrides": row_over, "batch_rule": row.batch,
-                 "flops": row_f, "status": None, "raw": None}
-        batch_note, probe, why = None, None, None
-        if batch_fixed:
-            batch, batch_note = batch_fixed, "fixed by data.batch_size"
-        elif isinstance(row.batch, int):
-            batch = min(row.batch, dataset["num_images"])
-        elif row.batch == "max" and cuda:
-            probe = spawn("probe", {"preset": row.preset, "overrides": row_over, "cap": cap,
-                                    "mem_fraction": args.mem_fraction}, args.row_timeout)
-            batch = (probe.get("result") or {}).get("batch_size")
-            why = probe.get("error")
-            batch_note = (f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory "
-                          f"(eager probe, cap {cap})")
-        elif row.batch == "max":
-            batch, why = None, "the largest-batch probe needs CUDA; pass data.batch_size=N"
-        else:
-            batch = resolved.get((row.preset, row.batch))
-            why = (f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass "
-                   "data.batch_size=N")
+                 "flops": row_f, "status": None, "raw": None, "warm": warmed.get((row.preset, row.name))}
+        batch, batch_note, probe, why = batch_of(row, resolved)
         print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {entry['name']} (batch {batch})", flush=True)
         if batch is None:
             entry.update(status="failed", error=why)
