@@ -18,3 +18,38 @@ def test_best_plans_takes_the_fastest_fused_row_of_each_site():
             {"impl": "fused", "plan": [2048, 16384, 4], "shape": [8, 384], "fwd_bwd_ms": 3.0}]
     best = norm_bench.best_plans(rows)
     assert {k: v["plan"] for k, v in best.items()} == {"[8, 128]": [4096, 32768, 8], "[8, 384]": [2048, 16384, 4]}
+
+
+def test_a_row_is_its_median_round_with_every_round_kept():
+    rounds = [{"fwd_ms": 0.5, "fwd_bwd_ms": 1.6}, {"fwd_ms": 0.3, "fwd_bwd_ms": 1.0}, {"fwd_ms": 0.4, "fwd_bwd_ms": 1.3}]
+    shape = (1024, 128, 32, 32, 0.1, True, 32)
+    row = norm_bench.summarize("fused", (1024, 16384, 4), shape, rounds)
+    assert (row["fwd_ms"], row["fwd_bwd_ms"]) == (0.4, 1.3) and row["rounds"] == rounds
+    assert row["shape"] == [1024, 128, 32, 32, 0.1, True]
+    # 5 bf16 passes over 1024 x 128 x 32 x 32 = 1.342 GB, in 1.3 ms
+    assert abs(row["min_gb"] - 1.342) < 1e-3 and abs(row["gb_per_s_at_min_bytes"] - 1032.44) < 0.01
+
+
+def test_without_a_gpu_it_says_so(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    assert norm_bench.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_graph_timing_captures_every_implementation_on_a_gpu():
+    """On a GPU (skipped here): each implementation's forward and forward + backward, dropout included, capture into a
+    CUDA graph and replay; the times are positive and the graph's are no slower than launching from the host."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    site = norm_bench.Site((64, 128, 16, 16, 0.1, True, 32))
+    for impl in norm_bench.IMPLS:
+        graph = site.measure(impl, None, "graph", 10, 2)
+        events = site.measure(impl, None, "events", 10, 2)
+        assert 0 < graph["fwd_ms"] < graph["fwd_bwd_ms"], (impl, graph)
+        assert graph["fwd_bwd_ms"] <= 1.5 * events["fwd_bwd_ms"], (impl, graph, events)

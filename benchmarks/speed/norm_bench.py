@@ -3,12 +3,16 @@
     python -m benchmarks.speed.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 32 kernel plans per site
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
 Each implementation of ffcv_ddpm.norm.GroupNormAct (torch, scale-shift, fused) runs under torch.compile and bf16
-autocast, as in the trainer, and its output is cast to bf16 as the next convolution would. Times are medians of
-CUDA-event-timed iterations; GB/s counts the fewest bytes such a layer must move: x read and out written forward,
-x and dout read and dx written backward (5 passes of bf16), whatever the implementation actually moves.
+autocast, as in the trainer, and its output is cast to bf16 as the next convolution would. Timing (--timing graph,
+the default): --iters calls captured as one CUDA graph and replayed, so the kernels are timed without the host's
+launches between them (an H100 run launched from the host measured the same plan up to 1.9x apart in two runs:
+NOTES item 15); every implementation and plan of a site is measured --rounds times, interleaved, and a row is its
+median round. GB/s counts the fewest bytes such a layer must move: x read and out written forward, x and dout read
+and dx written backward (5 passes of bf16), whatever the implementation actually moves.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ FUSED_PLANS = {"default": ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), 
 
 
 def time_ms(fn, iters: int, warmup: int) -> float:
-    """Median ms of `iters` calls after `warmup` (timing.timed_steps: CUDA events, one sync)."""
+    """--timing events: median ms of `iters` calls after `warmup` (timing.timed_steps: CUDA events, one sync). The
+    host launches each call, so when its launch work outlasts the kernels this times the host (NOTES item 15)."""
     from ffcv_ddpm.timing import timed_steps, untimed_steps
 
     def call(_batch, _i):
@@ -46,37 +51,85 @@ def time_ms(fn, iters: int, warmup: int) -> float:
     return sorted(timed_steps(call, lambda: None, iters, "cuda").iter_ms)[iters // 2]
 
 
-def bench_one(impl: str, shape: tuple, iters: int, warmup: int, plan: tuple | None = None) -> dict:
-    from ffcv_ddpm import norm
-    from ffcv_ddpm.norm import GroupNormAct
+def graph_ms(fn, iters: int, warmup: int, reps: int = 5) -> float:
+    """--timing graph: `iters` calls captured as one CUDA graph, replayed `reps` times; the median replay's ms per
+    call. A replay launches nothing from the host, so this is the kernels' time alone, and each replay is long
+    enough (tens of ms) for the clocks to settle."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()  # the first replay uploads the graph: not timed
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        times.append((start, stop))
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) / iters for a, b in times)[reps // 2]
 
-    if plan:
-        norm.TILE_ELEMENTS, norm.CHUNK_ELEMENTS, norm.NUM_WARPS = plan
 
-    n, c, h, w, p, add, groups = shape
-    torch.manual_seed(0)
-    m = GroupNormAct(groups, c, impl, dropout=p).cuda()
-    x = (torch.randn(n, c, h, w, device="cuda") * 2 + 1).to(torch.bfloat16)
-    x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
-    e = torch.randn(n, c, device="cuda", dtype=torch.bfloat16) if add else None
-    dout = torch.randn_like(x)
+class Site:
+    """One shape's inputs and each implementation's layer, built once and timed under any plan."""
 
-    def fwd(x, e):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return m(x, add=e).to(torch.bfloat16)
+    def __init__(self, shape: tuple):
+        from ffcv_ddpm.norm import GroupNormAct
 
-    # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
-    fwd = fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
+        self.shape = shape
+        n, c, h, w, p, add, groups = shape
+        torch.manual_seed(0)
+        x = (torch.randn(n, c, h, w, device="cuda") * 2 + 1).to(torch.bfloat16)
+        self.x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+        self.e = torch.randn(n, c, device="cuda", dtype=torch.bfloat16) if add else None
+        self.dout = torch.randn_like(self.x)
+        self.layers = {}
 
-    def step():
-        x.grad = None  # no gradient accumulation kernel in the timing
-        fwd(x, e).backward(dout)
+        def layer(impl):
+            m = GroupNormAct(groups, c, impl, dropout=p).cuda()
 
-    fwd_ms = time_ms(lambda: fwd(x, e), iters, warmup)
-    both_ms = time_ms(step, iters, warmup)
-    bytes_min = 5 * x.numel() * x.element_size()
-    return {"impl": impl, "plan": plan, "shape": list(shape[:6]), "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms,
-            "min_gb": bytes_min / 1e9, "gb_per_s_at_min_bytes": bytes_min / both_ms / 1e6}
+            def fwd(x, e):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    return m(x, add=e).to(torch.bfloat16)
+
+            # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
+            return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
+
+        self.layer = layer
+
+    def measure(self, impl: str, plan: tuple | None, timing: str, iters: int, warmup: int) -> dict:
+        from ffcv_ddpm import norm
+
+        if plan:
+            norm.TILE_ELEMENTS, norm.CHUNK_ELEMENTS, norm.NUM_WARPS = plan
+        if impl not in self.layers:
+            self.layers[impl] = self.layer(impl)
+        fwd, x, e = self.layers[impl], self.x, self.e
+
+        def step():
+            x.grad = None  # no gradient accumulation kernel in the timing
+            fwd(x, e).backward(self.dout)
+
+        clock = graph_ms if timing == "graph" else time_ms
+        return {"fwd_ms": clock(lambda: fwd(x, e), iters, warmup), "fwd_bwd_ms": clock(step, iters, warmup)}
+
+
+def summarize(impl: str, plan: tuple | None, shape: tuple, rounds: list[dict]) -> dict:
+    """A row from its rounds: the median round's times, every round's, and GB/s at the fewest bytes."""
+    fwd = sorted(r["fwd_ms"] for r in rounds)
+    both = sorted(r["fwd_bwd_ms"] for r in rounds)
+    n, c, h, w = shape[:4]
+    bytes_min = 5 * n * c * h * w * 2  # bf16
+    mid = both[len(both) // 2]
+    return {"impl": impl, "plan": plan, "shape": list(shape[:6]), "fwd_ms": fwd[len(fwd) // 2], "fwd_bwd_ms": mid,
+            "rounds": rounds, "min_gb": bytes_min / 1e9, "gb_per_s_at_min_bytes": bytes_min / mid / 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,11 +137,18 @@ def main(argv: list[str] | None = None) -> int:
                epilog="Overrides read here: data.batch_size (N, default 1024), model.dropout and model.norm_groups "
                       "(of ddpm-cifar10: 0.1 and 32).")
     p.add_argument("--out", type=Path, required=True, help="folder for norm_bench.json")
-    p.add_argument("--iters", type=option(int, at_least(1)), default=20, help="timed calls per measurement")
+    p.add_argument("--iters", type=option(int, at_least(1)), default=20,
+                   help="calls per measurement (graph timing: calls per captured graph)")
     p.add_argument("--warmup", type=option(int, at_least(0)), default=5, help="calls before timing")
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
                    help="the fused kernels' tile/chunk/warp plans to sweep (grid: 32 per site)")
+    p.add_argument("--timing", choices=("graph", "events"), default="graph",
+                   help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
+                        "one from the host, CUDA events per call (what a step without CUDA graphs pays)")
+    p.add_argument("--rounds", type=option(int, at_least(1)), default=3,
+                   help="each site's implementations and plans measured this many times, interleaved; a row is its "
+                        "median round (the spread between rounds is in the JSON)")
     args, overrides = p.parse_with_overrides(argv)
     try:
         cfg = load_config("ddpm-cifar10", [*DEFAULTS, *overrides])
@@ -101,17 +161,28 @@ def main(argv: list[str] | None = None) -> int:
     from ffcv_ddpm.env import environment
 
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"environment": environment(), "device_name": torch.cuda.get_device_name(), "rows": []}
+    result = {"environment": environment(), "device_name": torch.cuda.get_device_name(), "rows": [],
+              "settings": {"timing": args.timing, "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
+                           "plans": args.plans}}
     for shape in shapes:
+        site = Site(shape)
         runs = [(impl, plan) for impl in args.impls.split(",")
                 for plan in (FUSED_PLANS[args.plans] if impl == "fused" else (None,))]
+        # Interleaved rounds: a clock or neighbour that drifts during the sweep lands on every plan alike.
+        got = {run: [] for run in runs}
+        for _ in range(args.rounds):
+            for run in runs:
+                got[run].append(site.measure(*run, args.timing, args.iters, args.warmup))
         for impl, plan in runs:
-            row = bench_one(impl, shape, args.iters, args.warmup, plan)
+            row = summarize(impl, plan, shape, got[(impl, plan)])
             result["rows"].append(row)
-            write_json(args.out / "norm_bench.json", result)
+            spread = max(r["fwd_bwd_ms"] for r in row["rounds"]) / min(r["fwd_bwd_ms"] for r in row["rounds"])
             print(f"norm_bench: {impl:12s} {str(plan or ''):12s} {str(shape[:6]):32s} fwd {row['fwd_ms']:7.3f} ms  "
-                  f"fwd+bwd {row['fwd_bwd_ms']:7.3f} ms  {row['gb_per_s_at_min_bytes']:6.0f} GB/s at the minimum bytes",
-                  flush=True)
+                  f"fwd+bwd {row['fwd_bwd_ms']:7.3f} ms (rounds {spread:.2f}x apart)  "
+                  f"{row['gb_per_s_at_min_bytes']:6.0f} GB/s at the minimum bytes", flush=True)
+        write_json(args.out / "norm_bench.json", result)  # after every site: a cut run keeps the sites measured
+        del site
+        torch.cuda.empty_cache()
     for site, best in best_plans(result["rows"]).items():
         print(f"norm_bench: fastest fused plan at {site}: {best['plan']} ({best['fwd_bwd_ms']:.3f} ms fwd+bwd)")
     return 0
