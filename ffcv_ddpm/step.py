@@ -156,8 +156,7 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
         # The DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket boundaries, so each bucket's
         # all-reduce starts while the backward of the graphs before it runs; without (the default), one graph and
         # the all-reduce after the whole backward: 0.55 ms for all 143 MB on NVLink, less than the cuts cost.
-        # dynamic=False: batches have one size (drop_last); a dynamic recompile once
-        # failed (NOTES.md).
+        # dynamic=False: batches have one size (drop_last); a dynamic recompile once failed (NOTES.md).
         dynamo_config.optimize_ddp = cfg.train.ddp_split
         net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
                             dynamic=False)

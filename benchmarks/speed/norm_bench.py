@@ -81,10 +81,8 @@ class Site:
     """One shape's inputs and each implementation's layer, built once and timed under any plan."""
 
     def __init__(self, shape: tuple):
-        from ffcv_ddpm.norm import GroupNormAct
-
         self.shape = shape
-        n, c, h, w, p, add, groups = shape
+        n, c, h, w, _, add, _ = shape
         torch.manual_seed(0)
         x = (torch.randn(n, c, h, w, device="cuda") * 2 + 1).to(torch.bfloat16)
         self.x = x.contiguous(memory_format=torch.channels_last).requires_grad_()
@@ -92,17 +90,19 @@ class Site:
         self.dout = torch.randn_like(self.x)
         self.layers = {}
 
-        def layer(impl):
-            m = GroupNormAct(groups, c, impl, dropout=p).cuda()
+    def layer(self, impl: str):
+        """The implementation's forward at this site, bf16 out as the next convolution takes it."""
+        from ffcv_ddpm.norm import GroupNormAct
 
-            def fwd(x, e):
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    return m(x, add=e).to(torch.bfloat16)
+        _, c, _, _, p, _, groups = self.shape
+        m = GroupNormAct(groups, c, impl, dropout=p).cuda()
 
-            # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
-            return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
+        def fwd(x, e):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return m(x, add=e).to(torch.bfloat16)
 
-        self.layer = layer
+        # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
+        return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
 
     def measure(self, impl: str, plan: tuple | None, timing: str, iters: int, warmup: int) -> dict:
         from ffcv_ddpm import norm
