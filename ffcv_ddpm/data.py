@@ -297,8 +297,10 @@ def epoch_order(num_images: int, cfg: DataConfig, epoch: int, rank: int, world_s
 class _FFCVBatches(BatchLoader):
     def __init__(self, cfg, device, rank, world_size):
         from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
-        from ffcv.loader import Loader, OrderOption
+        from ffcv.loader import OrderOption
         from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage
+
+        from ffcv_ddpm.ffcv_loader import OrderedLoader
 
         reader = _open_beton(cfg.path)
         height, width = _image_size(reader)
@@ -316,9 +318,9 @@ class _FFCVBatches(BatchLoader):
         label = [IntDecoder(), ToTensor(), ToDevice(device, non_blocking=True), Squeeze(1)]
         order = {"random": OrderOption.RANDOM, "quasi_random": OrderOption.QUASI_RANDOM,
                  "sequential": OrderOption.SEQUENTIAL}[cfg.order]
-        self._loader = Loader(cfg.path, batch_size=cfg.batch_size, num_workers=_ffcv_threads(cfg.num_workers),
-                              os_cache=cfg.os_cache, order=order, distributed=distributed, seed=cfg.seed,
-                              drop_last=cfg.drop_last, pipelines={"image": image, "label": label})
+        self._loader = OrderedLoader(cfg.path, batch_size=cfg.batch_size, num_workers=_ffcv_threads(cfg.num_workers),
+                                     os_cache=cfg.os_cache, order=order, distributed=distributed, seed=cfg.seed,
+                                     drop_last=cfg.drop_last, pipelines={"image": image, "label": label})
         # FFCV's QUASI_RANDOM shuffles its page table in place, so epoch e's order would depend on the epochs run
         # before it in this process; restoring the table before each epoch makes the order a function of (seed, e).
         pages = getattr(self._loader.traversal_order, "page_to_samples_array", None)
@@ -328,14 +330,11 @@ class _FFCVBatches(BatchLoader):
         return len(self._loader)
 
     def _epoch_batches(self, epoch):
-        """Starts the epoch now (not at the first next()), so that endless() can start it early."""
+        """Starts the epoch now (not at the first next()), so that endless() can start it early. No host sync: the
+        epoch's copies wait on the GPU for the work queued before it (ffcv_ddpm.ffcv_loader says why)."""
         # FFCV orders epoch e by (seed + e) (RANDOM, distributed sampler) or (seed * 912300 + e) (QUASI_RANDOM) and
         # then advances its own counter; setting the counter is how an epoch is chosen.
         self._loader.next_epoch = epoch
-        if self.device.type == "cuda":
-            # FFCV fills a new epoch's buffers from its own streams, possibly into memory that kernels still queued
-            # here have just freed: drain them first (one sync per epoch; benchmarks/NOTES.md, moved from the code).
-            torch.cuda.current_stream(self.device).synchronize()
         if self._pristine_pages is not None:
             self._loader.traversal_order.page_to_samples_array[...] = self._pristine_pages
         return _Epoch(iter(self._loader))

@@ -307,3 +307,45 @@ def test_an_ffcv_epoch_stops_its_thread_when_closed_unread_or_when_it_ends():
     assert unread.calls[:2] == ["close", "join"]
     ended = _FakeEpochIterator(2)
     assert list(_Epoch(ended)) == [1, 0] and ended.calls[:2] == ["close", "join"]
+
+
+def test_ordered_loader_is_ffcvs_loader_but_for_its_epochs():
+    """OrderedLoader.__iter__ copies ffcv's Loader.__iter__ with one class swapped: an ffcv whose epoch start changed
+    fails here rather than train with a stale copy."""
+    import inspect
+
+    from ffcv.loader import Loader
+
+    from ffcv_ddpm.ffcv_loader import OrderedLoader
+
+    def statements(method) -> list[str]:
+        lines = inspect.getsource(method).splitlines()[1:]  # the body, without the def line
+        return [s.strip() for s in lines if s.strip() and not s.strip().startswith("#")]
+
+    theirs = statements(Loader.__iter__)
+    assert theirs[-1] == "return EpochIterator(self, selected_order)"
+    assert statements(OrderedLoader.__iter__) == theirs[:-1] + ["return OrderedEpoch(self, selected_order)"]
+
+
+def test_an_ffcv_epoch_start_on_a_gpu_leaves_memory_still_being_read_alone(data):
+    """On a GPU (skipped here): a tensor freed on the host while a queued kernel still reads it, then a new FFCV epoch,
+    whose batch buffer is that tensor's size (the allocator may hand it that very block), with no host drain between:
+    the kernel reads the tensor's values, not the epoch's images, and the epoch's batch is the file."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    folder, images, labels = data
+    gpu = torch.device("cuda")
+    loader = make_loader(config(folder, "ffcv", batch_size=N, order="sequential", flip="none"), gpu)
+    sums, reused = [], 0
+    for _ in range(3):
+        live = torch.full((N, H, W, 3), 7, dtype=torch.uint8, device=gpu)  # the size of one FFCV batch buffer
+        block = range(live.untyped_storage().data_ptr(), live.untyped_storage().data_ptr() + live.numel())
+        torch.cuda._sleep(100_000_000)  # tens of ms of GPU work ahead of the read below
+        sums.append(live.sum(dtype=torch.int64))  # queued behind the sleep
+        del live  # freed here while its read is still queued
+        (x, y), = list(loader)  # one batch per epoch: the epoch starts (FFCV allocates), decodes and copies
+        reused += any(t.untyped_storage().data_ptr() in block for t in (x, y))  # the images' or the labels' buffer
+        np.testing.assert_array_equal(x.permute(0, 2, 3, 1).cpu().numpy(), images)
+        np.testing.assert_array_equal(y.cpu().numpy(), labels)
+    assert [int(s) for s in sums] == [7 * N * H * W * 3] * 3
+    assert reused, "the allocator never handed an epoch the freed block: this test exercised nothing"
