@@ -135,3 +135,18 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
                                                                   (2, [*given, "train.ddp_split=True"])]
     assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
     assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]
+
+
+def test_a_variant_that_changes_one_gpu_scales_against_its_own_one_gpu_point():
+    """CUDA graphs measured against one GPU without them read 97.2% where the same 4-GPU figure is 94.9% of one GPU
+    with them (NOTES item 18): such a variant runs one process too, and its efficiency is against that point."""
+    assert ddp.variant_counts([1, 2, 4], ["train.ddp_grad_dtype=bf16", "train.ddp_bucket_mb=200"]) == [2, 4]
+    assert ddp.variant_counts([1, 2, 4], ["train.compile_mode=reduce-overhead"]) == [1, 2, 4]
+    assert ddp.variant_counts([1, 4], ["train.ddp_split=True", "data.loader=gpu"]) == [1, 4]
+    result = {"flops_per_image": 1e9, "peak_tflops": None, "points": {
+        "per-GPU": [{"nproc": 1, "img_per_s": 100.0}, {"nproc": 4, "img_per_s": 380.0}],
+        "per-GPU, graphs": [{"nproc": 1, "img_per_s": 110.0}, {"nproc": 4, "img_per_s": 396.0}],
+        "per-GPU, bf16-grads": [{"nproc": 4, "img_per_s": 390.0}]}}
+    ddp.add_metrics(result)
+    eff = {m: [round(p["scaling_efficiency"], 4) for p in ps] for m, ps in result["points"].items()}
+    assert eff == {"per-GPU": [1.0, 0.95], "per-GPU, graphs": [1.0, 0.9], "per-GPU, bf16-grads": [0.975]}

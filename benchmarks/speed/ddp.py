@@ -296,6 +296,14 @@ def many_of(counts: list[int]) -> list[int]:
     return [n for n in counts if n > 1]
 
 
+def variant_counts(counts: list[int], extra: list[str]) -> list[int]:
+    """The process counts a variant runs: N > 1 alone when it sets only DDP's own settings (train.ddp_*: one process
+    runs the same without them); else one process too, so that its scaling is against one GPU with its settings (CUDA
+    graphs or another loader change one GPU's speed as well: NOTES item 18)."""
+    ddp_only = all(item.split("=", 1)[0].lstrip("-").startswith("train.ddp_") for item in extra)
+    return many_of(counts) if ddp_only else counts
+
+
 def loss_control(args, overrides: list[str], beton: Path, batch: int, cfg, nproc: int) -> dict:
     """One process at the global batch, the same initial weights, other random draws: another data order (data.seed)
     and another noise, timestep and dropout stream (train.noise_seed, none of the N ranks' streams). That is all an
@@ -326,8 +334,8 @@ def loss_check(points: list[dict], control: dict) -> dict:
 
 def add_metrics(result: dict) -> None:
     flops = result["flops_per_image"]
-    # Efficiency is against one process of the same mode; modes without one (the control, the variants) use
-    # the per-GPU point: one process has no DDP settings to vary.
+    # Efficiency is against one process of the same mode; modes without one (the control, variants of DDP's own
+    # settings) use the per-GPU point: one process has no DDP settings to vary.
     reference = next((p["img_per_s"] for p in result["points"].get("per-GPU", [])
                       if p["nproc"] == 1 and "error" not in p), None)
     for mode, points in result["points"].items():
@@ -439,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run N independent single-GPU trainers at once (no DDP) for each N > 1: what the host "
                         "gives N GPUs without communication")
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE]",
-                   help="also run the per-GPU points N > 1 with these overrides (repeatable), e.g. "
-                        "'bf16-grads:train.ddp_grad_dtype=bf16' or 'graph-cuts:train.ddp_split=True'")
+                   help="also run the per-GPU points with these overrides (repeatable), e.g. "
+                        "'bf16-grads:train.ddp_grad_dtype=bf16' or 'gpu-data:data.loader=gpu'; one process too "
+                        "unless it sets train.ddp_* keys alone")
     p.add_argument("--loss-check", action="store_true",
                    help="global mode: compare each N-process loss curve with the one-process curve at the same global "
                         "batch, against a one-process run from the same weights with other random draws (data order, noise, "
@@ -499,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[:1]]
     if args.control:
         plan.append((CONTROL, many, True, run_independent, overrides))
-    plan += [(f"per-GPU, {name}", many, True, run_point, [*overrides, *extra]) for name, extra in variants]
+    plan += [(f"per-GPU, {name}", variant_counts(counts, extra), True, run_point, [*overrides, *extra])
+             for name, extra in variants]
     plan += [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[1:]]
     if args.warm == "on" or (args.warm == "auto" and args.device != "cpu" and cfg.train.compile):
         result["warm_up"] = warm_up(args, warm_jobs(plan, batch), beton,
