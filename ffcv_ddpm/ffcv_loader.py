@@ -1,13 +1,13 @@
 """FFCV's Loader with one change at epoch starts: the new epoch's copies to the GPU wait, on the GPU, for the work
 queued before the epoch began, where the host used to drain the stream (imported only when an FFCV loader is built).
 
-Why (benchmarks/NOTES.md, "FFCV epochs ordered after the queued work", and item 18): each FFCV epoch allocates its device
-buffers on the current stream and fills them from its own streams. The caching allocator may hand it blocks that
-kernels still queued on the current stream (the last steps' activations) have just freed, and an unordered copy then
-overwrites live activations (seen on an H200: a NaN loss at the first step of epoch 2). Draining the stream before
-the epoch prevented that but emptied the GPU's queue once an epoch: on 4 GPUs at 512 per GPU an epoch is 24 steps,
-and every rank waited for the slowest drain. An event recorded before the allocation, waited on by the copy streams,
-gives the same order without stopping the host.
+Why (benchmarks/NOTES.md, "FFCV epochs ordered after the queued work", and item 18): each FFCV epoch allocates its
+device buffers on the current stream and fills them from its own streams. The caching allocator may hand it blocks
+that kernels still queued on the current stream (the last steps' activations) have just freed, and an unordered copy
+then overwrites live activations (seen on an H200: a NaN loss at the first step of epoch 2). Draining the stream
+before the epoch prevented that but emptied the GPU's queue once an epoch: on 4 GPUs at 512 per GPU an epoch is 24
+steps, and every rank waited for the slowest drain. An event recorded before the allocation, waited on by the copy
+streams, gives the same order without stopping the host.
 """
 
 import torch
