@@ -16,8 +16,9 @@ cold in turn, ~150 s for a DDP graph), so a 1, 2, 4-GPU comparison fits in one 1
 
 Where a loss comes from: --control runs N independent single-GPU trainers at once (no process group), the host's own
 ceiling for N GPUs (shared cores, memory, power); --allreduce times an all-reduce of the model's gradient size, the
-communication a step must hide behind its backward; --variant reruns the DDP points with other train.ddp_* settings
-(bucket size, bf16 all-reduce, graph cut at the buckets for overlap); every rank's data wait is in each point's
+communication a step must hide behind its backward; --variant reruns the DDP points with other settings: DDP's own
+(train.ddp_*: bucket size, bf16 all-reduce, graph cut at the buckets) or any other (the loader, CUDA graphs), which
+run one process too and scale against it; every rank's data wait is in each point's
 stats, and its step time as median and mean: a mean well above the median means some steps stalled.
 """
 
