@@ -119,10 +119,12 @@ def test_step_ms_tells_a_few_stalled_steps_from_a_slower_step():
 def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_path):
     """--warm on: one short run per distinct (processes, per-rank batch, overrides) of the plan (the independent
     control shares the one-process graph), recorded; the points then run as usual."""
-    plan = [("per-GPU", [1, 2], True, ddp.run_point, []), (ddp.CONTROL, [2], True, ddp.run_independent, []),
-            ("per-GPU, v", [2], True, ddp.run_point, ["train.ddp_split=True"]),
-            ("global", [1, 2], False, ddp.run_point, [])]
-    assert ddp.warm_jobs(plan, 16) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)), (2, 8, ())]
+    plan = [("per-GPU", [1, 2], True, ddp.run_point, [], 16), (ddp.CONTROL, [2], True, ddp.run_independent, [], 16),
+            ("per-GPU, v", [2], True, ddp.run_point, ["train.ddp_split=True"], 16),
+            ("per-GPU, big", [1, 2], True, ddp.run_point, ["data.batch_size=32"], 32),
+            ("global", [1, 2], False, ddp.run_point, [], 16)]
+    assert ddp.warm_jobs(plan) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)),
+                                   (1, 32, ("data.batch_size=32",)), (2, 32, ("data.batch_size=32",)), (2, 8, ())]
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
@@ -150,3 +152,16 @@ def test_a_variant_that_changes_one_gpu_scales_against_its_own_one_gpu_point():
     ddp.add_metrics(result)
     eff = {m: [round(p["scaling_efficiency"], 4) for p in ps] for m, ps in result["points"].items()}
     assert eff == {"per-GPU": [1.0, 0.95], "per-GPU, graphs": [1.0, 0.9], "per-GPU, bf16-grads": [0.975]}
+
+
+def test_a_variant_with_its_own_batch_runs_at_that_batch(data, tmp_path):
+    """data.batch_size in a --variant is that variant's batch per GPU: the point must run at it, not at the command's
+    batch (the trainer's argument list ends with the per-rank batch, so a variant's value was silently overridden)."""
+    out = tmp_path / "res"
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1", "--mode", "per-gpu",
+                   "data.batch_size=16", "--steps", "2", "--log-every", "1", "--out", str(out), "--warm", "off",
+                   "--variant", "half:data.batch_size=8"])
+    assert rc == 0
+    points = json.loads((out / "ddp.json").read_text())["points"]
+    assert [(p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU"]] == [(16, 16)]
+    assert [(p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU, half"]] == [(8, 8)]

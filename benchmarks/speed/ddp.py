@@ -17,8 +17,8 @@ cold in turn, ~150 s for a DDP graph), so a 1, 2, 4-GPU comparison fits in one 1
 Where a loss comes from: --control runs N independent single-GPU trainers at once (no process group), the host's own
 ceiling for N GPUs (shared cores, memory, power); --allreduce times an all-reduce of the model's gradient size, the
 communication a step must hide behind its backward; --variant reruns the DDP points with other settings: DDP's own
-(train.ddp_*: bucket size, bf16 all-reduce, graph cut at the buckets) or any other (the loader, CUDA graphs), which
-run one process too and scale against it; every rank's data wait is in each point's
+(train.ddp_*: bucket size, bf16 all-reduce, graph cut at the buckets) or any other (the loader, CUDA graphs, the
+batch per GPU), which run one process too and scale against it; every rank's data wait is in each point's
 stats, and its step time as median and mean: a mean well above the median means some steps stalled.
 """
 
@@ -131,11 +131,11 @@ def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batc
 WARM_IMAGES_PER_GPU = 2048  # per-rank batch summed over the warm-up runs sharing a GPU (ddpm-cifar10: ~50 GB)
 
 
-def warm_jobs(plan: list, batch: int) -> list[tuple[int, int, tuple[str, ...]]]:
+def warm_jobs(plan: list) -> list[tuple[int, int, tuple[str, ...]]]:
     """The distinct compiled graphs the plan's points run, as (processes, per-rank batch, overrides); an independent
     trainer runs the one-process graph of its batch."""
     jobs = []
-    for _, ns, per_gpu, runner, extra in plan:
+    for _, ns, per_gpu, runner, extra, batch in plan:
         for n in ns:
             job = (1 if runner is run_independent else n, batch if per_gpu else batch // n, tuple(extra))
             if job not in jobs:
@@ -471,9 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return fail("ddp", str(e))
     try:
-        variants = [parse_variant(v) for v in args.variant]
-        for _, extra in variants:
-            load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
+        variants = []  # (name, settings, batch): data.batch_size in a variant is its batch per GPU
+        for text in args.variant:
+            name, extra = parse_variant(text)
+            vcfg = load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
+            variants.append((name, extra, vcfg.data.batch_size))
     except ValueError as e:
         return fail("ddp", f"--variant: {e}")
     batch = cfg.data.batch_size
@@ -504,16 +506,16 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or results_dir(device_name)) / "ddp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     many = many_of(counts)
-    # (mode, process counts, per-rank batch rule, how a point runs, overrides): the default first, so a call cut
-    # short keeps the headline points.
-    plan = [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[:1]]
+    # (mode, process counts, per-rank batch rule, how a point runs, overrides, batch): the default first, so a call
+    # cut short keeps the headline points.
+    plan = [(m, counts, m == "per-GPU", run_point, overrides, batch) for m in modes[:1]]
     if args.control:
-        plan.append((CONTROL, many, True, run_independent, overrides))
-    plan += [(f"per-GPU, {name}", variant_counts(counts, extra), True, run_point, [*overrides, *extra])
-             for name, extra in variants]
-    plan += [(m, counts, m == "per-GPU", run_point, overrides) for m in modes[1:]]
+        plan.append((CONTROL, many, True, run_independent, overrides, batch))
+    plan += [(f"per-GPU, {name}", variant_counts(counts, extra), True, run_point, [*overrides, *extra], vbatch)
+             for name, extra, vbatch in variants]
+    plan += [(m, counts, m == "per-GPU", run_point, overrides, batch) for m in modes[1:]]
     if args.warm == "on" or (args.warm == "auto" and args.device != "cpu" and cfg.train.compile):
-        result["warm_up"] = warm_up(args, warm_jobs(plan, batch), beton,
+        result["warm_up"] = warm_up(args, warm_jobs(plan), beton,
                                     torch.cuda.device_count() if args.device != "cpu" else 1)
         write_json(out, result, indent=2)
     if args.allreduce:
@@ -525,10 +527,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench-ddp: all-reduce of {numel:,} gradients on {n}: fp32 {a['fp32']['ms_median']:.2f} ms "
                   f"({a['fp32']['bus_gb_per_s']:.0f} GB/s bus), bf16 {a['bf16']['ms_median']:.2f} ms", flush=True)
             write_json(out, result, indent=2)
-    for mode, ns, per_gpu, runner, extra in plan:
+    for mode, ns, per_gpu, runner, extra, mode_batch in plan:
         result["points"].setdefault(mode, [])
         for n in ns:
-            per_rank = batch if per_gpu else batch // n
+            per_rank = mode_batch if per_gpu else mode_batch // n
             with tempfile.TemporaryDirectory() as tmp:
                 point = runner(args, extra, beton, n, per_rank, Path(tmp))
             result["points"][mode].append(point)
