@@ -64,6 +64,10 @@ class TrainConfig:
     progress: bool = True                # tqdm progress bar
     telemetry: bool = True               # sample GPU power/util/memory/clocks via NVML into telemetry.jsonl (CUDA only)
     tensorboard: bool = False            # also stats.jsonl's numbers and the sample grids as TensorBoard events (<run>/tensorboard/)
+    # How the ranks' gradients are averaged: ddp = torch's DistributedDataParallel (buckets, the train.ddp_bucket_mb
+    # and ddp_split settings); flat = no wrapper, one all-reduce of all gradients after the backward
+    # (ffcv_ddpm.flat_allreduce: no per-gradient bucket copies).
+    ddp_reduce: str = "ddp"
     ddp_bucket_mb: float = 25.0          # DDP gradient bucket size (MB): each bucket's all-reduce starts when its grads are ready
     ddp_grad_dtype: str = "fp32"         # all-reduce precision: fp32 | bf16 (halves the bytes; averaged in bf16, DDP's bf16_compress_hook)
     # Compiled DDP: True splits the graph at bucket boundaries (all-reduce overlapped with the backward); False keeps
@@ -155,6 +159,7 @@ RULES = {
     "train.out_dir": _NONEMPTY,
     "train.ddp_bucket_mb": above(0),
     "train.ddp_grad_dtype": one_of(("fp32", "bf16")),
+    "train.ddp_reduce": one_of(("ddp", "flat")),
     "train.desc": matches("a string without '/' (it becomes part of a folder name)", lambda v: "/" not in v),
 }
 
@@ -194,6 +199,9 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
         raise BadValue(f"diffusion.beta_start={d.beta_start}: expected at most diffusion.beta_end={d.beta_end}")
     if d.process == "ve" and d.sigma_min >= d.sigma_max:
         raise BadValue(f"diffusion.sigma_min={d.sigma_min}: expected below diffusion.sigma_max={d.sigma_max}")
+    if cfg.train.ddp_reduce == "flat" and cfg.train.ddp_split:
+        raise BadValue("train.ddp_split=True cuts the compiled graph at DDP's buckets; train.ddp_reduce=flat has no "
+                       "buckets (one all-reduce after the backward): drop one of the two")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")

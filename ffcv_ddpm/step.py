@@ -19,6 +19,7 @@ from ffcv_ddpm.config import RunConfig
 from ffcv_ddpm.data import prepare_batch
 from ffcv_ddpm.diffusion import GaussianDiffusion
 from ffcv_ddpm.ema import EMA
+from ffcv_ddpm.flat_allreduce import FlatGradReducer, broadcast_parameters
 from ffcv_ddpm.sde import VEDiffusion, make_diffusion
 from ffcv_ddpm.unet import build_model
 
@@ -76,8 +77,11 @@ def set_precision(precision: str, device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
-def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig) -> Callable:
-    """One training iteration. Everything stays on the device: the caller reads the loss at log intervals."""
+def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig,
+              reduce_grads: Callable | None = None) -> Callable:
+    """One training iteration. Everything stays on the device: the caller reads the loss at log intervals.
+    reduce_grads: averages the gradients over the ranks after the backward (train.ddp_reduce=flat); None with
+    DDP's wrapper (its hooks do it inside the backward) or one process."""
     amp_dtype = AMP_DTYPES[cfg.train.precision]
     device_type = next(model.parameters()).device.type
     conditional = cfg.model.num_classes > 0
@@ -90,6 +94,8 @@ def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig
             loss = diffusion.loss(compiled, x, labels if conditional else None,
                                   null_label=cfg.model.num_classes if conditional else None)
         scaler.scale(loss).backward()
+        if reduce_grads is not None:
+            reduce_grads()
         if cfg.train.grad_clip > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip, foreach=True)
@@ -140,9 +146,14 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
                                   weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-    net = model
-    if ddp.world_size > 1:
+    net, reduce_grads = model, None
+    if ddp.world_size > 1 and cfg.train.ddp_reduce == "ddp":
         net = wrap_ddp(model, device, cfg)
+    elif ddp.world_size > 1:
+        params = [p for p in model.parameters() if p.requires_grad]
+        broadcast_parameters(params)
+        wire = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.ddp_grad_dtype]
+        reduce_grads = FlatGradReducer(params, wire)
     if cfg.train.compile and device.type == "cuda":
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config
@@ -153,14 +164,15 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
 
         # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
         inductor_config.force_layout_optimization = cfg.train.force_layout_opt
-        # The DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket boundaries, so each bucket's
-        # all-reduce starts while the backward of the graphs before it runs; without (the default), one graph and
-        # the all-reduce after the whole backward: 0.55 ms for all 143 MB on NVLink, less than the cuts cost.
+        # With train.ddp_reduce=ddp the DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket
+        # boundaries, so each bucket's all-reduce starts while the backward of the graphs before it runs; without
+        # (the default), one graph and the all-reduce after the whole backward: 0.55 ms for all 143 MB on NVLink,
+        # less than the cuts cost. With ddp_reduce=flat the model alone is compiled: the one-GPU graph.
         # dynamic=False: batches have one size (drop_last); a dynamic recompile once failed (NOTES.md).
         dynamo_config.optimize_ddp = cfg.train.ddp_split
         net = torch.compile(net, mode=None if cfg.train.compile_mode == "default" else cfg.train.compile_mode,
                             dynamic=False)
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).
     torch.manual_seed(noise_seed(cfg, ddp.rank))
-    step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg)
+    step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg, reduce_grads)
     return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)

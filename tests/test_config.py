@@ -33,11 +33,17 @@ from ffcv_ddpm.config import _SECTIONS, RULES, RunConfig, field_types, load_conf
     ("model.depthwise_separable=maybe", "model.depthwise_separable=maybe: expected True or False"),
     ("diffusion.timesteps=0", "diffusion.timesteps=0: expected an integer >= 1"),
     ("diffusion.beta_start=0.5", "diffusion.beta_start=0.5: expected at most diffusion.beta_end=0.02"),
+    ("train.ddp_reduce=nccl", "train.ddp_reduce=nccl: expected one of ddp, flat"),
 ])
 def test_bad_values_are_one_clear_line(override, message):
     with pytest.raises(BadValue) as e:
         load_config("tiny", [override])
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_graph_cuts_at_buckets_need_ddp_buckets():
+    with pytest.raises(BadValue, match="train.ddp_split=True cuts .* train.ddp_reduce=flat has no buckets"):
+        load_config("tiny", ["train.ddp_reduce=flat", "train.ddp_split=True"])
 
 
 def test_depthwise_separable_needs_dense_conv_groups():

@@ -5,7 +5,9 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -15,17 +17,28 @@ from ffcv_ddpm.train import NO_MULTICAST, check_ranks_agree
 from conftest import REPO, write_beton
 
 
-def test_two_ranks_train_in_lockstep(tmp_path):
+def train_two_ranks(tmp_path, *overrides) -> Path:
+    """The trainer under torchrun, 2 gloo ranks, 6 steps of the tiny preset; returns its run folder."""
     beton = write_beton(tmp_path / "train.beton", 64)
     env = {k: v for k, v in os.environ.items() if k not in NO_MULTICAST}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "ffcv_ddpm.train", "--preset", "tiny", "--data", str(beton), "data.batch_size=8",
            "data.num_workers=1", "train.device=cpu", "train.precision=fp32", "train.progress=False",
            "train.sample_every=0", f"train.out_dir={tmp_path / 'runs'}", "train.steps=6", "train.log_every=2",
-           "train.ckpt_every=2"]
+           "train.ckpt_every=2", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    return train_two_ranks(tmp_path_factory.mktemp("ddp"))
+
+
+def test_two_ranks_train_in_lockstep(ddp_run):
+    run_dir = ddp_run
     stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     assert [s["step"] for s in stats] == [2, 4, 6]  # one writer (rank 0), not two
     # A checkpoint is only written after every rank's weights checksum equal (check_ranks_agree).
@@ -62,6 +75,21 @@ def test_two_nodes_of_one_process_each(tmp_path):
     assert not (tmp_path / "node1").exists()
 
 
+def test_the_flat_all_reduce_trains_as_ddp_does(ddp_run, tmp_path):
+    """train.ddp_reduce=flat against DDP's wrapper, same seeds and data: the same losses and, after 6 steps, the same
+    weights bit for bit (an average of two ranks is exact in either order: DDP halves then sums, flat sums then
+    halves), and its checkpoints pass the ranks' agreement check."""
+    flat = train_two_ranks(tmp_path, "train.ddp_reduce=flat")
+    losses = [[json.loads(line)["loss"] for line in (d / "stats.jsonl").read_text().splitlines()]
+              for d in (ddp_run, flat)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    a, b = (torch.load(d / "ckpt-00000006.pt", weights_only=False) for d in (ddp_run, flat))
+    assert b["config"]["train"]["ddp_reduce"] == "flat"
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert any(not torch.equal(a["model"][k], v) for k, v in
+               torch.load(ddp_run / "ckpt-00000002.pt", weights_only=False)["model"].items())  # it trained
+
+
 def _agree_worker(rank, store, perturb, results):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -85,3 +113,69 @@ def test_check_ranks_agree_detects_a_diverged_replica(tmp_path):
             assert all("step 7: model replicas differ" in results[r] for r in (0, 1))
         else:
             assert dict(results) == {0: "agree", 1: "agree"}
+
+
+class _Net(torch.nn.Module):
+    """Conv (channels_last weights), GroupNorm, Linear: the parameter layouts of the UNet."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = torch.nn.GroupNorm(2, 8)
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)).mean((2, 3)))
+
+
+def _flat_worker(rank, store, results):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ffcv_ddpm.flat_allreduce import FlatGradReducer, broadcast_parameters
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.manual_seed(rank)  # different weights per rank: the broadcast must make them rank 0's
+    model = _Net().to(memory_format=torch.channels_last)
+    params = list(model.parameters())
+    broadcast_parameters(params)
+    twin = _Net().to(memory_format=torch.channels_last)
+    twin.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(twin, gradient_as_bucket_view=True, bucket_cap_mb=0.0001)  # several buckets
+    reducer = FlatGradReducer(params)
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(10 + rank)).to(
+        memory_format=torch.channels_last)
+    for _ in range(2):  # twice: the second step reuses the buffer, with .grad set to None in between
+        model.zero_grad(set_to_none=True)
+        ddp.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        ddp(x).square().sum().backward()
+        reducer()
+    results[rank] = {
+        "weights": [p.detach().clone() for p in params],
+        "grads": [p.grad.clone() for p in params], "ddp_grads": [p.grad.clone() for p in twin.parameters()],
+        "strides_kept": all(p.grad.stride() == p.stride() for p in params),
+        "views": all(p.grad.untyped_storage().data_ptr() == reducer.flat.untyped_storage().data_ptr()
+                     for p in params)}
+    model.conv.weight.grad = None
+    try:
+        reducer.checked = False
+        reducer()
+    except RuntimeError as e:
+        results[f"error{rank}"] = str(e)
+    dist.destroy_process_group()
+
+
+def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
+    """train.ddp_reduce=flat: weights broadcast from rank 0; after reducer() every rank holds the average of the
+    ranks' gradients, equal to DDP's (an average of two: bit-equal whatever the order), with the parameters' strides
+    (channels_last) as views of one buffer; a missing gradient is named, not averaged as garbage."""
+    results = mp.Manager().dict()
+    mp.spawn(_flat_worker, args=(str(tmp_path / "store"), results), nprocs=2)
+    r0, r1 = results[0], results[1]
+    assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
+    for r in (r0, r1):
+        assert all(torch.equal(g, d) for g, d in zip(r["grads"], r["ddp_grads"]))
+        assert r["strides_kept"] and r["views"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
+    assert not all(torch.equal(g, torch.zeros_like(g)) for g in r0["grads"])
+    assert "no gradient for 1 parameter(s) (shapes [(8, 3, 3, 3)])" in results["error0"]

@@ -1,0 +1,83 @@
+"""Data parallelism without the DDP wrapper: every rank's gradients averaged in one all-reduce after the backward.
+
+    reducer = FlatGradReducer(params, grad_dtype=torch.float32)   # after the process group is up
+    loss.backward(); reducer(); optimizer.step()                     # p.grad: the average over the ranks
+
+Why (train.ddp_reduce=flat, benchmarks/NOTES.md item 19): the trainer's backward is one compiled graph, so DDP's
+all-reduce cannot overlap it anyway, and DDP's reducer pays for its buckets on every step: each of the 304
+gradients of ddpm-cifar10 is copied (and divided) into its bucket by a kernel of its own, because the optimizer sets
+the gradients to None and the compiled backward hands back new tensors, then one all-reduce per 25 MB bucket. Here
+the gradients go into one buffer in a few batched copy kernels, one all-reduce averages it, and each parameter's
+.grad becomes a view of it (no copy back). The compiled model is the one-GPU graph: its compile cache is shared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Laid out without gaps or overlaps, so that memory order is a 1-D view (contiguous or channels_last)."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def broadcast_parameters(params: list[torch.Tensor], src: int = 0) -> None:
+    """Rank src's weights to every rank, once at the start (what DDP's constructor does): the ranks then stay equal,
+    since they apply the same averaged gradients (checked at each checkpoint by check_ranks_agree)."""
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p, src)
+
+
+class FlatGradReducer:
+    """Averages .grad of `params` over the default process group in one all-reduce of a flat buffer.
+
+    The buffer holds every gradient in its parameter's memory order (channels_last weights included: their
+    gradients have the parameter's strides, autograd's layout contract), so each .grad is set back as a view of it
+    with the parameter's shape and strides. grad_dtype=bfloat16 all-reduces a bf16 copy (half the bytes; the sum is
+    NCCL's in bf16, as DDP's bf16_compress_hook) and writes the average back in fp32."""
+
+    def __init__(self, params: list[torch.Tensor], grad_dtype: torch.dtype = torch.float32):
+        bad = [tuple(p.shape) for p in params if not is_dense(p)]
+        if bad:
+            raise ValueError(f"FlatGradReducer needs dense parameters (contiguous or channels_last); got strided ones "
+                             f"of shapes {bad[:3]}")
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.world = dist.get_world_size()
+        # NCCL averages in the all-reduce itself; gloo has no AVG: sum, then one division of the buffer.
+        self.op = dist.ReduceOp.AVG if dist.get_backend() == "nccl" else dist.ReduceOp.SUM
+        first = params[0]
+        self.flat = torch.empty(sum(self.numels), dtype=first.dtype, device=first.device)
+        self.wire = self.flat if grad_dtype == first.dtype else torch.empty_like(self.flat, dtype=grad_dtype)
+        self.views = []
+        offset = 0
+        for p, n in zip(params, self.numels):
+            self.views.append(self.flat[offset:offset + n].as_strided(p.shape, p.stride()))
+            offset += n
+        self.checked = False
+
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params]
+        if not self.checked:  # the layout of a step's gradients is the layout of every step's
+            missing = [tuple(p.shape) for p, g in zip(self.params, grads) if g is None]
+            if missing:
+                raise RuntimeError(f"no gradient for {len(missing)} parameter(s) (shapes {missing[:3]}): every "
+                                   f"parameter must take part in the loss, as with DDP's find_unused_parameters=False")
+            odd = [tuple(p.shape) for p, g in zip(self.params, grads) if g.stride() != p.stride()]
+            if odd:
+                raise RuntimeError(f"gradients laid out unlike their parameters (shapes {odd[:3]})")
+            self.checked = True
+        # Memory order, as a 1-D view: dense with the parameter's strides (checked once above). Into the fp32 buffer:
+        # CUDA's cat copies in batches of inputs only when the output has their dtype (else one copy per input).
+        torch.cat([g.as_strided((n,), (1,)) for g, n in zip(grads, self.numels)], out=self.flat)
+        if self.wire is not self.flat:
+            self.wire.copy_(self.flat)
+        dist.all_reduce(self.wire, op=self.op)  # NCCL: ordered on the GPU after the cat, no host wait
+        if self.op == dist.ReduceOp.SUM:
+            self.wire.div_(self.world)
+        if self.wire is not self.flat:
+            self.flat.copy_(self.wire)
+        for p, view in zip(self.params, self.views):
+            p.grad = view
