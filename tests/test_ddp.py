@@ -179,3 +179,48 @@ def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
     assert not all(torch.equal(g, torch.zeros_like(g)) for g in r0["grads"])
     assert "no gradient for 1 parameter(s) (shapes [(8, 3, 3, 3)])" in results["error0"]
+
+
+def _flat_nccl_worker(rank, store, results):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ffcv_ddpm.flat_allreduce import FlatGradReducer, broadcast_parameters
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
+    device = torch.device("cuda", rank)
+    torch.manual_seed(rank)
+    model = _Net().to(device, memory_format=torch.channels_last)
+    params = list(model.parameters())
+    broadcast_parameters(params)
+    twin = _Net().to(device, memory_format=torch.channels_last)
+    twin.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(twin, device_ids=[rank], gradient_as_bucket_view=True, bucket_cap_mb=0.0001)
+    reducers = {"fp32": FlatGradReducer(params), "bf16": FlatGradReducer(params, torch.bfloat16)}
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(10 + rank)).to(
+        device, memory_format=torch.channels_last)
+    ddp.zero_grad(set_to_none=True)
+    ddp(x).square().sum().backward()
+    out = {"ddp": [p.grad.cpu() for p in twin.parameters()]}
+    for name, reducer in reducers.items():
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        reducer()
+        out[name] = [p.grad.cpu() for p in params]
+        out[f"{name}_strides"] = all(p.grad.stride() == p.stride() for p in params)
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_the_flat_all_reduce_on_two_gpus_matches_ddp(tmp_path):
+    """NCCL's AVG over 2 GPUs: the fp32 average equal to DDP's, the bf16 one within bf16's rounding of it, both with
+    the parameters' (channels_last) strides and the same on both ranks."""
+    results = mp.Manager().dict()
+    mp.spawn(_flat_nccl_worker, args=(str(tmp_path / "store"), results), nprocs=2)
+    for r in (results[0], results[1]):
+        assert r["fp32_strides"] and r["bf16_strides"]
+        for d, f, b in zip(r["ddp"], r["fp32"], r["bf16"]):
+            assert torch.allclose(f, d, rtol=1e-6, atol=1e-12)
+            assert torch.allclose(b, d, rtol=2e-2, atol=1e-3 * d.abs().max().item())
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["bf16"], results[1]["bf16"]))
