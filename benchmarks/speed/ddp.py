@@ -4,7 +4,7 @@
     python -m benchmarks.speed.ddp --data data --gpus 1,2 --mode global   # global batch fixed instead of per-GPU batch
     python -m benchmarks.speed.ddp --data data --gpus 1,4 --mode per-gpu --control --allreduce \
         --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant graph-cuts:train.ddp_split=True   # where time goes
-    python -m benchmarks.speed.ddp --data data --mode per-gpu --variant flat:train.ddp_reduce=flat   # DDP vs one all-reduce
+    python -m benchmarks.speed.ddp --data data --mode per-gpu --variant flat:train.ddp_reduce=flat   # DDP or not
     python -m benchmarks.speed.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
 
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
