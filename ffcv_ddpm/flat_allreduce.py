@@ -22,6 +22,12 @@ def is_dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides along every dimension longer than 1 (a 1x1 conv's weight has strides (I, 1, I, I) in
+    channels_last and (I, 1, 1, 1) contiguous: the same memory order, as autograd's layout contract counts it)."""
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
 def broadcast_parameters(params: list[torch.Tensor], src: int = 0) -> None:
     """Rank src's weights to every rank, once at the start (what DDP's constructor does): the ranks then stay equal,
     since they apply the same averaged gradients (checked at each checkpoint by check_ranks_agree)."""
@@ -65,11 +71,11 @@ class FlatGradReducer:
             if missing:
                 raise RuntimeError(f"no gradient for {len(missing)} parameter(s) (shapes {missing[:3]}): every "
                                    f"parameter must take part in the loss, as with DDP's find_unused_parameters=False")
-            odd = [tuple(p.shape) for p, g in zip(self.params, grads) if g.stride() != p.stride()]
+            odd = [tuple(p.shape) for p, g in zip(self.params, grads) if not same_layout(g, p)]
             if odd:
                 raise RuntimeError(f"gradients laid out unlike their parameters (shapes {odd[:3]})")
             self.checked = True
-        # Memory order, as a 1-D view: dense with the parameter's strides (checked once above). Into the fp32 buffer:
+        # Memory order, as a 1-D view: dense in the parameter's layout (checked once above). Into the fp32 buffer:
         # CUDA's cat copies in batches of inputs only when the output has their dtype (else one copy per input).
         torch.cat([g.as_strided((n,), (1,)) for g, n in zip(grads, self.numels)], out=self.flat)
         if self.wire is not self.flat:

@@ -116,16 +116,21 @@ def test_check_ranks_agree_detects_a_diverged_replica(tmp_path):
 
 
 class _Net(torch.nn.Module):
-    """Conv (channels_last weights), GroupNorm, Linear: the parameter layouts of the UNet."""
+    """A 3x3 conv, a 1x1 conv's weight applied as a matrix (as the UNet's attention does: its gradient comes back
+    with contiguous strides, (8, 1, 1, 1), against the channels_last weight's (8, 1, 8, 8): the same memory order),
+    GroupNorm, Linear: the parameter layouts of the UNet."""
 
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.skip = torch.nn.Conv2d(8, 8, 1)
         self.norm = torch.nn.GroupNorm(2, 8)
         self.head = torch.nn.Linear(8, 5)
 
     def forward(self, x):
-        return self.head(self.norm(self.conv(x)).mean((2, 3)))
+        h = self.conv(x)
+        h = torch.nn.functional.linear(h.permute(0, 2, 3, 1), self.skip.weight.flatten(1), self.skip.bias)
+        return self.head(self.norm(h.permute(0, 3, 1, 2)).mean((2, 3)))
 
 
 def _flat_worker(rank, store, results):
@@ -154,6 +159,7 @@ def _flat_worker(rank, store, results):
         "weights": [p.detach().clone() for p in params],
         "grads": [p.grad.clone() for p in params], "ddp_grads": [p.grad.clone() for p in twin.parameters()],
         "strides_kept": all(p.grad.stride() == p.stride() for p in params),
+        "skip_channels_last": model.skip.weight.stride() == (8, 1, 8, 8),  # the case the layout check must accept
         "views": all(p.grad.untyped_storage().data_ptr() == reducer.flat.untyped_storage().data_ptr()
                      for p in params)}
     model.conv.weight.grad = None
@@ -175,7 +181,7 @@ def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
     for r in (r0, r1):
         assert all(torch.equal(g, d) for g, d in zip(r["grads"], r["ddp_grads"]))
-        assert r["strides_kept"] and r["views"]
+        assert r["strides_kept"] and r["views"] and r["skip_channels_last"]
     assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
     assert not all(torch.equal(g, torch.zeros_like(g)) for g in r0["grads"])
     assert "no gradient for 1 parameter(s) (shapes [(8, 3, 3, 3)])" in results["error0"]
