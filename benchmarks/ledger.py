@@ -224,6 +224,15 @@ def telemetry(path: Path, d: dict) -> str:
             f"{d['mean_power_w']:.0f} W ({d['energy_source']})")
 
 
+def reducer_ops(path: Path, d: dict) -> str:
+    """benchmarks.speed.reducer_ops: the operators DDP's reducer adds over the flat all-reduce, largest first."""
+    extra = d["ddp_minus_flat"]
+    ops = ", ".join(f"{k} {v:+d}" for k, v in list(extra["aten_ops"].items())[:3])
+    kernels = sum(v for v in extra["gpu_kernels"].values())
+    return (f"{d['preset']}, {d['params']} parameters, {d['device']}: DDP - flat {ops}"
+            + (f"; GPU kernels {kernels:+d}" if extra["gpu_kernels"] else ""))
+
+
 def _run_environment(path: Path, d: dict) -> dict | None:
     """The telemetry summary has no stamp of its own: its run's environment.json beside it is the run's."""
     env = path.parent / "environment.json"
@@ -258,6 +267,7 @@ READERS = (
     Reader("trainer run", lambda p, d: p.name == "environment.json" and "world_size" in d, trainer_run,
            stamp=lambda p, d: d),
     Reader("trainer telemetry", lambda p, d: p.name == "telemetry-summary.json", telemetry, stamp=_run_environment),
+    Reader("DDP reducer ops", lambda p, d: "ddp_minus_flat" in d, reducer_ops),
 )
 
 

@@ -1,7 +1,9 @@
 """benchmarks.speed.reducer_ops on CPU (2 gloo ranks, the tiny preset): what DDP's reducer adds per gradient."""
 
 import json
+import shutil
 
+from benchmarks import ledger
 from benchmarks.speed import reducer_ops
 
 
@@ -17,3 +19,10 @@ def test_ddp_adds_one_multiply_per_gradient_that_the_flat_all_reduce_does_not(tm
     assert result["counts"]["flat"]["aten_ops"]["aten::cat"] >= 1
     assert all(v > 0 for k, v in extra.items() if k in ("aten::mul", "aten::copy_"))
     assert "| aten::mul |" in (tmp_path / "reducer_ops.md").read_text()
+    # The results ledger lists it, its headline read from the file.
+    root = tmp_path / "results"
+    (root / "cpu" / "reducer-ops").mkdir(parents=True)
+    shutil.copy(tmp_path / "reducer_ops.json", root / "cpu" / "reducer-ops")
+    assert ledger.main(["--results", str(root)]) == 0
+    page = (root / "README.md").read_text()
+    assert f"tiny, {params} parameters, cpu: DDP - flat aten::mul +{params}" in page
