@@ -227,9 +227,10 @@ def telemetry(path: Path, d: dict) -> str:
 def reducer_ops(path: Path, d: dict) -> str:
     """benchmarks.speed.reducer_ops: the operators DDP's reducer adds over the flat all-reduce, largest first."""
     extra = d["ddp_minus_flat"]
-    ops = ", ".join(f"{k} {v:+d}" for k, v in list(extra["aten_ops"].items())[:3])
+    added = sorted(((k, v) for k, v in extra["aten_ops"].items() if v > 0), key=lambda kv: (-kv[1], kv[0]))
+    ops = ", ".join(f"{k} {v:+d}" for k, v in added[:3])
     kernels = sum(v for v in extra["gpu_kernels"].values())
-    return (f"{d['preset']}, {d['params']} parameters, {d['device']}: DDP - flat {ops}"
+    return (f"{d['preset']}, {d['params']} parameters, {d['device']}: DDP adds {ops}"
             + (f"; GPU kernels {kernels:+d}" if extra["gpu_kernels"] else ""))
 
 

@@ -25,4 +25,4 @@ def test_ddp_adds_one_multiply_per_gradient_that_the_flat_all_reduce_does_not(tm
     shutil.copy(tmp_path / "reducer_ops.json", root / "cpu" / "reducer-ops")
     assert ledger.main(["--results", str(root)]) == 0
     page = (root / "README.md").read_text()
-    assert f"tiny, {params} parameters, cpu: DDP - flat aten::mul +{params}" in page
+    assert f"tiny, {params} parameters, cpu: DDP adds aten::mul +{params}, " in page

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import write_json, write_text
+from benchmarks.common import results_dir, write_json, write_text
 from ffcv_ddpm.checks import Parser, fail
 
 MODES = ("ddp", "flat")
@@ -98,7 +98,7 @@ def count(preset: str, overrides: list[str], device_type: str) -> dict:
 def difference(a: dict, b: dict) -> dict:
     """a - b per name, the names that differ, largest first."""
     d = {k: a.get(k, 0) - b.get(k, 0) for k in set(a) | set(b)}
-    return dict(sorted(((k, v) for k, v in d.items() if v), key=lambda kv: -abs(kv[1])))
+    return dict(sorted(((k, v) for k, v in d.items() if v), key=lambda kv: (-abs(kv[1]), kv[0])))
 
 
 def render(result: dict) -> str:
@@ -116,10 +116,12 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.speed.reducer_ops", doc=__doc__, overrides=True)
+    p = Parser(prog="python -m benchmarks.speed.reducer_ops", doc=__doc__, overrides=True,
+               epilog="No --data: the inputs are random tensors at the preset's image size.")
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL on 2 GPUs")
-    p.add_argument("--out", type=Path, required=True, help="folder for reducer_ops.json and .md")
+    p.add_argument("--out", type=Path, help="folder for reducer_ops.json and .md (default: "
+                                            "benchmarks/results/<card or cpu>/reducer-ops)")
     args, overrides = p.parse_with_overrides(argv)
     import torch
 
@@ -129,18 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_config(args.preset, overrides)
     except ValueError as e:
-        return fail("reducer-ops", str(e))
+        return fail("reducer_ops", str(e))
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        return fail("reducer-ops", f"--device cuda needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+        return fail("reducer_ops", f"--device cuda needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    out = args.out or results_dir(torch.cuda.get_device_name(0) if args.device == "cuda" else None) / "reducer-ops"
     counts = count(args.preset, overrides, args.device)
     result = {"preset": args.preset, "device": args.device, "params": counts["ddp"]["params"],
-              "overrides": overrides, "command": "python -m benchmarks.speed.reducer_ops " + " ".join(sys.argv[1:] if argv is None else argv),
+              "overrides": overrides,
+              "command": "python -m benchmarks.speed.reducer_ops " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "counts": counts,
               "ddp_minus_flat": {k: difference(counts["ddp"][k], counts["flat"][k])
                                  for k in ("aten_ops", "gpu_kernels")}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_json(args.out / "reducer_ops.json", result, indent=1)
-    write_text(args.out / "reducer_ops.md", render(result))
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "reducer_ops.json", result, indent=1)
+    write_text(out / "reducer_ops.md", render(result))
     print(render(result))
     return 0
 
