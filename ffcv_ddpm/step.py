@@ -124,6 +124,18 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, cfg: RunConfig) -> Di
     return net
 
 
+def data_parallel(model: torch.nn.Module, device: torch.device,
+                  cfg: RunConfig) -> tuple[torch.nn.Module, Callable | None]:
+    """(the module the step calls, the averaging to run after its backward) by train.ddp_reduce, for a process group:
+    DDP's wrapper, which averages inside the backward (None after it), or the model itself and a FlatGradReducer
+    over its weights, broadcast from rank 0 first."""
+    if cfg.train.ddp_reduce == "ddp":
+        return wrap_ddp(model, device, cfg), None
+    params = [p for p in model.parameters() if p.requires_grad]
+    broadcast_parameters(params)
+    return model, FlatGradReducer(params, {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.ddp_grad_dtype])
+
+
 def noise_seed(cfg: RunConfig, rank: int) -> int:
     """The seed of a rank's noise, timestep and dropout draws: train.noise_seed (else train.seed) + rank. Apart from
     the weights' seed so that two runs can start from the same weights and differ in these draws alone."""
@@ -146,14 +158,7 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
                                   weight_decay=cfg.train.weight_decay, fused=fused or None, foreach=not fused)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
     ema = EMA(model, decay=cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-    net, reduce_grads = model, None
-    if ddp.world_size > 1 and cfg.train.ddp_reduce == "ddp":
-        net = wrap_ddp(model, device, cfg)
-    elif ddp.world_size > 1:
-        params = [p for p in model.parameters() if p.requires_grad]
-        broadcast_parameters(params)
-        wire = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.train.ddp_grad_dtype]
-        reduce_grads = FlatGradReducer(params, wire)
+    net, reduce_grads = data_parallel(model, device, cfg) if ddp.world_size > 1 else (model, None)
     if cfg.train.compile and device.type == "cuda":
         import torch._dynamo.config as dynamo_config
         import torch._inductor.config as inductor_config

@@ -133,22 +133,33 @@ class _Net(torch.nn.Module):
         return self.head(self.norm(h.permute(0, 3, 1, 2)).mean((2, 3)))
 
 
-def _flat_worker(rank, store, results):
+def _net_and_ddp_twin(rank: int, device: torch.device):
+    """(model, its parameters, a DDP-wrapped twin with the same weights, this rank's input): the weights drawn per
+    rank, then broadcast from rank 0 (the flat path's start), DDP's buckets tiny so that there are several."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ffcv_ddpm.flat_allreduce import FlatGradReducer, broadcast_parameters
+    from ffcv_ddpm.flat_allreduce import broadcast_parameters
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     torch.manual_seed(rank)  # different weights per rank: the broadcast must make them rank 0's
-    model = _Net().to(memory_format=torch.channels_last)
+    model = _Net().to(device, memory_format=torch.channels_last)
     params = list(model.parameters())
     broadcast_parameters(params)
-    twin = _Net().to(memory_format=torch.channels_last)
+    twin = _Net().to(device, memory_format=torch.channels_last)
     twin.load_state_dict(model.state_dict())
-    ddp = DistributedDataParallel(twin, gradient_as_bucket_view=True, bucket_cap_mb=0.0001)  # several buckets
-    reducer = FlatGradReducer(params)
+    ddp = DistributedDataParallel(twin, device_ids=[rank] if device.type == "cuda" else None,
+                                  gradient_as_bucket_view=True, bucket_cap_mb=0.0001)
     x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(10 + rank)).to(
-        memory_format=torch.channels_last)
+        device, memory_format=torch.channels_last)
+    return model, params, ddp, x
+
+
+def _flat_worker(rank, store, results):
+    from ffcv_ddpm.flat_allreduce import FlatGradReducer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    model, params, ddp, x = _net_and_ddp_twin(rank, torch.device("cpu"))
+    twin = ddp.module
+    reducer = FlatGradReducer(params)
     for _ in range(2):  # twice: the second step reuses the buffer, with .grad set to None in between
         model.zero_grad(set_to_none=True)
         ddp.zero_grad(set_to_none=True)
@@ -188,26 +199,15 @@ def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
 
 
 def _flat_nccl_worker(rank, store, results):
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ffcv_ddpm.flat_allreduce import FlatGradReducer, broadcast_parameters
+    from ffcv_ddpm.flat_allreduce import FlatGradReducer
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=2)
-    device = torch.device("cuda", rank)
-    torch.manual_seed(rank)
-    model = _Net().to(device, memory_format=torch.channels_last)
-    params = list(model.parameters())
-    broadcast_parameters(params)
-    twin = _Net().to(device, memory_format=torch.channels_last)
-    twin.load_state_dict(model.state_dict())
-    ddp = DistributedDataParallel(twin, device_ids=[rank], gradient_as_bucket_view=True, bucket_cap_mb=0.0001)
+    model, params, ddp, x = _net_and_ddp_twin(rank, torch.device("cuda", rank))
     reducers = {"fp32": FlatGradReducer(params), "bf16": FlatGradReducer(params, torch.bfloat16)}
-    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(10 + rank)).to(
-        device, memory_format=torch.channels_last)
     ddp.zero_grad(set_to_none=True)
     ddp(x).square().sum().backward()
-    out = {"ddp": [p.grad.cpu() for p in twin.parameters()]}
+    out = {"ddp": [p.grad.cpu() for p in ddp.module.parameters()]}
     for name, reducer in reducers.items():
         model.zero_grad(set_to_none=True)
         model(x).square().sum().backward()

@@ -6,10 +6,10 @@
 
 Two ranks run one backward of the preset's model (batch 1, channels_last, .grad set to None first, as the trainer's
 optimizer leaves it) and the averaging, rank 0 under torch.profiler: once with `train.ddp_reduce=ddp`
-(DistributedDataParallel, 25 MB buckets, gradient_as_bucket_view, as ffcv_ddpm.step.wrap_ddp) and once with `flat`
-(ffcv_ddpm.flat_allreduce). Counted per aten operator (and per GPU kernel with --device cuda); the backward is the
-same in both, so the difference is the averaging's own (benchmarks/NOTES.md item 19). Counts, not times: on a CPU
-they say what a GPU step would launch.
+(DistributedDataParallel as the trainer wraps it: train.ddp_bucket_mb, gradient_as_bucket_view) and once with `flat`
+(ffcv_ddpm.flat_allreduce), each built by ffcv_ddpm.step.data_parallel. Counted per aten operator (and per GPU
+kernel with --device cuda); the backward is the same in both, so the difference is the averaging's own
+(benchmarks/NOTES.md item 19). Counts, not times: on a CPU they say what a GPU step would launch.
 """
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ MODES = ("ddp", "flat")
 def _worker(rank: int, store: str, preset: str, overrides: list, device_type: str, results) -> None:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
     from torch.profiler import ProfilerActivity, profile
 
     from ffcv_ddpm.config import load_config
-    from ffcv_ddpm.flat_allreduce import FlatGradReducer
+    from ffcv_ddpm.step import data_parallel
     from ffcv_ddpm.unet import build_model
 
     cuda = device_type == "cuda"
@@ -41,19 +40,14 @@ def _worker(rank: int, store: str, preset: str, overrides: list, device_type: st
         torch.cuda.set_device(rank)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    cfg = load_config(preset, overrides)
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     out = {}
     for mode in MODES:
+        cfg = load_config(preset, [*overrides, f"train.ddp_reduce={mode}"])
         torch.manual_seed(0)
         model = build_model(cfg.model).to(device, memory_format=torch.channels_last)
         params = [p for p in model.parameters() if p.requires_grad]
-        net, reduce = model, None
-        if mode == "ddp":
-            net = DistributedDataParallel(model, device_ids=[rank] if cuda else None, gradient_as_bucket_view=True,
-                                          bucket_cap_mb=25)
-        else:
-            reduce = FlatGradReducer(params)
+        net, reduce = data_parallel(model, device, cfg)  # what the trainer builds for this mode
         g = torch.Generator(device=device).manual_seed(rank)
         x = torch.randn(1, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, device=device,
                         generator=g).to(memory_format=torch.channels_last)
