@@ -51,22 +51,27 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
-def init_distributed() -> Dist:
-    """Join torchrun's process group (NCCL on GPUs, gloo on CPU); a plain single process otherwise."""
+def init_distributed(device: str = "auto") -> Dist:
+    """Join torchrun's process group (NCCL for ranks on GPUs, gloo for ranks on the CPU, as train.device says);
+    a plain single process otherwise."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return Dist()
     if os.environ.get("FFCV_DDPM_ALLOW_NVLS") != "1":
         os.environ.update(NO_MULTICAST)
     ddp = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world_size)
-    if torch.cuda.is_available():
+    # The device's type, not whether the machine has a GPU: train.device=cpu on a GPU host needs gloo (NCCL
+    # cannot all-reduce CPU tensors).
+    backend = "nccl" if resolve_device(device, ddp).type == "cuda" else "gloo"
+    if backend == "nccl":
         torch.cuda.set_device(ddp.local_rank)
-    dist.init_process_group(backend())
+    dist.init_process_group(backend)
+    global _GLOO
+    _GLOO = backend == "gloo"
     return ddp
 
 
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+_GLOO = False  # this process joined a gloo group (see the end of the file)
 
 
 def largest_fitting_batch(step: Callable, device: torch.device, batch_size: int, image_size: int) -> int | None:
@@ -462,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache()  # before anything compiles: the compiled step is kept for the next run (ffcv_ddpm.env)
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        ddp = init_distributed()
+        ddp = init_distributed(cfg.train.device)
         train(cfg, ddp, stop)
     except (TrainingError, ValueError, FileNotFoundError) as e:
         return fail("train", f"{e}{rank()}")
@@ -482,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     rc = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and backend() == "gloo":
+    if _GLOO:
         # gloo's unjoined worker threads can abort a rank during interpreter shutdown (benchmarks/NOTES.md, moved
         # from the code); everything this run owns is closed and written by now, so the rank skips that shutdown.
         sys.stdout.flush()

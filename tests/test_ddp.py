@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ffcv_ddpm.step import TrainingError
-from ffcv_ddpm.train import NO_MULTICAST, check_ranks_agree
+from ffcv_ddpm import train as train_module
+from ffcv_ddpm.train import NO_MULTICAST, check_ranks_agree, init_distributed
 from conftest import REPO, write_beton
 
 
@@ -46,6 +47,23 @@ def test_two_ranks_train_in_lockstep(ddp_run):
     assert ckpt["world_size"] == 2
     environment = json.loads((run_dir / "environment.json").read_text())
     assert environment["world_size"] == 2 and environment["multicast_env"] == NO_MULTICAST
+
+
+@pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("auto", "nccl"), ("cuda", "nccl")])
+def test_the_backend_follows_train_device_not_the_machine(monkeypatch, device, backend):
+    """On a GPU host, ranks told train.device=cpu join gloo (NCCL cannot all-reduce CPU tensors; found on 4 H100s,
+    where the CPU tests of this file failed with 'No backend type associated with device type cpu')."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(dist, "init_process_group", lambda b: calls.append(("init", b)))
+    monkeypatch.setattr(train_module, "_GLOO", False)
+    for k, v in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "FFCV_DDPM_ALLOW_NVLS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    ddp = init_distributed(device)
+    assert (ddp.rank, ddp.local_rank, ddp.world_size) == (1, 1, 2)
+    assert calls == ([("set_device", 1)] if backend == "nccl" else []) + [("init", backend)]
+    assert train_module._GLOO == (backend == "gloo")
 
 
 def test_two_nodes_of_one_process_each(tmp_path):

@@ -214,8 +214,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
 
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
     # Under torchrun every rank runs the same steps (DDP's all-reduces need them all); rank 0 profiles and writes.
-    ddp = init_distributed()
     try:
+        ddp = init_distributed(cfg.train.device)
         device = resolve_device(cfg.train.device, ddp)
     except TrainingError as e:
         raise BenchError(str(e)) from None
