@@ -60,11 +60,11 @@ def run_row(spec: dict) -> dict:
     from ffcv_ddpm.config import load_config
     from ffcv_ddpm.data import endless, make_loader
     from ffcv_ddpm.env import cache_size, compile_cache
-    from ffcv_ddpm.step import build
+    from ffcv_ddpm.step import build, resolve_device
     from ffcv_ddpm.timing import timed_steps, untimed_steps
 
     cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device("auto")  # cuda:0, with its index: set_per_process_memory_fraction refuses a bare "cuda"
     if spec.get("mem_fraction") and device.type == "cuda":  # a warm-up job sharing the GPU (runner.warm_rows)
         torch.cuda.set_per_process_memory_fraction(spec["mem_fraction"], device)
     cfg.train.device = str(device)
