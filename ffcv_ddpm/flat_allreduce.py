@@ -13,8 +13,12 @@ the gradients go into one buffer in a few batched copy kernels, one all-reduce a
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
+
+from ffcv_ddpm.timing import elapsed_ms, mark
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -42,7 +46,11 @@ class FlatGradReducer:
     The buffer holds every gradient in its parameter's memory order (channels_last weights included: their
     gradients have the parameter's strides, autograd's layout contract), so each .grad is set back as a view of it
     with the parameter's shape and strides. grad_dtype=bfloat16 all-reduces a bf16 copy (half the bytes; the sum is
-    NCCL's in bf16, as DDP's bf16_compress_hook) and writes the average back in fp32."""
+    NCCL's in bf16, as DDP's bf16_compress_hook) and writes the average back in fp32.
+
+    Each all-reduce is timed (CUDA events, no sync; the last 4,096 kept): take_ms() after the caller's sync. A rank
+    that reaches the all-reduce early waits in it for the last one, so the ranks' times, side by side, show who
+    sets the pace and how long the others wait (benchmarks/NOTES.md item 21)."""
 
     def __init__(self, params: list[torch.Tensor], grad_dtype: torch.dtype = torch.float32):
         bad = [tuple(p.shape) for p in params if not is_dense(p)]
@@ -63,6 +71,14 @@ class FlatGradReducer:
             self.views.append(self.flat[offset:offset + n].as_strided(p.shape, p.stride()))
             offset += n
         self.checked = False
+        self.cuda = first.device.type == "cuda"
+        self.marks: deque = deque(maxlen=4096)
+
+    def take_ms(self) -> list[float]:
+        """The all-reduces' milliseconds since the last take (on CUDA: call after a sync, as at a log interval)."""
+        out = [elapsed_ms(a, b, self.cuda) for a, b in self.marks]
+        self.marks.clear()
+        return out
 
     def __call__(self) -> None:
         grads = [p.grad for p in self.params]
@@ -80,7 +96,9 @@ class FlatGradReducer:
         torch.cat([g.as_strided((n,), (1,)) for g, n in zip(grads, self.numels)], out=self.flat)
         if self.wire is not self.flat:
             self.wire.copy_(self.flat)
+        start = mark(self.cuda)
         dist.all_reduce(self.wire, op=self.op)  # NCCL: ordered on the GPU after the cat, no host wait
+        self.marks.append((start, mark(self.cuda)))
         if self.op == dist.ReduceOp.SUM:
             self.wire.div_(self.world)
         if self.wire is not self.flat:

@@ -52,6 +52,7 @@ class Trainer:
     scaler: torch.amp.GradScaler
     ema: EMA | None
     step: Callable                  # step(images_u8, labels, lr) -> loss tensor; one full iteration, no host sync
+    reducer: FlatGradReducer | None = None  # train.ddp_reduce=flat's averaging (its all-reduce times: take_ms)
 
 
 def resolve_device(name: str, ddp: Dist = Dist()) -> torch.device:
@@ -180,4 +181,4 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     # Each rank draws its own noise and timesteps (the weights above were seeded alike).
     torch.manual_seed(noise_seed(cfg, ddp.rank))
     step = make_step(model, net, diffusion, optimizer, scaler, ema, cfg, reduce_grads)
-    return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step)
+    return Trainer(cfg, device, model, diffusion, optimizer, scaler, ema, step, reduce_grads)

@@ -14,11 +14,26 @@ benchmarks that start their events after the batch arrives cannot see a slow loa
 end of the loop. On CPU (no asynchrony) the same spans are taken with perf_counter.
 """
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+
+def mark(cuda: bool):
+    """A point in time: a CUDA event recorded on the current stream (no sync), else perf_counter."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
+
+def elapsed_ms(a, b, cuda: bool) -> float:
+    """Milliseconds from mark a to mark b (CUDA: both events must have completed)."""
+    return a.elapsed_time(b) if cuda else (b - a) * 1e3
 
 
 class _StepTimer:
@@ -29,25 +44,18 @@ class _StepTimer:
         self.cuda = torch.device(device).type == "cuda"
         self._starts, self._ready = [], []
 
-    def _mark(self):
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
     def start(self):
-        self._starts.append(self._mark())
+        self._starts.append(mark(self.cuda))
 
     def data_ready(self):
-        self._ready.append(self._mark())
+        self._ready.append(mark(self.cuda))
 
     def stop(self):
         """Close the last iteration (an iteration ends where the next one starts)."""
-        self._starts.append(self._mark())
+        self._starts.append(mark(self.cuda))
 
     def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return elapsed_ms(a, b, self.cuda)
 
     def read(self) -> tuple[list[float], list[float]]:
         """(iteration ms, data-wait ms) for the iterations since the last read. Synchronizes once on CUDA."""
@@ -120,3 +128,43 @@ def untimed_steps(step: Callable[[Any, int], Any], fetch: Callable[[], Any], n: 
         step(fetch(), i)
     sync(device)
     return time.perf_counter() - t0
+
+
+class GcPauses:
+    """Python's garbage collections in this process, as gc.callbacks reports them: how many per generation, their
+    total and longest pause since the last take(). A full (generation 2) collection walks every live object, the
+    compiled graphs' included, and stalls the step it falls in; under DDP it stalls every rank at the next
+    all-reduce. Host clock only: no device sync.
+
+        pauses = GcPauses().start(); ...; pauses.take() -> {"gc_ms": ..., "gc_max_ms": ..., "gc_collections": [..]}
+    """
+
+    def __init__(self):
+        self._t0 = None
+        self._reset()
+
+    def _reset(self):
+        self.ms, self.max_ms, self.counts = 0.0, 0.0, [0, 0, 0]
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            ms = (time.perf_counter() - self._t0) * 1e3
+            self.ms += ms
+            self.max_ms = max(self.max_ms, ms)
+            self.counts[min(info["generation"], 2)] += 1
+            self._t0 = None
+
+    def start(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def take(self) -> dict:
+        out = {"gc_ms": self.ms, "gc_max_ms": self.max_ms, "gc_collections": list(self.counts)}
+        self._reset()
+        return out

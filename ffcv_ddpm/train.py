@@ -36,7 +36,7 @@ from ffcv_ddpm.sde_sampling import sample
 from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
-from ffcv_ddpm.timing import timed_steps
+from ffcv_ddpm.timing import GcPauses, timed_steps
 
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
 # symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
@@ -296,6 +296,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     telemetry = GpuTelemetry(run_dir / "telemetry.jsonl", device_index=device.index or 0,
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
     board = TensorBoardLog(run_dir, start_step) if cfg.train.tensorboard and ddp.main else None
+    pauses = GcPauses().start()  # Python's collections per interval: a long one is a slow step (NOTES item 21)
     t_start = time.perf_counter()
     step = start_step
 
@@ -346,9 +347,11 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 "data_wait_share": sum(wait_ms) / sum(iter_ms),
                 "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
                 "wall_s": time.perf_counter() - t_start,
+                **pauses.take(),
             }
             if ddp.world_size > 1:
-                stats.update(per_rank_times(wait_ms, iter_ms, device))
+                allreduce_ms = t.reducer.take_ms() if t.reducer is not None else []
+                stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))
             if evaluator is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 stats.update(evaluator(sampling_net, t.diffusion))
             if ddp.main:
@@ -375,6 +378,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
         stop.phase = "stopping"  # complete: what follows is bookkeeping
     finally:
         data.close()  # ends the loader's epoch iterator (and its prefetch thread) before the process moves on
+        pauses.stop()
         telemetry.stop()
         if board is not None:
             board.close()
@@ -387,14 +391,23 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     return run_dir
 
 
-def per_rank_times(wait_ms: list[float], iter_ms: list[float], device: torch.device) -> dict:
-    """Every rank's data-wait share and mean iteration time of this interval: a rank that waits for its data
-    stalls the others at the next all-reduce, so rank 0's own figures alone can hide where the time went."""
-    mine = torch.tensor([sum(wait_ms), sum(iter_ms), len(iter_ms)], dtype=torch.float64, device=device)
+def per_rank_times(wait_ms: list[float], iter_ms: list[float], device: torch.device, gc_ms: float = 0.0,
+                   allreduce_ms: list[float] = ()) -> dict:
+    """Every rank's data-wait share, mean iteration time and garbage-collection pauses of this interval, and with
+    train.ddp_reduce=flat its all-reduces' mean and shortest time: a rank that waits for its data or stops for a
+    collection stalls the others at the next all-reduce, where they wait (their all-reduce is longer), so rank 0's
+    own figures alone can hide where the time went."""
+    n_ar = len(allreduce_ms)
+    mine = torch.tensor([sum(wait_ms), sum(iter_ms), len(iter_ms), gc_ms, sum(allreduce_ms) / max(n_ar, 1),
+                         min(allreduce_ms, default=0.0)], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     rows = [e.tolist() for e in every]
-    return {"rank_data_wait_share": [w / i for w, i, _ in rows], "rank_iter_ms_mean": [i / n for _, i, n in rows]}
+    out = {"rank_data_wait_share": [r[0] / r[1] for r in rows], "rank_iter_ms_mean": [r[1] / r[2] for r in rows],
+           "rank_gc_ms": [r[3] for r in rows]}
+    if n_ar:
+        out |= {"rank_allreduce_ms_mean": [r[4] for r in rows], "rank_allreduce_ms_min": [r[5] for r in rows]}
+    return out
 
 
 def log(ddp: Dist, msg: str) -> None:

@@ -106,6 +106,29 @@ def test_gpu_state_reads_the_measured_intervals_of_the_telemetry(tmp_path):
     assert ddp.gpu_state(tmp_path / "none.jsonl", after_s=0.0) is None
 
 
+def test_read_run_keeps_the_slowest_step_the_collections_and_each_ranks_all_reduce(tmp_path):
+    """From stats.jsonl, after the first (compiling) interval: the slowest step, the most any rank spent collecting in
+    one interval, and with flat each rank's all-reduce time (median over intervals), in the JSON and the table."""
+    run = tmp_path / "out" / "00000-tiny"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    lines = [{"iter_ms_median": 60.0 + i, "iter_ms_max": 900.0 if i == 0 else 61.0 + 150 * (i == 2),
+              "img_per_s": 1000.0, "data_wait_share": 0.001, "peak_mem_gib": 1.0, "wall_s": i, "gc_ms": 1.0,
+              "rank_gc_ms": [1.0, 40.0 * (i == 2)], "rank_data_wait_share": [0.001, 0.002],
+              "rank_allreduce_ms_mean": [2.5 + i, 0.8]} for i in range(4)]
+    (run / "stats.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    p = ddp.read_run(tmp_path / "out")
+    assert p["slowest_step_ms"] == 211.0 and p["gc_ms_worst_interval"] == 40.0
+    assert p["allreduce_ms_by_rank"] == [4.5, 0.8]
+    p |= {"nproc": 2, "per_rank_batch": 8, "global_batch": 16, "img_per_s_per_gpu": 500.0, "mfu_per_gpu": None,
+          "scaling_efficiency": 0.97}
+    result = {"preset": "tiny", "device_name": None, "environment": {}, "command": "x", "dataset": "d",
+              "flops_per_image": 1e9, "peak_tflops": None, "precision": "fp32", "points": {"per-GPU, flat": [p]}}
+    ddp.render(result, tmp_path / "ddp")
+    row = next(line for line in (tmp_path / "ddp.md").read_text().splitlines() if line.startswith("| 2 |"))
+    assert "| 211.0, 40.0 | 4.50 / 0.80 |" in row
+
+
 def test_step_ms_tells_a_few_stalled_steps_from_a_slower_step():
     """Median over the measured intervals (the first, compiling one dropped) against the mean img/s counts: one
     interval with a stalled step moves the mean, not the median; the control (no stats) has none."""

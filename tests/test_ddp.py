@@ -106,6 +106,14 @@ def test_the_flat_all_reduce_trains_as_ddp_does(ddp_run, tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert any(not torch.equal(a["model"][k], v) for k, v in
                torch.load(ddp_run / "ckpt-00000002.pt", weights_only=False)["model"].items())  # it trained
+    # Per interval, every rank's collection pauses, and with flat its all-reduces' mean and shortest time.
+    for d, flat_run in ((ddp_run, False), (flat, True)):
+        for line in (d / "stats.jsonl").read_text().splitlines():
+            st = json.loads(line)
+            assert len(st["rank_gc_ms"]) == 2 and st["gc_ms"] == st["rank_gc_ms"][0] >= 0 and len(st["gc_collections"]) == 3
+            assert ("rank_allreduce_ms_mean" in st) == flat_run
+            if flat_run:
+                assert all(0 < lo <= m for lo, m in zip(st["rank_allreduce_ms_min"], st["rank_allreduce_ms_mean"]))
 
 
 def _agree_worker(rank, store, perturb, results):
@@ -184,7 +192,9 @@ def _flat_worker(rank, store, results):
         model(x).square().sum().backward()
         ddp(x).square().sum().backward()
         reducer()
+    times = reducer.take_ms()
     results[rank] = {
+        "times": (len(times), all(t > 0 for t in times), len(reducer.take_ms())),
         "weights": [p.detach().clone() for p in params],
         "grads": [p.grad.clone() for p in params], "ddp_grads": [p.grad.clone() for p in twin.parameters()],
         "strides_kept": all(p.grad.stride() == p.stride() for p in params),
@@ -211,6 +221,7 @@ def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
     for r in (r0, r1):
         assert all(torch.equal(g, d) for g, d in zip(r["grads"], r["ddp_grads"]))
         assert r["strides_kept"] and r["views"] and r["skip_channels_last"]
+        assert r["times"] == (2, True, 0)  # one time per all-reduce; a take empties the list
     assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
     assert not all(torch.equal(g, torch.zeros_like(g)) for g in r0["grads"])
     assert "no gradient for 1 parameter(s) (shapes [(8, 3, 3, 3)])" in results["error0"]
@@ -232,6 +243,8 @@ def _flat_nccl_worker(rank, store, results):
         reducer()
         out[name] = [p.grad.cpu() for p in params]
         out[f"{name}_strides"] = all(p.grad.stride() == p.stride() for p in params)
+        torch.cuda.synchronize()
+        out[f"{name}_ms"] = reducer.take_ms()  # CUDA events around the all-reduce
     results[rank] = out
     dist.destroy_process_group()
 
@@ -244,6 +257,7 @@ def test_the_flat_all_reduce_on_two_gpus_matches_ddp(tmp_path):
     mp.spawn(_flat_nccl_worker, args=(str(tmp_path / "store"), results), nprocs=2)
     for r in (results[0], results[1]):
         assert r["fp32_strides"] and r["bf16_strides"]
+        assert len(r["fp32_ms"]) == len(r["bf16_ms"]) == 1 and r["fp32_ms"][0] > 0 and r["bf16_ms"][0] > 0
         for d, f, b in zip(r["ddp"], r["fp32"], r["bf16"]):
             assert torch.allclose(f, d, rtol=1e-6, atol=1e-12)
             assert torch.allclose(b, d, rtol=2e-2, atol=1e-3 * d.abs().max().item())

@@ -1,13 +1,14 @@
 """The one timed loop (ffcv_ddpm.timing) on CPU: a late batch shows as data wait inside the iteration, the loss is
 summed on the device without a host read, a stop ends the loop early."""
 
+import gc
 import time
 
 import pytest
 import torch
 
 from conftest import host_syncs
-from ffcv_ddpm.timing import timed_call, timed_steps, untimed_steps
+from ffcv_ddpm.timing import GcPauses, timed_call, timed_steps, untimed_steps
 
 
 def test_a_late_batch_is_inside_the_iteration_and_counted_as_wait():
@@ -50,3 +51,26 @@ def test_timed_call_and_untimed_steps():
     calls = []
     assert untimed_steps(lambda batch, i: calls.append((batch, i)), lambda: "b", 2, "cpu") >= 0
     assert calls == [("b", 0), ("b", 1)]
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_gc_pauses_counts_collections_by_generation_and_resets():
+    pauses = GcPauses().start()
+    try:
+        garbage = [_Cycle() for _ in range(20_000)]
+        del garbage
+        gc.collect()  # a full collection: generation 2
+        gc.collect(0)
+        got = pauses.take()
+        assert got["gc_collections"][2] >= 1 and got["gc_collections"][0] >= 1
+        assert 0 < got["gc_max_ms"] <= got["gc_ms"]
+        assert pauses.take() == {"gc_ms": 0.0, "gc_max_ms": 0.0, "gc_collections": [0, 0, 0]}
+    finally:
+        pauses.stop()
+    gc.collect()
+    assert pauses.take()["gc_collections"] == [0, 0, 0]  # stopped: no longer called
+    assert pauses._callback not in gc.callbacks

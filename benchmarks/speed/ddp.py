@@ -73,6 +73,11 @@ def read_run(out_dir: Path) -> dict:
              "config": json.loads((run_dir / "config.json").read_text())}
     if "rank_data_wait_share" in steady[-1]:  # every rank's data wait: the slowest rank sets the pace
         point["max_rank_data_wait_share"] = float(np.median([max(s["rank_data_wait_share"]) for s in steady]))
+    point["slowest_step_ms"] = max(s["iter_ms_max"] for s in steady)
+    if "gc_ms" in steady[-1]:  # the most time any rank spent in Python's collections in one interval
+        point["gc_ms_worst_interval"] = max(max(s.get("rank_gc_ms", [s["gc_ms"]])) for s in steady)
+    if "rank_allreduce_ms_mean" in steady[-1]:  # flat: the rank that arrives last waits least
+        point["allreduce_ms_by_rank"] = np.median([s["rank_allreduce_ms_mean"] for s in steady], axis=0).tolist()
     gpu = gpu_state(run_dir / "telemetry.jsonl", after_s=stats[0]["wall_s"] if len(stats) > 1 else 0.0)
     if gpu:
         point["gpu0"] = gpu
@@ -372,11 +377,12 @@ def render(result: dict, out: Path) -> None:
     for mode, points in result["points"].items():
         lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
                   "| scaling efficiency | step ms (median / mean) | data wait (rank 0) | data wait (slowest rank) "
+                  "| slowest step ms, most GC ms in an interval | all-reduce ms by rank (flat) "
                   "| peak mem GiB | GPU 0 SM clock MHz (p10 / median), power W (median) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             if "error" in p:
-                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | | |")
+                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | | | | |")
                 continue
             mfu = f"{p['mfu_per_gpu']:.1%}" if p["mfu_per_gpu"] is not None else "n/a"
             eff = f"{p['scaling_efficiency']:.1%}" if p["scaling_efficiency"] is not None else "n/a"
@@ -384,12 +390,15 @@ def render(result: dict, out: Path) -> None:
             slowest = f"{p['max_rank_data_wait_share']:.2%}" if "max_rank_data_wait_share" in p else "-"
             ms = step_ms(p)
             ms = f"{ms[0]:.1f} / {ms[1]:.1f}" if ms else "-"
+            slow = (f"{p['slowest_step_ms']:.1f}, {p['gc_ms_worst_interval']:.1f}" if "gc_ms_worst_interval" in p
+                    else f"{p['slowest_step_ms']:.1f}" if "slowest_step_ms" in p else "-")
+            ar = " / ".join(f"{x:.2f}" for x in p.get("allreduce_ms_by_rank", [])) or "-"
             g = p.get("gpu0")
             gpu = (f"{g['sm_clock_mhz_p10']:.0f} / {g['sm_clock_mhz_median']:.0f}, {g['power_w_median']:.0f}" if g
                    else "-")
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
                          f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {ms} | {p['data_wait_share']:.2%} "
-                         f"| {slowest} | {mem} | {gpu} |")
+                         f"| {slowest} | {slow} | {ar} | {mem} | {gpu} |")
         lines.append("")
     lc = result.get("loss_check")
     if lc and "error" not in lc:

@@ -198,6 +198,13 @@ def main(argv: list[str] | None = None, source_factory=None) -> int:
     except KeyboardInterrupt:
         print("profile: interrupted", file=sys.stderr)
         return 130
+    finally:
+        import torch.distributed as dist
+
+        # Under torchrun on GPUs: close NCCL's communicators (it warns of leaks otherwise). gloo's group is left to
+        # the process's exit, as the trainer leaves it (ffcv_ddpm/train.py, the end of the file).
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+            dist.destroy_process_group()
     return 0
 
 
@@ -243,7 +250,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     where = f"CUDA ({device_name})" if cuda else "CPU only (CPU activities; no GPU telemetry)"
     log = print if ddp.main else (lambda *a, **k: None)
     log(f"profile: {args.preset} on {where}, batch {cfg.data.batch_size}"
-        + (f" per rank x {ddp.world_size} ranks (DDP)" if ddp.world_size > 1 else "") + f", {cfg.train.precision}, "
+        + (f" per rank x {ddp.world_size} ranks (train.ddp_reduce={cfg.train.ddp_reduce})" if ddp.world_size > 1
+           else "") + f", {cfg.train.precision}, "
           f"compile={cfg.train.compile and cuda}, attention {cfg.model.attn_impl}, loader {cfg.data.loader}; "
           f"data {beton} ({dataset['num_images']} images"
           + (", SYNTHETIC)" if dataset["synthetic"] else ")"), flush=True)
@@ -280,7 +288,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
 
     # ---- write ---------------------------------------------------------------------------------------------------
     env = {**environment(), "world_size": ddp.world_size}
-    ranks = f" per rank x {ddp.world_size} ranks (DDP, rank 0 shown)" if ddp.world_size > 1 else ""
+    ranks = (f" per rank x {ddp.world_size} ranks (train.ddp_reduce={cfg.train.ddp_reduce}, rank 0 shown)"
+             if ddp.world_size > 1 else "")
     title = (f"{args.preset}, batch {cfg.data.batch_size}{ranks}, {cfg.train.precision}, "
              f"compile={cfg.train.compile and cuda}"
              f" - {device_name or 'CPU'} - torch {env['torch']} - {commit_text(env)}")
