@@ -64,6 +64,10 @@ class TrainConfig:
     progress: bool = True                # tqdm progress bar
     telemetry: bool = True               # sample GPU power/util/memory/clocks via NVML into telemetry.jsonl (CUDA only)
     tensorboard: bool = False            # also stats.jsonl's numbers and the sample grids as TensorBoard events (<run>/tensorboard/)
+    # After the first log interval (the compiled graphs built): gc.collect(), then gc.freeze(): the objects alive
+    # then are left out of every later collection, so a full one walks only what training made since, not the
+    # compiled graphs. Off until measured (benchmarks/NOTES.md item 21: a stall of ~200 ms, one rank, all wait).
+    gc_freeze: bool = False
     # How the ranks' gradients are averaged: ddp = torch's DistributedDataParallel (buckets, the train.ddp_bucket_mb
     # and ddp_split settings); flat = no wrapper, one all-reduce of all gradients after the backward
     # (ffcv_ddpm.flat_allreduce: no per-gradient bucket copies).

@@ -8,6 +8,7 @@ Every run writes runs/<id>-<preset>[-desc]/: config.json, environment.json, stat
 samples-*.png and ckpt-*.pt (atomic, newest K kept); with train.tensorboard=True also tensorboard/ (ffcv_ddpm.tblog).
 """
 
+import gc
 import json
 import math
 import os
@@ -297,6 +298,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
     board = TensorBoardLog(run_dir, start_step) if cfg.train.tensorboard and ddp.main else None
     pauses = GcPauses().start()  # Python's collections per interval: a long one is a slow step (NOTES item 21)
+    frozen = 0  # objects gc.freeze() set aside (train.gc_freeze)
     t_start = time.perf_counter()
     step = start_step
 
@@ -349,6 +351,10 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 "wall_s": time.perf_counter() - t_start,
                 **pauses.take(),
             }
+            if cfg.train.gc_freeze and not frozen:
+                gc.collect()  # once, outside the timed steps: what is garbage now is not frozen with the rest
+                gc.freeze()
+                frozen = stats["gc_frozen_objects"] = gc.get_freeze_count()
             if ddp.world_size > 1:
                 allreduce_ms = t.reducer.take_ms() if t.reducer is not None else []
                 stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))
@@ -379,6 +385,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     finally:
         data.close()  # ends the loader's epoch iterator (and its prefetch thread) before the process moves on
         pauses.stop()
+        if frozen:
+            gc.unfreeze()  # an in-process caller gets its collector back as it was
         telemetry.stop()
         if board is not None:
             board.close()

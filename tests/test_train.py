@@ -72,6 +72,19 @@ def test_run_folder_contents(beton, tmp_path):
     assert ckpt["step"] == 8 and not any(k.startswith("_orig_mod") for k in ckpt["model"])
 
 
+def test_gc_freeze_sets_the_objects_of_the_first_interval_aside_and_gives_them_back(beton, tmp_path):
+    """train.gc_freeze: frozen once, after the first interval (its stats line says how many objects), unfrozen when
+    the run ends; every interval logs its collections either way."""
+    import gc
+
+    before = gc.get_freeze_count()
+    stats = read_stats(train_mod.train(tiny_cfg(beton, tmp_path, "train.gc_freeze=True")))
+    assert stats[0]["gc_frozen_objects"] > 1000 and all("gc_frozen_objects" not in s for s in stats[1:])
+    assert gc.get_freeze_count() == before
+    for s in stats:
+        assert s["gc_ms"] >= s["gc_max_ms"] >= 0 and len(s["gc_collections"]) == 3
+
+
 def test_loss_falls_on_a_repeated_batch(tmp_path):
     # One batch is the whole dataset and flips are off, so every step sees the same 8 images.
     one_batch = write_beton(tmp_path / "one.beton", 8, seed=1)
