@@ -136,14 +136,16 @@ class GcPauses:
     compiled graphs' included, and stalls the step it falls in; under DDP it stalls every rank at the next
     all-reduce. Host clock only: no device sync.
 
-        pauses = GcPauses().start(); ...; pauses.take() -> {"gc_ms": ..., "gc_max_ms": ..., "gc_collections": [..]}
+        pauses = GcPauses().start(); pauses.reset(); <timed steps>; pauses.take() -> {"gc_ms": ..., "gc_max_ms": ...,
+        "gc_collections": [per generation]}
     """
 
     def __init__(self):
         self._t0 = None
-        self._reset()
+        self.reset()
 
-    def _reset(self):
+    def reset(self):
+        """Forget what was counted (the trainer's bookkeeping between two intervals: not a step's pause)."""
         self.ms, self.max_ms, self.counts = 0.0, 0.0, [0, 0, 0]
 
     def _callback(self, phase: str, info: dict) -> None:
@@ -166,5 +168,5 @@ class GcPauses:
 
     def take(self) -> dict:
         out = {"gc_ms": self.ms, "gc_max_ms": self.max_ms, "gc_collections": list(self.counts)}
-        self._reset()
+        self.reset()
         return out

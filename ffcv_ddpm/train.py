@@ -322,6 +322,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     try:
         while step < cfg.train.steps:
             # ---- one log interval of timed steps (timing.timed_steps: CUDA events, one sync at its end) ----------
+            pauses.reset()  # the collections inside the interval's steps only, not the bookkeeping before them
             interval = timed_steps(one_step, lambda: next(data), min(cfg.train.log_every - step % cfg.train.log_every,
                                                                      cfg.train.steps - step), device, after_step)
             window, loss_sum, iter_ms, wait_ms = interval.steps, interval.loss_sum, interval.iter_ms, interval.wait_ms

@@ -69,6 +69,9 @@ def test_gc_pauses_counts_collections_by_generation_and_resets():
         assert got["gc_collections"][2] >= 1 and got["gc_collections"][0] >= 1
         assert 0 < got["gc_max_ms"] <= got["gc_ms"]
         assert pauses.take() == {"gc_ms": 0.0, "gc_max_ms": 0.0, "gc_collections": [0, 0, 0]}
+        gc.collect()
+        pauses.reset()
+        assert pauses.take()["gc_collections"] == [0, 0, 0]
     finally:
         pauses.stop()
     gc.collect()
