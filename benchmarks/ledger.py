@@ -234,6 +234,15 @@ def reducer_ops(path: Path, d: dict) -> str:
             + (f"; GPU kernels {kernels:+d}" if extra["gpu_kernels"] else ""))
 
 
+def floors(path: Path, d: dict) -> str:
+    """benchmarks.speed.floors: each compute class replayed alone, the memory-bound floors at the copy rate."""
+    m = d["measured"]
+    conv, norm = m["compute"].get("convolution", {}), m["memory"]["normalization"]
+    return (f"{d['preset']}, batch {m['batch']}: convolutions alone {conv.get('fwd_ms', float('nan')):.2f} ms fwd + "
+            f"{conv.get('bwd_ms', float('nan')):.2f} ms bwd; normalization floor {norm['floor_ms_5_passes']:.2f} ms "
+            f"(5 passes at {m['copy_gb_per_s']:,.0f} GB/s)")
+
+
 def _run_environment(path: Path, d: dict) -> dict | None:
     """The telemetry summary has no stamp of its own: its run's environment.json beside it is the run's."""
     env = path.parent / "environment.json"
@@ -269,6 +278,7 @@ READERS = (
            stamp=lambda p, d: d),
     Reader("trainer telemetry", lambda p, d: p.name == "telemetry-summary.json", telemetry, stamp=_run_environment),
     Reader("DDP reducer ops", lambda p, d: "ddp_minus_flat" in d, reducer_ops),
+    Reader("op-class floors", lambda p, d: {"measured", "profile_ms", "table"} <= d.keys(), floors),
 )
 
 

@@ -16,7 +16,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.bench": True, "benchmarks.speed.sweeps": True, "benchmarks.speed.profile": True,
     "benchmarks.speed.ddp": True, "benchmarks.speed.numerics": True, "benchmarks.speed.loaders": True,
     "benchmarks.speed.norm_bench": True, "benchmarks.speed.flops": True, "benchmarks.speed.trainer_vs_bench": True,
-    "benchmarks.speed.reducer_ops": True, "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
+    "benchmarks.speed.reducer_ops": True, "benchmarks.speed.floors": True, "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
@@ -54,7 +54,7 @@ def test_help_shows_an_example(name, monkeypatch, capsys):
 
 # What each config-running command needs besides the override to get as far as reading its config.
 NEEDS = {"benchmarks.quality.fid": ["--run", "RUN"], "benchmarks.speed.norm_bench": ["--out", "OUT"],
-         "benchmarks.speed.reducer_ops": ["--out", "OUT"],
+         "benchmarks.speed.reducer_ops": ["--out", "OUT"], "benchmarks.speed.floors": ["--out", "OUT"],
          "benchmarks.quality.sde": ["--out", "OUT"], "benchmarks.speed.flops": ["--preset", "tiny"],
          "benchmarks.speed.ddp": ["--device", "cpu"], "benchmarks.quality.digits": ["--out", "OUT", "--work", "WORK"],
          "benchmarks.quality.compress": ["--out", "OUT", "--work", "WORK"]}
@@ -66,7 +66,8 @@ def test_a_bad_override_is_one_line_before_anything_happens(name, tmp_path, caps
     argv = [a.replace("RUN", str(tmp_path / "run")).replace("OUT", str(tmp_path / "out"))
             .replace("WORK", str(tmp_path / "work")) for a in NEEDS.get(name, [])]
     # No data to read (their --help says so):
-    if name not in ("benchmarks.speed.flops", "benchmarks.speed.norm_bench", "benchmarks.speed.reducer_ops"):
+    if name not in ("benchmarks.speed.flops", "benchmarks.speed.norm_bench", "benchmarks.speed.reducer_ops",
+                    "benchmarks.speed.floors"):
         argv += ["--data", str(tmp_path)]
     try:
         rc = module.main([*argv, "data.batch_size=0"])

@@ -1,0 +1,307 @@
+"""The floor of each op class of one training step, measured on this device (issue 25's "what stands in the way").
+
+    python -m benchmarks.speed.floors --out /tmp/floors data.batch_size=1024          # ddpm-cifar10, the step's shapes
+    python -m benchmarks.speed.floors --out /tmp/floors data.batch_size=512 --profile PROFILE_DIR   # beside a profile
+    python -m benchmarks.speed.floors --preset tiny --out /tmp/f data.batch_size=4 model.image_size=8   # CPU, seconds
+
+One forward of the preset's model (as configured by the overrides) is recorded at a small batch: every convolution,
+transposed convolution, linear layer and scaled-dot-product attention it calls, with its arguments' shapes, and
+the input of every GroupNorm (the model rebuilt with model.norm_impl=torch, so that each site is an F.group_norm
+call). Each compute class is then replayed alone at the step's batch: its calls in order, in bf16 (fp32 on CPU),
+4-D tensors channels_last, forward, then forward + backward (the gradients the step takes: weights, and inputs
+where the step needs them), all of a class's calls captured as one CUDA graph and replayed (norm_bench's timing:
+no host launches, clocks settled). That is the class's measured floor: the same library kernels with nothing
+between them. The memory-bound classes have a floor in bytes: the GroupNorm sites' activations moved 5 times a
+step (forward read + write, backward read x, read dy, write dx: the least any kernel can do) and 8 times (the
+statistics in separate reads, what the kernels do today), at the device-to-device copy rate measured here; the
+optimizer (fused AdamW: read p, g, m, v, write p, m, v in fp32) and the EMA (read p and ema, write ema) likewise.
+With --profile (a benchmarks.speed.profile folder at the same batch), each class's time in the step stands beside
+its floor. The residual adds, casts and other pointwise work (profile class elementwise/activation) have no floor
+here: what they move depends on what is fused with what (benchmarks/NOTES.md item 13).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common import commit_text, md_table, results_dir, write_json, write_text
+from ffcv_ddpm.checks import Parser, fail
+
+RECORD_BATCH = 5  # the recorded forward's batch: a size no weight dimension of these models has (it is scaled)
+
+
+@dataclass
+class Call:
+    cls: str            # "convolution", "matmul (gemm)" or "attention": the profile's class names
+    name: str           # the torch function, e.g. conv2d
+    args: list          # tensors as TensorSpec, the rest as given
+    kwargs: dict
+
+
+@dataclass
+class TensorSpec:
+    shape: tuple
+    param: bool          # a weight or bias: its shape does not scale with the batch
+    requires_grad: bool  # the step's backward wants its gradient
+
+
+def record(model, inputs) -> tuple[list[Call], list[tuple]]:
+    """(the compute calls of one forward, the shapes of the GroupNorm inputs) of `model(*inputs)`."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    compute = {F.conv2d: "convolution", F.conv_transpose2d: "convolution", F.linear: "matmul (gemm)",
+               F.scaled_dot_product_attention: "attention"}
+    params = {id(p) for p in model.parameters()}
+
+    def spec(v):
+        if isinstance(v, torch.Tensor):
+            return TensorSpec(tuple(v.shape), id(v) in params, v.requires_grad)
+        if isinstance(v, (list, tuple)):
+            return type(v)(spec(x) for x in v)
+        return v
+
+    calls, norms = [], []
+
+    class Recorder(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in compute:
+                calls.append(Call(compute[func], func.__name__, [spec(a) for a in args],
+                                  {k: spec(v) for k, v in kwargs.items()}))
+            elif func is F.group_norm:
+                norms.append(tuple(args[0].shape))
+            return func(*args, **kwargs)
+
+    with Recorder():
+        model(*inputs)
+    return calls, norms
+
+
+def scaled(shape: tuple, batch: int) -> tuple:
+    return (batch, *shape[1:]) if shape and shape[0] == RECORD_BATCH else shape
+
+
+class Replay:
+    """A class's calls at `batch`: tensors made once (random, seeded), outputs' gradients made once; fwd() and
+    fwd_bwd() run every call in order."""
+
+    def __init__(self, calls: list[Call], batch: int, device, dtype):
+        import torch
+        import torch.nn.functional as F
+
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        self.funcs, self.args, self.kwargs, self.grads, self.wrt = [], [], [], [], []
+
+        def make(v):
+            if isinstance(v, TensorSpec):
+                shape = v.shape if v.param else scaled(v.shape, batch)
+                t = (torch.randn(shape, generator=gen) * 0.5).to(device, dtype)
+                if t.dim() == 4:
+                    t = t.contiguous(memory_format=torch.channels_last)
+                return t.requires_grad_(v.requires_grad)
+            if isinstance(v, (list, tuple)):
+                return type(v)(make(x) for x in v)
+            return v
+
+        for c in calls:
+            func = getattr(F, c.name)
+            args, kwargs = [make(a) for a in c.args], {k: make(v) for k, v in c.kwargs.items()}
+            out = func(*args, **kwargs)
+            self.funcs.append(func)
+            self.args.append(args)
+            self.kwargs.append(kwargs)
+            self.grads.append(torch.randn_like(out))
+            self.wrt.append([t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.requires_grad])
+            del out
+
+    def fwd(self):
+        import torch
+
+        with torch.no_grad():
+            for f, a, k in zip(self.funcs, self.args, self.kwargs):
+                f(*a, **k)
+
+    def fwd_bwd(self):
+        import torch
+
+        for f, a, k, g, wrt in zip(self.funcs, self.args, self.kwargs, self.grads, self.wrt):
+            out = f(*a, **k)
+            if wrt:
+                torch.autograd.grad(out, wrt, g)
+
+
+def clock_ms(fn, cuda: bool, iters: int) -> float:
+    """ms per call of fn: on CUDA `iters` calls as one CUDA graph (norm_bench.graph_ms), on CPU the median of
+    `iters` timed calls after one untimed."""
+    if cuda:
+        from benchmarks.speed.norm_bench import graph_ms
+
+        return graph_ms(fn, iters, warmup=2)
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_gb_per_s(device, cuda: bool, mib: int) -> float:
+    """Device-to-device copy rate, bytes read + written per second (a copy kernel's streaming rate)."""
+    import torch
+
+    n = mib * 2**20 // 4
+    src, dst = torch.rand(n, device=device), torch.empty(n, device=device)
+    ms = clock_ms(lambda: dst.copy_(src), cuda, iters=20)
+    return 2 * n * 4 / (ms / 1e3) / 1e9
+
+
+def model_differences(profiled: dict, model) -> list[str]:
+    """The overrides that make `model` the profiled one, as key=value (norm_impl aside: it changes no compute call
+    and the normalization's floor is counted from the sites' shapes)."""
+    import dataclasses
+
+    mine = dataclasses.asdict(model)
+    norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731  (JSON has lists)
+    return [f"model.{k}={tuple(v) if isinstance(v, list) else v}".replace(" ", "") for k, v in profiled.items()
+            if k in mine and k != "norm_impl" and norm(mine[k]) != v]
+
+
+def profile_classes(folder: Path) -> tuple[dict, dict]:
+    """(ms per step by class, the profile's summary) of a benchmarks.speed.profile folder."""
+    summary = json.loads((folder / "summary.json").read_text())
+    return {c["class"]: c["ms_per_step"] for c in summary["profile"]["classes"]}, summary
+
+
+def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
+    import dataclasses
+
+    import torch
+
+    from benchmarks.speed.flops import _inputs
+    from ffcv_ddpm.unet import build_model
+
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    model = build_model(cfg.model).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    x, t, y = _inputs(cfg.model, RECORD_BATCH, device)
+    calls, _ = record(model.train(), (x, t, *([y] if y is not None else [])))
+    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch")).to(device)
+    _, norms = record(ref.train(), (x, t, *([y] if y is not None else [])))
+    del model, ref
+
+    classes = {}
+    for cls in ("convolution", "matmul (gemm)", "attention"):
+        mine = [c for c in calls if c.cls == cls]
+        if not mine:
+            continue
+        replay = Replay(mine, batch, device, dtype)
+        fwd = clock_ms(replay.fwd, cuda, iters)
+        both = clock_ms(replay.fwd_bwd, cuda, iters)
+        classes[cls] = {"calls": len(mine), "fwd_ms": fwd, "fwd_bwd_ms": both, "bwd_ms": both - fwd}
+        del replay
+        if cuda:
+            torch.cuda.empty_cache()
+    rate = copy_gb_per_s(device, cuda, copy_mib)
+    elem = torch.finfo(dtype).bits // 8
+    norm_bytes = sum(scaled(s, batch)[0] * int(torch.Size(s[1:]).numel()) for s in norms) * elem  # one pass
+    ms = lambda nbytes: nbytes / (rate * 1e9) * 1e3  # noqa: E731
+    memory = {"normalization": {"sites": len(norms), "bytes_per_pass": norm_bytes,
+                                "floor_ms_5_passes": ms(5 * norm_bytes), "floor_ms_8_passes": ms(8 * norm_bytes)},
+              "optimizer": {"params": n_params, "floor_ms": ms(7 * 4 * n_params) + ms(3 * 4 * n_params)}}
+    return {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "copy_gb_per_s": rate, "compute": classes,
+            "memory": memory}
+
+
+def table(result: dict) -> list[list[str]]:
+    """One row per profile class: the step's ms (if a profile was given), the floor, the gap."""
+    m, step = result["measured"], result.get("profile_ms") or {}
+    conv, mm, att = (m["compute"].get(k, {}) for k in ("convolution", "matmul (gemm)", "attention"))
+    norm, opt = m["memory"]["normalization"], m["memory"]["optimizer"]
+    rows = [("convolution fwd", conv.get("fwd_ms"), f"{conv.get('calls', 0)} calls alone, forward"),
+            ("convolution bwd", conv.get("bwd_ms"), "the same, data + weight gradients"),
+            ("matmul (gemm)", mm.get("fwd_bwd_ms"), f"{mm.get('calls', 0)} linear layers alone, fwd + bwd"),
+            ("attention", att.get("fwd_bwd_ms"), f"{att.get('calls', 0)} SDPA calls alone, fwd + bwd"),
+            ("normalization", norm["floor_ms_5_passes"],
+             f"{norm['sites']} sites x 5 passes at the copy rate ({norm['floor_ms_8_passes']:.2f} ms at 8)"),
+            ("optimizer", opt["floor_ms"], "fused AdamW + EMA bytes at the copy rate"),
+            ("elementwise/activation", None, "no floor: depends on what is fused with what")]
+    out = []
+    for cls, floor, how in rows:
+        have = step.get(cls)
+        gap = f"{have - floor:.2f}" if have is not None and floor is not None else "-"
+        out.append([cls, f"{have:.2f}" if have is not None else "-", f"{floor:.2f}" if floor is not None else "-",
+                    gap, how])
+    return out
+
+
+def render(result: dict) -> str:
+    m = result["measured"]
+    lines = [f"# Op-class floors: {result['preset']}, batch {m['batch']}, {m['dtype']} - "
+             f"{result['device_name'] or 'CPU'}", "",
+             f"- commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}; command: "
+             f"`{result['command']}`",
+             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write); "
+             + (f"step ms from the profile {result['profile']}" if result.get("profile") else "no profile given"), "",
+             *md_table(["class", "in the step, ms", "floor, ms", "gap, ms", "the floor is"], table(result))]
+    step = result.get("profile_ms")
+    if step:
+        floor = sum(float(r[2]) for r in table(result) if r[2] != "-")
+        lines += ["", f"Sum of the floors: {floor:.2f} ms, against {sum(step.values()):.2f} ms of kernels in the step "
+                      "(elementwise and everything else at zero)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(prog="python -m benchmarks.speed.floors", doc=__doc__, overrides=True,
+               epilog="No --data: the inputs are random tensors at the step's shapes. data.batch_size is the batch "
+                      "the classes are replayed at (the step's, per GPU).")
+    p.add_argument("--preset", default="ddpm-cifar10")
+    p.add_argument("--out", type=Path, help="folder for floors.json and .md (default: benchmarks/results/<card>/floors)")
+    p.add_argument("--profile", type=Path, help="a benchmarks.speed.profile folder (summary.json) at the same batch")
+    p.add_argument("--iters", type=int, default=5, help="calls per timing (CUDA: per graph replay)")
+    p.add_argument("--copy-mib", type=int, default=1024, help="MiB copied to measure the copy rate")
+    args, overrides = p.parse_with_overrides(argv)
+    import torch
+
+    from ffcv_ddpm.config import load_config
+    from ffcv_ddpm.env import environment
+
+    try:
+        cfg = load_config(args.preset, overrides)
+        prof, summary = profile_classes(args.profile) if args.profile else (None, None)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        return fail("floors", str(e))
+    if summary and summary["config"]["data"]["batch_size"] != cfg.data.batch_size:
+        return fail("floors", f"the profile ran at batch {summary['config']['data']['batch_size']}, these floors at "
+                              f"{cfg.data.batch_size}: pass data.batch_size={summary['config']['data']['batch_size']}")
+    if summary and (odd := model_differences(summary["config"].get("model", {}), cfg.model)):
+        return fail("floors", f"the profile's model differs from this one (the shapes would not be the step's): pass "
+                              f"{' '.join(odd)}")
+    cuda = torch.cuda.is_available()
+    device_name = torch.cuda.get_device_name(0) if cuda else None
+    out = args.out or results_dir(device_name) / "floors"
+    result = {"preset": args.preset, "overrides": overrides, "device_name": device_name,
+              "command": "python -m benchmarks.speed.floors " + " ".join(sys.argv[1:] if argv is None else argv),
+              "environment": environment(), "profile": str(args.profile) if args.profile else None,
+              "profile_ms": prof,
+              "measured": measure(cfg, cfg.data.batch_size, cuda, args.iters, args.copy_mib)}
+    result["table"] = table(result)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "floors.json", result)
+    write_text(out / "floors.md", render(result))
+    print(render(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
