@@ -190,6 +190,7 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
+    torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark  # the step's algorithm choice (searched in warm-up)
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device)
     n_params = sum(p.numel() for p in model.parameters())
