@@ -369,3 +369,46 @@ def test_sampling_table_end_to_end(tmp_path):
     md = (out / "sampling.md").read_text()
     assert "## Sampling throughput" in md and "| tiny | ddim | 5 | default | fp32 | 2 |" in md
     assert "1.00x" in md and (out / "sampling.png").is_file()
+
+
+def test_a_row_whose_batch_comes_from_an_unselected_row_gets_the_full_tables_batch(small_dataset, tmp_path,
+                                                                                   monkeypatch):
+    """--rows with part of a table (a table split over calls or GPUs): a row whose batch is an earlier row's, when
+    that row is not selected, runs at the batch that row's own rule gives (here through two unselected rows to a
+    probe), as in the full table; without the whole table to look in, it fails as before, saying why."""
+    import argparse
+
+    from benchmarks.speed import runner
+    from benchmarks.speed.rows import Row
+
+    ran = []
+
+    def spawned(kind, spec, timeout, log=None):
+        if kind == "probe":
+            ran.append(("probe", None))
+            return {"status": "ok", "result": {"batch_size": 8}}
+        if kind == "env":
+            return _spawned(kind, spec, timeout)
+        ran.append(("row", spec["batch_size"]))
+        return {"status": "ok", "result": {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2,
+                                           "wait_ms": [1.0] * 2, "first_step_s": 2.0, "peak_mem_bytes": None,
+                                           "sdpa_backend": "math", "config": {}, "compiled": True}}
+
+    monkeypatch.setattr(runner, "spawn", spawned)
+    monkeypatch.setattr(runner, "cuda_available", lambda: True)
+    base = ("data.loader=torch-memory",)
+    table = [Row("eager", "tiny", (*base, "train.compile=False"), 4, baseline=True),
+             Row("compiled", "tiny", (*base, "train.compile=True"), "max"),
+             Row("channels_last", "tiny", (*base, "train.compile=True", "train.channels_last=True"), "compiled"),
+             Row("wider", "tiny", (*base, "train.compile=True", "model.base_channels=16"), "channels_last")]
+    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
+                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
+                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows="wider")
+    rc, path = runner.run_table(table[3:], "t", args, [], [], table_rows=table)
+    (row,) = json.loads(path.read_text())["rows"]
+    assert rc == 0 and ran == [("probe", None), ("row", 8)]
+    assert row["raw"]["batch_note"].startswith("as row 'channels_last' (not selected here): as row 'compiled'")
+    ran.clear()
+    rc, path = runner.run_table(table[3:], "t", args, [], [])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert rc == 1 and ran == [] and "which did not run (failed or not selected)" in row["error"]

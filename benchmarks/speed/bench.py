@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, overrides = parse_args(argv)
         table = args.table or ("headline" if cuda_available() else "quick")
-        rows = resolve_rows(TABLES[table](baseline_loader(args)), args.rows)
+        table_rows = TABLES[table](baseline_loader(args))
+        rows = resolve_rows(table_rows, args.rows)
         if args.list:
             check_overrides(rows, overrides)
             for i, row in enumerate(rows, 1):
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{i:2d}. [{row.preset}] {row.name}  (batch: {batch})\n"
                       f"    {' '.join([*row.overrides, *overrides])}")
             return 0
-        rc, _ = run_table(rows, table, args, overrides, argv, name=args.name)
+        rc, _ = run_table(rows, table, args, overrides, argv, name=args.name, table_rows=table_rows)
         return rc
     except BenchError as e:
         return fail("bench", str(e))

@@ -256,10 +256,12 @@ def save(result: dict, json_path: Path) -> None:
 
 def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: list[str], argv: list[str],
               command: str = "benchmarks.speed.bench", name: str | None = None,
-              note: str | None = None) -> tuple[int, Path]:
+              note: str | None = None, table_rows: list[Row] | None = None) -> tuple[int, Path]:
     """Runs `rows` (each in its own process, the command's `overrides` after each row's) and writes
     <out>/<name or table>.json, .md, .png; returns (exit status: 1 if any row failed, the JSON's path). `note`: a
-    line for the report's header (what the rows start from)."""
+    line for the report's header (what the rows start from). `table_rows`: the whole table `rows` were selected
+    from; a selected row whose batch comes from an unselected one gets the batch that row's own rule gives (its
+    probe, if it has one), so that a table split over calls runs each row at its full-table batch."""
     from benchmarks.speed.report import add_metrics, terminal_table, write_reports
     from ffcv_ddpm.data import dataset_info
 
@@ -343,7 +345,8 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     # ---- the rows --------------------------------------------------------------------------------------------------
     resolved: dict[tuple[str, str], int] = {}  # (preset, row name) -> the batch it ran at
     cap = min(args.max_batch, dataset["num_images"]) if dataset else None
-    over = {(row.preset, row.name): [*row_overrides(row, data_overrides, data_dir), *overrides] for row in rows}
+    over = {(row.preset, row.name): [*row_overrides(row, data_overrides, data_dir), *overrides]
+            for row in [*rows, *(table_rows or [])]}  # an unselected row's too: its probe may give a batch
     probes: dict[tuple[str, str], dict] = {}  # a probe runs once, in the warm-up's planning or in the row's turn
 
     def batch_of(row: Row, known: dict) -> tuple[int | None, str | None, dict | None, str | None]:
@@ -363,7 +366,13 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
             probe = probes[key]
             how = f"largest batch of the ladder fitting {args.mem_fraction:.0%} of GPU memory (eager probe, cap {cap})"
             return (probe.get("result") or {}).get("batch_size"), how, probe, probe.get("error")
-        return (known.get((row.preset, row.batch)), None, None,
+        if (row.preset, row.batch) in known:
+            return known[(row.preset, row.batch)], None, None, None
+        source = next((r for r in table_rows or [] if (r.preset, r.name) == (row.preset, row.batch)), None)
+        if source is not None and source not in rows:  # not selected: its batch as its own rule gives it
+            batch, how, probe, why = batch_of(source, known)
+            return batch, f"as row '{source.name}' (not selected here){': ' + how if how else ''}", probe, why
+        return (None, None, None,
                 f"its batch comes from row '{row.batch}', which did not run (failed or not selected); pass "
                 "data.batch_size=N")
 

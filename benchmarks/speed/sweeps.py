@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         loader = baseline_loader(args)
         for name in names:
             table = f"sweep-{name}"
-            rows = resolve_rows(SWEEPS[name].rows(preset, loader, cuda), args.rows)
+            table_rows = SWEEPS[name].rows(preset, loader, cuda)
+            rows = resolve_rows(table_rows, args.rows)
             if args.list:
                 check_overrides(rows, overrides)
                 print(f"{table} ({preset}):")
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nsweeps: {table} ({preset})", flush=True)
             stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
             code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.speed.sweeps",
-                                        name=stem, note=NOTE)
+                                        name=stem, note=NOTE, table_rows=table_rows)
             rc = max(rc, code)
             result = json.loads(json_path.read_text())
             png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
