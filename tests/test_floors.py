@@ -34,6 +34,15 @@ def test_recorded_calls_scale_with_the_batch_and_weights_do_not():
     assert first[1].param and first[1].requires_grad
     replay = floors.Replay(convs[:2], 3, torch.device("cpu"), torch.float32)
     assert replay.args[0][0].shape[0] == 3 and replay.args[0][1].shape == first[1].shape
+    assert replay.args[0][0].is_contiguous()  # recorded from a contiguous model: replayed so
+    # The layout the call saw, reproduced: a channels_last model's convolutions replay channels_last tensors.
+    cl = build_model(cfg.model).to(memory_format=torch.channels_last)
+    calls_cl, _ = floors.record(cl.train(), (x.contiguous(memory_format=torch.channels_last), t,
+                                             *([y] if y is not None else [])))
+    again = floors.Replay([c for c in calls_cl if c.cls == "convolution"][1:2], 3, torch.device("cpu"), torch.float32)
+    act, weight = again.args[0][:2]
+    assert act.is_contiguous(memory_format=torch.channels_last) and not act.is_contiguous()
+    assert weight.is_contiguous(memory_format=torch.channels_last)
     assert replay.wrt[0] and all(t.requires_grad for t in replay.wrt[0])
     replay.fwd()
     replay.fwd_bwd()

@@ -8,7 +8,7 @@ One forward of the preset's model (as configured by the overrides) is recorded a
 transposed convolution, linear layer and scaled-dot-product attention it calls, with its arguments' shapes, and
 the input of every GroupNorm (the model rebuilt with model.norm_impl=torch, so that each site is an F.group_norm
 call). Each compute class is then replayed alone at the step's batch: its calls in order, in bf16 (fp32 on CPU),
-4-D tensors channels_last, forward, then forward + backward (the gradients the step takes: weights, and inputs
+every tensor in the memory layout the call saw (channels_last as the step has it), forward, then forward + backward (the gradients the step takes: weights, and inputs
 where the step needs them), all of a class's calls captured as one CUDA graph and replayed (norm_bench's timing:
 no host launches, clocks settled). That is the class's measured floor: the same library kernels with nothing
 between them. The memory-bound classes have a floor in bytes: the GroupNorm sites' activations moved 5 times a
@@ -48,6 +48,8 @@ class TensorSpec:
     shape: tuple
     param: bool          # a weight or bias: its shape does not scale with the batch
     requires_grad: bool  # the step's backward wants its gradient
+    order: tuple = ()    # the dims from the largest stride to the smallest: the memory layout (channels_last, a
+                         # transposed attention input) the call saw, reproduced in the replay
 
 
 def record(model, inputs) -> tuple[list[Call], list[tuple]]:
@@ -62,7 +64,8 @@ def record(model, inputs) -> tuple[list[Call], list[tuple]]:
 
     def spec(v):
         if isinstance(v, torch.Tensor):
-            return TensorSpec(tuple(v.shape), id(v) in params, v.requires_grad)
+            order = tuple(sorted(range(v.dim()), key=lambda d: (-v.stride(d), d)))
+            return TensorSpec(tuple(v.shape), id(v) in params, v.requires_grad, order)
         if isinstance(v, (list, tuple)):
             return type(v)(spec(x) for x in v)
         return v
@@ -102,9 +105,9 @@ class Replay:
         def make(v):
             if isinstance(v, TensorSpec):
                 shape = v.shape if v.param else scaled(v.shape, batch)
-                t = (torch.randn(shape, generator=gen) * 0.5).to(device, dtype)
-                if t.dim() == 4:
-                    t = t.contiguous(memory_format=torch.channels_last)
+                order = v.order or tuple(range(len(shape)))
+                t = torch.randn([shape[d] for d in order], generator=gen) * 0.5  # laid out in memory order
+                t = t.to(device, dtype).permute([order.index(d) for d in range(len(shape))])
                 return t.requires_grad_(v.requires_grad)
             if isinstance(v, (list, tuple)):
                 return type(v)(make(x) for x in v)
@@ -191,13 +194,15 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark  # the step's algorithm choice (searched in warm-up)
+    layout = torch.channels_last if cfg.train.channels_last else torch.contiguous_format  # the step's layout
     torch.manual_seed(0)
-    model = build_model(cfg.model).to(device)
+    model = build_model(cfg.model).to(device, memory_format=layout)
     n_params = sum(p.numel() for p in model.parameters())
     x, t, y = _inputs(cfg.model, RECORD_BATCH, device)
-    calls, _ = record(model.train(), (x, t, *([y] if y is not None else [])))
-    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch")).to(device)
-    _, norms = record(ref.train(), (x, t, *([y] if y is not None else [])))
+    inputs = (x.contiguous(memory_format=layout), t, *([y] if y is not None else []))
+    calls, _ = record(model.train(), inputs)
+    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch")).to(device, memory_format=layout)
+    _, norms = record(ref.train(), inputs)
     del model, ref
 
     classes = {}
