@@ -8,10 +8,10 @@ One forward of the preset's model (as configured by the overrides) is recorded a
 transposed convolution, linear layer and scaled-dot-product attention it calls, with its arguments' shapes, and
 the input of every GroupNorm (the model rebuilt with model.norm_impl=torch, so that each site is an F.group_norm
 call). Each compute class is then replayed alone at the step's batch: its calls in order, in bf16 (fp32 on CPU),
-every tensor in the memory layout the call saw (channels_last as the step has it), forward, then forward + backward (the gradients the step takes: weights, and inputs
-where the step needs them), all of a class's calls captured as one CUDA graph and replayed (norm_bench's timing:
-no host launches, clocks settled). That is the class's measured floor: the same library kernels with nothing
-between them. The memory-bound classes have a floor in bytes: the GroupNorm sites' activations moved 5 times a
+every tensor in the memory layout the call saw (channels_last as the step has it), forward, then forward + backward
+(the gradients the step takes: weights, and inputs where the step needs them), all of a class's calls captured as
+one CUDA graph and replayed (norm_bench's timing: no host launches, clocks settled). That is the class's measured
+floor: the same library kernels with nothing between them. The memory-bound classes have a floor in bytes: the GroupNorm sites' activations moved 5 times a
 step (forward read + write, backward read x, read dy, write dx: the least any kernel can do) and 8 times (the
 statistics in separate reads, what the kernels do today), at the device-to-device copy rate measured here; the
 optimizer (fused AdamW: read p, g, m, v, write p, m, v in fp32) and the EMA (read p and ema, write ema) likewise.
@@ -99,15 +99,15 @@ class Replay:
         import torch
         import torch.nn.functional as F
 
-        gen = torch.Generator(device="cpu").manual_seed(0)
+        gen = torch.Generator(device=device).manual_seed(0)  # drawn on the device: GBs of activations at 1024
         self.funcs, self.args, self.kwargs, self.grads, self.wrt = [], [], [], [], []
 
         def make(v):
             if isinstance(v, TensorSpec):
                 shape = v.shape if v.param else scaled(v.shape, batch)
                 order = v.order or tuple(range(len(shape)))
-                t = torch.randn([shape[d] for d in order], generator=gen) * 0.5  # laid out in memory order
-                t = t.to(device, dtype).permute([order.index(d) for d in range(len(shape))])
+                t = torch.randn([shape[d] for d in order], generator=gen, device=device, dtype=dtype) * 0.5
+                t = t.permute([order.index(d) for d in range(len(shape))])  # made in memory order, seen as the call's
                 return t.requires_grad_(v.requires_grad)
             if isinstance(v, (list, tuple)):
                 return type(v)(make(x) for x in v)
@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                epilog="No --data: the inputs are random tensors at the step's shapes. data.batch_size is the batch "
                       "the classes are replayed at (the step's, per GPU).")
     p.add_argument("--preset", default="ddpm-cifar10")
-    p.add_argument("--out", type=Path, help="folder for floors.json and .md (default: benchmarks/results/<card>/floors)")
+    p.add_argument("--out", type=Path,
+                   help="folder for floors.json and .md (default: benchmarks/results/<card>/floors)")
     p.add_argument("--profile", type=Path, help="a benchmarks.speed.profile folder (summary.json) at the same batch")
     p.add_argument("--iters", type=int, default=5, help="calls per timing (CUDA: per graph replay)")
     p.add_argument("--copy-mib", type=int, default=1024, help="MiB copied to measure the copy rate")
