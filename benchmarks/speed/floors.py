@@ -11,10 +11,11 @@ call). Each compute class is then replayed alone at the step's batch: its calls 
 every tensor in the memory layout the call saw (channels_last as the step has it), forward, then forward + backward
 (the gradients the step takes: weights, and inputs where the step needs them), all of a class's calls captured as
 one CUDA graph and replayed (norm_bench's timing: no host launches, clocks settled). That is the class's measured
-floor: the same library kernels with nothing between them. The memory-bound classes have a floor in bytes: the GroupNorm sites' activations moved 5 times a
-step (forward read + write, backward read x, read dy, write dx: the least any kernel can do) and 8 times (the
-statistics in separate reads, what the kernels do today), at the device-to-device copy rate measured here; the
-optimizer (fused AdamW: read p, g, m, v, write p, m, v in fp32) and the EMA (read p and ema, write ema) likewise.
+floor: the same library kernels with nothing between them. The memory-bound classes have a floor in bytes: the
+GroupNorm sites' activations moved 5 times a step (forward read + write, backward read x, read dy, write dx: the
+least any kernel can do) and 8 times (the statistics in separate reads, what the kernels do today), at the
+device-to-device copy rate measured here; the optimizer (fused AdamW: read p, g, m, v, write p, m, v in fp32) and
+the EMA (read p and ema, write ema) likewise.
 With --profile (a benchmarks.speed.profile folder at the same batch), each class's time in the step stands beside
 its floor. The residual adds, casts and other pointwise work (profile class elementwise/activation) have no floor
 here: what they move depends on what is fused with what (benchmarks/NOTES.md item 13).
