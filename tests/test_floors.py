@@ -71,6 +71,10 @@ def test_floors_beside_a_profile_and_in_the_ledger(tmp_path, capsys):
         5.0 - conv["fwd_ms"], abs=0.01)
     assert rows["elementwise/activation"][1:4] == ["4.00", "-", "-"]  # measured in the step, no floor
     assert rows["attention"][1] == "-"  # not in the profile
+    together = rows["normalization + elementwise/activation"]  # however the kernels are named: 3 + 4 ms
+    assert together[1] == "7.00" and together[2] == rows["normalization"][2]
+    assert float((out / "floors.md").read_text().split("Sum of the floors: ")[1].split(" ms")[0]) == pytest.approx(
+        sum(float(r[2]) for name, r in rows.items() if r[2] != "-" and " + " not in name), abs=0.02)
     assert "Sum of the floors" in (out / "floors.md").read_text()
     assert ledger.main(["--results", str(tmp_path / "results")]) == 0
     line = next(ln for ln in (tmp_path / "results" / "README.md").read_text().splitlines() if "floors.json" in ln)
