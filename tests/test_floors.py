@@ -62,6 +62,10 @@ def test_floors_beside_a_profile_and_in_the_ledger(tmp_path, capsys):
     assert m["batch"] == 6 and m["copy_gb_per_s"] > 0
     conv = m["compute"]["convolution"]
     assert conv["calls"] > 0 and conv["fwd_ms"] > 0 and conv["fwd_bwd_ms"] > conv["fwd_ms"]
+    # FLOPs counted on what the replay executes: the backward does the data and weight gradients (less than twice
+    # the forward: the image's convolution has no data gradient).
+    assert 0 < conv["fwd_flops"] < conv["bwd_flops"] < 2 * conv["fwd_flops"]
+    assert conv["fwd_tflops"] == pytest.approx(conv["fwd_flops"] / conv["fwd_ms"] / 1e9)
     norm = m["memory"]["normalization"]
     # One fp32 pass over every GroupNorm input at batch 6: the recorded shapes' elements, scaled from batch 5.
     assert norm["bytes_per_pass"] % (6 * 4) == 0 and norm["floor_ms_8_passes"] == pytest.approx(

@@ -188,6 +188,7 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     import dataclasses
 
     import torch
+    from torch.utils.flop_counter import FlopCounterMode
 
     from benchmarks.speed.flops import _inputs
     from ffcv_ddpm.unet import build_model
@@ -214,7 +215,14 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
         replay = Replay(mine, batch, device, dtype)
         fwd = clock_ms(replay.fwd, cuda, iters)
         both = clock_ms(replay.fwd_bwd, cuda, iters)
-        classes[cls] = {"calls": len(mine), "fwd_ms": fwd, "fwd_bwd_ms": both, "bwd_ms": both - fwd}
+        flops = {}
+        for name, fn in (("fwd", replay.fwd), ("fwd_bwd", replay.fwd_bwd)):  # what the replay executes, counted
+            with FlopCounterMode(display=False) as counter:
+                fn()
+            flops[name] = counter.get_total_flops()
+        classes[cls] = {"calls": len(mine), "fwd_ms": fwd, "fwd_bwd_ms": both, "bwd_ms": both - fwd,
+                        "fwd_flops": flops["fwd"], "bwd_flops": flops["fwd_bwd"] - flops["fwd"],
+                        "fwd_tflops": flops["fwd"] / fwd / 1e9, "fwd_bwd_tflops": flops["fwd_bwd"] / both / 1e9}
         del replay
         if cuda:
             torch.cuda.empty_cache()
@@ -234,10 +242,22 @@ def table(result: dict) -> list[list[str]]:
     m, step = result["measured"], result.get("profile_ms") or {}
     conv, mm, att = (m["compute"].get(k, {}) for k in ("convolution", "matmul (gemm)", "attention"))
     norm, opt = m["memory"]["normalization"], m["memory"]["optimizer"]
-    rows = [("convolution fwd", conv.get("fwd_ms"), f"{conv.get('calls', 0)} calls alone, forward"),
-            ("convolution bwd", conv.get("bwd_ms"), "the same, data + weight gradients"),
-            ("matmul (gemm)", mm.get("fwd_bwd_ms"), f"{mm.get('calls', 0)} linear layers alone, fwd + bwd"),
-            ("attention", att.get("fwd_bwd_ms"), f"{att.get('calls', 0)} SDPA calls alone, fwd + bwd"),
+    peak = result.get("peak_tflops")
+
+    def rate(flops, ms):  # a compute floor's rate, and its share of the card's dense peak
+        if not ms or flops is None:
+            return ""
+        tflops = flops / ms / 1e9
+        return f" at {tflops:.3g} TFLOP/s" + (f" ({tflops / peak:.0%} of peak)" if peak else "")
+
+    rows = [("convolution fwd", conv.get("fwd_ms"),
+             f"{conv.get('calls', 0)} calls alone, forward{rate(conv.get('fwd_flops'), conv.get('fwd_ms'))}"),
+            ("convolution bwd", conv.get("bwd_ms"),
+             f"the same, data + weight gradients{rate(conv.get('bwd_flops'), conv.get('bwd_ms'))}"),
+            ("matmul (gemm)", mm.get("fwd_bwd_ms"), f"{mm.get('calls', 0)} linear layers alone, fwd + bwd"
+             + rate((mm.get("fwd_flops") or 0) + (mm.get("bwd_flops") or 0), mm.get("fwd_bwd_ms"))),
+            ("attention", att.get("fwd_bwd_ms"), f"{att.get('calls', 0)} SDPA calls alone, fwd + bwd"
+             + rate((att.get("fwd_flops") or 0) + (att.get("bwd_flops") or 0), att.get("fwd_bwd_ms"))),
             ("normalization", norm["floor_ms_5_passes"],
              f"{norm['sites']} sites x 5 passes at the copy rate ({norm['floor_ms_8_passes']:.2f} ms at 8)"),
             ("optimizer", opt["floor_ms"], "fused AdamW + EMA bytes at the copy rate"),
@@ -304,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name(0) if cuda else None
     out = args.out or results_dir(device_name) / "floors"
+    from benchmarks.speed.peaks import lookup_peak
+
     result = {"preset": args.preset, "overrides": overrides, "device_name": device_name,
+              "peak_tflops": lookup_peak(device_name, "bf16").tflops,
               "command": "python -m benchmarks.speed.floors " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "profile": str(args.profile) if args.profile else None,
               "profile_ms": prof,
