@@ -69,16 +69,28 @@ def _spawned(kind, spec, timeout):
                                            "declared (FFCV_DDPM_COMMIT), not verified", "dirty": None}}
     if spec["overrides"][-1] == "model.dropout=0.0" and "model.base_channels=16" in spec["overrides"]:
         return {"status": "failed", "error": "out of memory"}
-    raw = {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2, "wait_ms": [1.0] * 2,
-           "first_step_s": 1.0, "peak_mem_bytes": None, "sdpa_backend": "math", "config": {}}
-    return {"status": "ok", "result": raw}
+    return {"status": "ok", "result": _row_raw(spec, first_step_s=1.0)}
+
+
+def _row_raw(spec, first_step_s: float, **extra) -> dict:
+    """What a row's process returns (jobs.run_row), for `spec`: two 10-ms iterations, 1 ms of data wait in each."""
+    return {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2, "wait_ms": [1.0] * 2,
+            "first_step_s": first_step_s, "peak_mem_bytes": None, "sdpa_backend": "math", "config": {}, **extra}
+
+
+def _table_args(data, out, **changes):
+    """run_table's arguments as bench parses them by default, over `data`, writing to `out`."""
+    import argparse
+
+    return argparse.Namespace(**{**dict(data=data, iters=None, warmup=None, baseline_loader="torch-memory",
+                                        max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False,
+                                        sample_n=None, ddim_steps=2, num_synthetic=None, row_timeout=10, out=out,
+                                        rows=None), **changes})
 
 
 def test_runner_counts_flops_per_row_and_fails_when_any_row_fails(small_dataset, tmp_path, monkeypatch, capsys):
     """Each row's FLOPs come from its own model config; one failed row makes the exit status 1; the commit of a
     copied tree (FFCV_DDPM_COMMIT) is printed as declared, not verified."""
-    import argparse
-
     from benchmarks.speed import runner
     from benchmarks.speed.rows import Row
 
@@ -86,9 +98,7 @@ def test_runner_counts_flops_per_row_and_fails_when_any_row_fails(small_dataset,
     monkeypatch.setattr(runner, "cuda_available", lambda: False)
     rows = [Row("tiny", "tiny", ("data.loader=torch-memory",), 4, baseline=True),
             Row("wider", "tiny", ("data.loader=torch-memory", "model.base_channels=16"), 4)]
-    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
-                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
-                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows=None)
+    args = _table_args(small_dataset, tmp_path)
     rc, path = runner.run_table(rows, "t", args, ["model.dropout=0.0"], [], note="a note")
     result = json.loads(path.read_text())
     assert rc == 1 and [r["status"] for r in result["rows"]] == ["ok", "failed"]
@@ -104,7 +114,6 @@ def test_warm_compiles_the_compiled_rows_n_at_a_time_before_timing(small_dataset
     """--warm 2 on a (pretended) GPU: the probe runs once, alone, before any warm-up job; the compiled rows (not the
     eager one, not the autotuning one, whose choices must be timed on an idle GPU) compile two at a time in one-step
     jobs, each held to half the GPU's memory; then every row is timed in its turn, as without --warm."""
-    import argparse
     import threading
     import time
 
@@ -126,10 +135,7 @@ def test_warm_compiles_the_compiled_rows_n_at_a_time_before_timing(small_dataset
             return {"status": "ok", "result": {"batch_size": 8}}
         if kind == "env":
             return _spawned(kind, spec, timeout)
-        return {"status": "ok", "result": {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2,
-                                           "wait_ms": [1.0] * 2, "first_step_s": 30.0 if log else 2.0,
-                                           "peak_mem_bytes": None, "sdpa_backend": "math", "config": {},
-                                           "compiled": True}}
+        return {"status": "ok", "result": _row_raw(spec, first_step_s=30.0 if log else 2.0, compiled=True)}
 
     monkeypatch.setattr(runner, "spawn", spawned)
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
@@ -138,9 +144,7 @@ def test_warm_compiles_the_compiled_rows_n_at_a_time_before_timing(small_dataset
             Row("compiled", "tiny", (*base, "train.compile=True"), "max"),
             Row("autotune", "tiny", (*base, "train.compile=True", "train.compile_mode=max-autotune"), "compiled"),
             Row("wider", "tiny", (*base, "train.compile=True", "model.base_channels=16"), "compiled")]
-    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
-                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
-                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows=None, warm=2)
+    args = _table_args(small_dataset, tmp_path, warm=2)
     rc, path = runner.run_table(rows, "t", args, [], [])
     kinds = [(k, last, iters, frac, logged) for k, last, iters, frac, logged in calls if k != "env"]
     assert kinds[0] == ("probe", "train.compile=True", None, 0.9, False)  # alone, before any warm-up job
@@ -324,8 +328,6 @@ def test_sampling_rows_render_with_their_speedup_over_eager_and_failures():
 def test_a_row_names_the_command_overrides_it_ran_with(small_dataset, tmp_path, monkeypatch):
     """`--rows best train.cudnn_benchmark=True`: the switch is in the row's name, so a merged table cannot take it
     for the row without it; the compile-cache state a row's process saw is in its notes."""
-    import argparse
-
     from benchmarks.speed import runner
     from benchmarks.speed.rows import Row
 
@@ -337,9 +339,7 @@ def test_a_row_names_the_command_overrides_it_ran_with(small_dataset, tmp_path, 
 
     monkeypatch.setattr(runner, "spawn", spawned)
     monkeypatch.setattr(runner, "cuda_available", lambda: False)
-    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
-                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
-                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows=None)
+    args = _table_args(small_dataset, tmp_path)
     rc, path = runner.run_table([Row("best", "tiny", ("data.loader=torch-memory",), 4, baseline=True)], "t", args,
                                 ["train.cudnn_benchmark=True", "data.batch_size=4"], [])
     result = json.loads(path.read_text())
@@ -376,8 +376,6 @@ def test_a_row_whose_batch_comes_from_an_unselected_row_gets_the_full_tables_bat
     """--rows with part of a table (a table split over calls or GPUs): a row whose batch is an earlier row's, when
     that row is not selected, runs at the batch that row's own rule gives (here through two unselected rows to a
     probe), as in the full table; without the whole table to look in, it fails as before, saying why."""
-    import argparse
-
     from benchmarks.speed import runner
     from benchmarks.speed.rows import Row
 
@@ -390,9 +388,7 @@ def test_a_row_whose_batch_comes_from_an_unselected_row_gets_the_full_tables_bat
         if kind == "env":
             return _spawned(kind, spec, timeout)
         ran.append(("row", spec["batch_size"]))
-        return {"status": "ok", "result": {"batch_size": spec["batch_size"], "precision": "fp32", "iter_ms": [10.0] * 2,
-                                           "wait_ms": [1.0] * 2, "first_step_s": 2.0, "peak_mem_bytes": None,
-                                           "sdpa_backend": "math", "config": {}, "compiled": True}}
+        return {"status": "ok", "result": _row_raw(spec, first_step_s=2.0, compiled=True)}
 
     monkeypatch.setattr(runner, "spawn", spawned)
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
@@ -401,9 +397,7 @@ def test_a_row_whose_batch_comes_from_an_unselected_row_gets_the_full_tables_bat
              Row("compiled", "tiny", (*base, "train.compile=True"), "max"),
              Row("channels_last", "tiny", (*base, "train.compile=True", "train.channels_last=True"), "compiled"),
              Row("wider", "tiny", (*base, "train.compile=True", "model.base_channels=16"), "channels_last")]
-    args = argparse.Namespace(data=small_dataset, iters=None, warmup=None, baseline_loader="torch-memory",
-                              max_batch=8, mem_fraction=0.9, measure_peak=False, sampling=False, sample_n=None,
-                              ddim_steps=2, num_synthetic=None, row_timeout=10, out=tmp_path, rows="wider")
+    args = _table_args(small_dataset, tmp_path, rows="wider")
     rc, path = runner.run_table(table[3:], "t", args, [], [], table_rows=table)
     (row,) = json.loads(path.read_text())["rows"]
     assert rc == 0 and ran == [("probe", None), ("row", 8)]
