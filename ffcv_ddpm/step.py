@@ -126,7 +126,7 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device, cfg: RunConfig) -> Di
 
 
 def data_parallel(model: torch.nn.Module, device: torch.device,
-                  cfg: RunConfig) -> tuple[torch.nn.Module, Callable | None]:
+                  cfg: RunConfig) -> tuple[torch.nn.Module, FlatGradReducer | None]:
     """(the module the step calls, the averaging to run after its backward) by train.ddp_reduce, for a process group:
     DDP's wrapper, which averages inside the backward (None after it), or the model itself and a FlatGradReducer
     over its weights, broadcast from rank 0 first."""

@@ -24,9 +24,7 @@ here: what they move depends on what is fused with what (benchmarks/NOTES.md ite
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,19 +140,11 @@ class Replay:
 
 
 def clock_ms(fn, cuda: bool, iters: int) -> float:
-    """ms per call of fn: on CUDA `iters` calls as one CUDA graph (norm_bench.graph_ms), on CPU the median of
-    `iters` timed calls after one untimed."""
-    if cuda:
-        from benchmarks.speed.norm_bench import graph_ms
+    """ms per call of fn, norm_bench's clocks: on CUDA `iters` calls as one CUDA graph (graph_ms), on CPU the median
+    of `iters` timed calls after one untimed (time_ms)."""
+    from benchmarks.speed.norm_bench import graph_ms, time_ms
 
-        return graph_ms(fn, iters, warmup=2)
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return graph_ms(fn, iters, warmup=2) if cuda else time_ms(fn, iters, warmup=1, device="cpu")
 
 
 def copy_gb_per_s(device, cuda: bool, mib: int) -> float:

@@ -39,16 +39,17 @@ FUSED_PLANS = {"default": ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), 
                              for w in (4, 8))}
 
 
-def time_ms(fn, iters: int, warmup: int) -> float:
-    """--timing events: median ms of `iters` calls after `warmup` (timing.timed_steps: CUDA events, one sync). The
-    host launches each call, so when its launch work outlasts the kernels this times the host (NOTES item 15)."""
+def time_ms(fn, iters: int, warmup: int, device: str = "cuda") -> float:
+    """--timing events: median ms of `iters` calls after `warmup` (timing.timed_steps: CUDA events, one sync; on
+    the CPU, perf_counter). The host launches each call, so when its launch work outlasts the kernels this times the
+    host (NOTES item 15)."""
     from ffcv_ddpm.timing import timed_steps, untimed_steps
 
     def call(_batch, _i):
         fn()  # returns None: nothing for timed_steps to sum
 
-    untimed_steps(call, lambda: None, warmup, "cuda")
-    return sorted(timed_steps(call, lambda: None, iters, "cuda").iter_ms)[iters // 2]
+    untimed_steps(call, lambda: None, warmup, device)
+    return sorted(timed_steps(call, lambda: None, iters, device).iter_ms)[iters // 2]
 
 
 def graph_ms(fn, iters: int, warmup: int, reps: int = 5) -> float:
