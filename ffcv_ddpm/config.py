@@ -66,12 +66,15 @@ class TrainConfig:
     tensorboard: bool = False            # also stats.jsonl's numbers and the sample grids as TensorBoard events (<run>/tensorboard/)
     # After the first log interval (the compiled graphs built): gc.collect(), then gc.freeze(): the objects alive
     # then are left out of every later collection, so a full one walks only what training made since, not the
-    # compiled graphs. Off until measured (benchmarks/NOTES.md item 21: a stall of ~200 ms, one rank, all wait).
-    gc_freeze: bool = False
-    # How the ranks' gradients are averaged: ddp = torch's DistributedDataParallel (buckets, the train.ddp_bucket_mb
-    # and ddp_split settings); flat = no wrapper, one all-reduce of all gradients after the backward
-    # (ffcv_ddpm.flat_allreduce: no per-gradient bucket copies).
-    ddp_reduce: str = "ddp"
+    # compiled graphs. Without it a full collection stalled one step by 311-392 ms on 4 H200s, and under DDP every
+    # rank waits for it; with it none did (benchmarks/results/h200/ddp-scaling/flat-1024, NOTES.md item 21).
+    gc_freeze: bool = True
+    # How the ranks' gradients are averaged: flat = no wrapper, one all-reduce of all gradients after the backward
+    # (ffcv_ddpm.flat_allreduce: no per-gradient bucket copies); ddp = torch's DistributedDataParallel (buckets, the
+    # train.ddp_bucket_mb and ddp_split settings). Flat scaled better in the same call on 4 H200s with the compiled
+    # step (95.0% against 94.3% on 4 GPUs at 512 each: benchmarks/results/h200/ddp-scaling/flat); eager
+    # (train.compile=False), where DDP overlaps its buckets with the backward, was not compared.
+    ddp_reduce: str = "flat"
     ddp_bucket_mb: float = 25.0          # DDP gradient bucket size (MB): each bucket's all-reduce starts when its grads are ready
     ddp_grad_dtype: str = "fp32"         # all-reduce precision: fp32 | bf16 (halves the bytes; averaged in bf16, DDP's bf16_compress_hook)
     # Compiled DDP: True splits the graph at bucket boundaries (all-reduce overlapped with the backward); False keeps
@@ -203,9 +206,13 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
         raise BadValue(f"diffusion.beta_start={d.beta_start}: expected at most diffusion.beta_end={d.beta_end}")
     if d.process == "ve" and d.sigma_min >= d.sigma_max:
         raise BadValue(f"diffusion.sigma_min={d.sigma_min}: expected below diffusion.sigma_max={d.sigma_max}")
-    if cfg.train.ddp_reduce == "flat" and cfg.train.ddp_split:
-        raise BadValue("train.ddp_split=True cuts the compiled graph at DDP's buckets; train.ddp_reduce=flat has no "
-                       "buckets (one all-reduce after the backward): drop one of the two")
+    if cfg.train.ddp_reduce == "flat":  # the default: a bucket setting alone would otherwise do nothing
+        bucket = [f"train.{k}={getattr(cfg.train, k)}" for k in ("ddp_split", "ddp_bucket_mb")
+                  if getattr(cfg.train, k) != getattr(TrainConfig, k)]
+        if bucket:
+            raise BadValue(f"{' and '.join(bucket)} set{'s' if len(bucket) == 1 else ''} DDP's gradient buckets; "
+                           "train.ddp_reduce=flat (the default) has none (one all-reduce after the backward): add "
+                           "train.ddp_reduce=ddp")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")

@@ -41,7 +41,7 @@ def test_ddp_diagnostics_on_cpu(data, tmp_path):
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
-                   "--allreduce", "--variant", "small-buckets:train.ddp_bucket_mb=0.01 train.ddp_split=False",
+                   "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
                    "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
     assert rc == 1  # the bf16 variant failed, recorded; the rest ran
     result = json.loads((out / "ddp.json").read_text())
@@ -151,13 +151,13 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
-                   "--variant", "cuts:train.ddp_split=True"])
+                   "--variant", "cuts:train.ddp_reduce=ddp train.ddp_split=True"])
     assert rc == 0
     result = json.loads((out / "ddp.json").read_text())
     runs = result["warm_up"]["runs"]
     given = ["data.batch_size=16"]  # the command's own overrides go to every run
     assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(1, given), (2, given),
-                                                                  (2, [*given, "train.ddp_split=True"])]
+                                                                  (2, [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"])]
     assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
     assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]
 

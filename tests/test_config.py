@@ -41,9 +41,17 @@ def test_bad_values_are_one_clear_line(override, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_graph_cuts_at_buckets_need_ddp_buckets():
-    with pytest.raises(BadValue, match="train.ddp_split=True cuts .* train.ddp_reduce=flat has no buckets"):
-        load_config("tiny", ["train.ddp_reduce=flat", "train.ddp_split=True"])
+@pytest.mark.parametrize("overrides,named", [
+    (["train.ddp_split=True"], "train.ddp_split=True sets"),
+    (["train.ddp_bucket_mb=50", "train.ddp_reduce=flat"], "train.ddp_bucket_mb=50.0 sets"),
+    (["train.ddp_split=True", "train.ddp_bucket_mb=5"], "train.ddp_split=True and train.ddp_bucket_mb=5.0 set"),
+])
+def test_bucket_settings_need_ddp_buckets(overrides, named):
+    """The default averaging (flat) has no buckets: a bucket setting without train.ddp_reduce=ddp would do nothing."""
+    with pytest.raises(BadValue, match=f"{named} DDP's gradient buckets; .* add train.ddp_reduce=ddp"):
+        load_config("tiny", overrides)
+    cfg = load_config("tiny", [*overrides, "train.ddp_reduce=ddp"])
+    assert cfg.train.ddp_reduce == "ddp" and load_config("tiny", []).train.ddp_reduce == "flat"
 
 
 def test_depthwise_separable_needs_dense_conv_groups():

@@ -35,7 +35,7 @@ def train_two_ranks(tmp_path, *overrides) -> Path:
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    return train_two_ranks(tmp_path_factory.mktemp("ddp"))
+    return train_two_ranks(tmp_path_factory.mktemp("ddp"), "train.ddp_reduce=ddp")
 
 
 def test_two_ranks_train_in_lockstep(ddp_run):
@@ -94,10 +94,10 @@ def test_two_nodes_of_one_process_each(tmp_path):
 
 
 def test_the_flat_all_reduce_trains_as_ddp_does(ddp_run, tmp_path):
-    """train.ddp_reduce=flat against DDP's wrapper, same seeds and data: the same losses and, after 6 steps, the same
-    weights bit for bit (an average of two ranks is exact in either order: DDP halves then sums, flat sums then
-    halves), and its checkpoints pass the ranks' agreement check."""
-    flat = train_two_ranks(tmp_path, "train.ddp_reduce=flat")
+    """train.ddp_reduce=flat (the default) against DDP's wrapper, same seeds and data: the same losses and, after 6
+    steps, the same weights bit for bit (an average of two ranks is exact in either order: DDP halves then sums, flat
+    sums then halves), and its checkpoints pass the ranks' agreement check."""
+    flat = train_two_ranks(tmp_path)  # the default
     losses = [[json.loads(line)["loss"] for line in (d / "stats.jsonl").read_text().splitlines()]
               for d in (ddp_run, flat)]
     assert losses[0] == losses[1] and len(losses[0]) == 3

@@ -468,5 +468,5 @@ def test_profile_under_torchrun_profiles_rank_0_of_ddp(small_dataset, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["environment"]["world_size"] == 2 and summary["profile"]["steps"] == 2
-    assert "per rank x 2 ranks (train.ddp_reduce=ddp, rank 0 shown)" in (out / "profile.md").read_text()
+    assert "per rank x 2 ranks (train.ddp_reduce=flat, rank 0 shown)" in (out / "profile.md").read_text()
     assert proc.stdout.count("profile: wrote") == 1

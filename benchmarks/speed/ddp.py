@@ -3,8 +3,8 @@
     python -m benchmarks.speed.ddp --data data  # ddpm-cifar10, bf16, compile, batch 512 per GPU
     python -m benchmarks.speed.ddp --data data --gpus 1,2 --mode global   # global batch fixed instead of per-GPU batch
     python -m benchmarks.speed.ddp --data data --gpus 1,4 --mode per-gpu --control --allreduce \
-        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant graph-cuts:train.ddp_split=True   # where time goes
-    python -m benchmarks.speed.ddp --data data --mode per-gpu --variant flat:train.ddp_reduce=flat   # DDP or not
+        --variant bf16-grads:train.ddp_grad_dtype=bf16 --variant ddp:train.ddp_reduce=ddp   # where time goes
+    python -m benchmarks.speed.ddp --data data --mode per-gpu --variant graph-cuts:"train.ddp_reduce=ddp train.ddp_split=True"
     python -m benchmarks.speed.ddp --data data --device cpu --preset tiny data.batch_size=16 --steps 12   # gloo, for CI
 
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
