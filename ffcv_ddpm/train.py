@@ -37,7 +37,7 @@ from ffcv_ddpm.sde_sampling import sample
 from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
-from ffcv_ddpm.timing import GcPauses, timed_steps
+from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps
 
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
 # symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
@@ -352,10 +352,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 "wall_s": time.perf_counter() - t_start,
                 **pauses.take(),
             }
-            if cfg.train.gc_freeze and not frozen:
-                gc.collect()  # once, outside the timed steps: what is garbage now is not frozen with the rest
-                gc.freeze()
-                frozen = stats["gc_frozen_objects"] = gc.get_freeze_count()
+            if cfg.train.gc_freeze and not frozen:  # once, outside the timed steps
+                frozen = stats["gc_frozen_objects"] = freeze_garbage()
             if ddp.world_size > 1:
                 allreduce_ms = t.reducer.take_ms() if t.reducer is not None else []
                 stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))

@@ -274,6 +274,8 @@ def test_quick_table_end_to_end(tmp_path):
         assert row["config"]["data"]["batch_size"] == 32
     assert result["rows"][0]["config"]["data"]["loader"] == "torch-memory"
     assert len(result["rows"][0]["raw"]["wait_ms"]) == 2
+    raw = result["rows"][0]["raw"]  # frozen after the warm-up as the trainer does (train.gc_freeze, the default)
+    assert raw["gc_frozen_objects"] > 10_000 and len(raw["gc_collections"]) == 3 and raw["gc_ms"] >= 0
     assert result["environment"]["torch"] and "commit" in result["environment"]
     assert "n/a (no CUDA)" in (out / "quick.md").read_text() and (out / "quick.png").is_file()
 
