@@ -162,6 +162,15 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]
 
 
+def test_the_warm_up_shares_a_gpu_by_its_memory():
+    """2048 images of per-rank batch on an 80 GB card as before; on an H200 the global-batch plan's 1-process 2048
+    run fits beside the 4- and 2-process ones (one compile round, not two)."""
+    assert ddp.warm_images_per_gpu(85_045_870_592) == 2048  # H100 80GB HBM3
+    h200 = ddp.warm_images_per_gpu(150_754_820_096)
+    assert h200 == 3584 and 1536 + 2048 <= h200
+    assert ddp.warm_images_per_gpu(16 * 2**30) == 512  # never below one small run
+
+
 def test_a_variant_that_changes_one_gpu_scales_against_its_own_one_gpu_point():
     """CUDA graphs measured against one GPU without them read 97.2% where the same 4-GPU figure is 94.9% of one GPU
     with them (NOTES item 18): such a variant runs one process too, and its efficiency is against that point."""

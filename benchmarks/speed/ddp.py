@@ -134,7 +134,14 @@ def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batc
             "workers_per_rank": workers, **read_run(out_dir)}
 
 
-WARM_IMAGES_PER_GPU = 2048  # per-rank batch summed over the warm-up runs sharing a GPU (ddpm-cifar10: ~50 GB)
+WARM_IMAGES_PER_GPU = 2048  # per-rank batch summed over the warm-up runs sharing an 80 GB GPU (ddpm-cifar10: ~50 GB)
+
+
+def warm_images_per_gpu(total_bytes: int) -> int:
+    """WARM_IMAGES_PER_GPU scaled to a GPU's memory, in steps of 512: 2048 on an H100 (79 GiB), 3584 on an H200 (139
+    GiB), where the global-batch warm-up (512 x 4, 1024 x 2 and 2048 x 1 per rank) then compiles in one round, not two
+    (305 s on 4 H200s: results/h200/ddp-scaling/flat-1024)."""
+    return max(512, int(WARM_IMAGES_PER_GPU * total_bytes / (79 * 2**30)) // 512 * 512)
 
 
 def warm_jobs(plan: list) -> list[tuple[int, int, tuple[str, ...]]]:
@@ -149,11 +156,11 @@ def warm_jobs(plan: list) -> list[tuple[int, int, tuple[str, ...]]]:
     return jobs
 
 
-def warm_up(args, jobs: list, beton: Path, gpus: int) -> dict:
+def warm_up(args, jobs: list, beton: Path, gpus: int, images_per_gpu: int = WARM_IMAGES_PER_GPU) -> dict:
     """Compiles every graph the timed points will run before any of them is timed, all at once (compilation is
     CPU-bound, so N graphs at once take little longer than one), each a 3-step run of the trainer that leaves its
     kernels in the compile cache (ffcv_ddpm.env); each timed point then loads them instead of compiling cold
-    (a DDP graph compiled for ~150 s on 4 H100s). GPUs are shared by at most WARM_IMAGES_PER_GPU of per-rank batch at
+    (a DDP graph compiled for ~150 s on 4 H100s). GPUs are shared by at most `images_per_gpu` of per-rank batch at
     a time; a one-process run goes to the least loaded GPU. A warm-up that fails is recorded and costs nothing else:
     its point compiles for itself."""
     print(f"bench-ddp: compiling the {len(jobs)} graphs of the points at once, before timing any", flush=True)
@@ -167,7 +174,7 @@ def warm_up(args, jobs: list, beton: Path, gpus: int) -> dict:
                 n, per_rank, extra = job
                 used = ([g % len(load) for g in range(n)] if n > 1  # (on the CPU one slot stands for the host)
                         else [min(range(len(load)), key=load.__getitem__)])
-                if running and any(load[g] + per_rank > WARM_IMAGES_PER_GPU for g in used):
+                if running and any(load[g] + per_rank > images_per_gpu for g in used):
                     continue
                 pending.remove(job)
                 for g in used:
@@ -525,8 +532,10 @@ def main(argv: list[str] | None = None) -> int:
              for name, extra, vbatch in variants]
     plan += [(m, counts, m == "per-GPU", run_point, overrides, batch) for m in modes[1:]]
     if args.warm == "on" or (args.warm == "auto" and args.device != "cpu" and cfg.train.compile):
-        result["warm_up"] = warm_up(args, warm_jobs(plan), beton,
-                                    torch.cuda.device_count() if args.device != "cpu" else 1)
+        cuda = args.device != "cpu"
+        result["warm_up"] = warm_up(args, warm_jobs(plan), beton, torch.cuda.device_count() if cuda else 1,
+                                    warm_images_per_gpu(torch.cuda.get_device_properties(0).total_memory) if cuda
+                                    else WARM_IMAGES_PER_GPU)
         write_json(out, result, indent=2)
     if args.allreduce:
         result["allreduce"] = []
