@@ -156,8 +156,8 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     result = json.loads((out / "ddp.json").read_text())
     runs = result["warm_up"]["runs"]
     given = ["data.batch_size=16"]  # the command's own overrides go to every run
-    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(1, given), (2, given),
-                                                                  (2, [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"])]
+    cuts = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"]
+    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(1, given), (2, given), (2, cuts)]
     assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
     assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]
 
