@@ -78,6 +78,16 @@ def _row_raw(spec, first_step_s: float, **extra) -> dict:
             "first_step_s": first_step_s, "peak_mem_bytes": None, "sdpa_backend": "math", "config": {}, **extra}
 
 
+def _gpu_spawned(kind, spec, timeout, first_step_s: float = 2.0):
+    """runner.spawn on a pretended GPU, without the processes: the probe finds batch 8, the environment as in
+    _spawned, and each row a compiled one whose first step took `first_step_s`."""
+    if kind == "probe":
+        return {"status": "ok", "result": {"batch_size": 8}}
+    if kind == "env":
+        return _spawned(kind, spec, timeout)
+    return {"status": "ok", "result": _row_raw(spec, first_step_s=first_step_s, compiled=True)}
+
+
 def _table_args(data, out, **changes):
     """run_table's arguments as bench parses them by default, over `data`, writing to `out`."""
     import argparse
@@ -131,11 +141,7 @@ def test_warm_compiles_the_compiled_rows_n_at_a_time_before_timing(small_dataset
         time.sleep(0.05)  # long enough for a second job to start beside this one
         with lock:
             running[0] -= 1
-        if kind == "probe":
-            return {"status": "ok", "result": {"batch_size": 8}}
-        if kind == "env":
-            return _spawned(kind, spec, timeout)
-        return {"status": "ok", "result": _row_raw(spec, first_step_s=30.0 if log else 2.0, compiled=True)}
+        return _gpu_spawned(kind, spec, timeout, first_step_s=30.0 if log else 2.0)
 
     monkeypatch.setattr(runner, "spawn", spawned)
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
@@ -384,13 +390,9 @@ def test_a_row_whose_batch_comes_from_an_unselected_row_gets_the_full_tables_bat
     ran = []
 
     def spawned(kind, spec, timeout, log=None):
-        if kind == "probe":
-            ran.append(("probe", None))
-            return {"status": "ok", "result": {"batch_size": 8}}
-        if kind == "env":
-            return _spawned(kind, spec, timeout)
-        ran.append(("row", spec["batch_size"]))
-        return {"status": "ok", "result": _row_raw(spec, first_step_s=2.0, compiled=True)}
+        if kind in ("probe", "row"):
+            ran.append((kind, spec["batch_size"] if kind == "row" else None))
+        return _gpu_spawned(kind, spec, timeout)
 
     monkeypatch.setattr(runner, "spawn", spawned)
     monkeypatch.setattr(runner, "cuda_available", lambda: True)
