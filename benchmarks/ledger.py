@@ -125,10 +125,12 @@ def loaders(path: Path, d: dict) -> str:
 
 def numerics(path: Path, d: dict) -> str:
     """benchmarks.speed.numerics: the largest smoothed loss deviation of the candidate against its tolerance."""
-    c = d["check"]
+    c, nf, v = d["check"], d.get("noise_floor"), d.get("verdict")
     return (f"{d['candidate']['precision']} vs {d['reference']['precision']} over {d['steps']} steps: largest "
             f"deviation {c['max_abs_smoothed']:.2%} (step {c['at_step']}), tolerance {c['tol']:.1%}: "
-            f"{'within' if c['ok'] else 'OUTSIDE'}")
+            f"{'within' if c['ok'] else 'OUTSIDE'}"
+            + (f"; the fp32 control strays {nf['control']:.2%}" if nf else "")
+            + (f"; verdict {'pass' if v['ok'] else 'FAIL'} (bound {v['bound']:.2%}, the {v['by']})" if v else ""))
 
 
 def _profile(p: dict) -> str:

@@ -227,6 +227,20 @@ def test_report_renders_markdown_and_png(tmp_path):
     assert "6.1%" in on_gpu  # 60 TFLOP/s of 989.4
 
 
+def test_a_cuda_graph_rows_peak_memory_includes_the_recording():
+    # Under reduce-overhead the step's tensors live in the graphs' pool, allocated while recording (in the warm-up):
+    # the timed steps' own peak (0.8 GiB on an H100 for a ~20 GiB step) is not the step's memory.
+    result = _fake_result("NVIDIA H100 80GB HBM3")
+    for row, mode in zip(result["rows"], ("default", "reduce-overhead")):
+        row["raw"].update(compiled=True, peak_mem_bytes=int(0.8 * 2**30), peak_mem_bytes_incl_warmup=20 * 2**30)
+        row["config"] = {"train": {"compile_mode": mode}}
+    text = render_markdown(add_metrics(result))
+    base_line = next(line for line in text.splitlines() if line.startswith("| base |"))
+    fast_line = next(line for line in text.splitlines() if line.startswith("| fast |"))
+    assert "| 0.8 |" in base_line and "includes the warm-up" not in base_line
+    assert "| 20.0 |" in fast_line and "peak mem includes the warm-up" in fast_line
+
+
 def test_terminal_table_has_every_row_aligned():
     lines = terminal_table(add_metrics(_fake_result(None))).strip().splitlines()
     assert lines[0] == "annotated-small" and lines[1].split()[:2] == ["row", "batch"]

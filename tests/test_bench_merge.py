@@ -94,10 +94,13 @@ def test_a_cut_call_finished_by_a_later_call_is_one_complete_table(tmp_path):
     b.write_text(json.dumps(rest))
     out = tmp_path / "m.json"
     assert merge.main([str(out), str(a), str(b)]) == 0
-    assert json.loads(out.read_text())["complete"]
+    got = json.loads(out.read_text())
+    assert got["complete"] and got["planned"] == [[g, "base"], [g, "oom"], [g, "fast"]]  # every part's plan, once
     assert "INCOMPLETE" not in out.with_suffix(".md").read_text()
     # Without the second call, or with its "oom" row failed, the table is not complete.
     assert merge.main([str(out), str(a)]) == 0 and not json.loads(out.read_text())["complete"]
+    assert "; not measured: oom; fast" in out.with_suffix(".md").read_text()  # the rows still to measure, named
     rest["rows"][0]["status"] = "failed"
     b.write_text(json.dumps(rest))
     assert merge.main([str(out), str(a), str(b)]) == 0 and not json.loads(out.read_text())["complete"]
+    assert "; not measured: oom" in out.with_suffix(".md").read_text()

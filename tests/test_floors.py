@@ -48,6 +48,21 @@ def test_recorded_calls_scale_with_the_batch_and_weights_do_not():
     replay.fwd_bwd()
 
 
+def test_convolutions_replay_without_their_bias_as_inductor_calls_them():
+    import torch
+
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1)
+    up = torch.nn.ConvTranspose2d(6, 4, 4, stride=2, padding=1)
+    calls, _ = floors.record(torch.nn.Sequential(conv, up), (torch.randn(floors.RECORD_BATCH, 4, 8, 8),))
+    assert [c.name for c in calls] == ["conv2d", "conv_transpose2d"]
+    assert all(isinstance(c.args[2], floors.TensorSpec) and c.args[2].param for c in calls)  # recorded with bias
+    replay = floors.Replay(calls, 3, torch.device("cpu"), torch.float32)
+    assert all(a[2] is None for a in replay.args)
+    # Gradients: the first conv's weight; the second's input (the first's output) and weight; no bias gradient.
+    assert [[tuple(t.shape) for t in w] for w in replay.wrt] == [[(6, 4, 3, 3)], [(3, 6, 8, 8), (6, 4, 4, 4)]]
+    assert floors.without_bias([1, 2, 3, 4], {"bias": 5, "stride": 2}) == ([1, 2, None, 4], {"bias": None, "stride": 2})
+
+
 def test_floors_beside_a_profile_and_in_the_ledger(tmp_path, capsys):
     prof = tmp_path / "prof"
     prof.mkdir()

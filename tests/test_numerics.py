@@ -12,6 +12,18 @@ def _stats(losses, every=10):
     return [{"step": every * (i + 1), "loss": x} for i, x in enumerate(losses)]
 
 
+def test_the_verdict_bound_is_the_tolerance_or_the_noise_floor_whichever_is_larger():
+    dev = lambda x: {"max_abs_smoothed": x}  # noqa: E731
+    # NOTES item 16's H100 legs: an identical fp32 control strays 9.47%, bf16 10.75%: within 1.5 x 9.47% = 14.2%.
+    v = numerics.verdict(dev(0.1075), dev(0.0947), tol=0.05, factor=1.5)
+    assert v == {"bound": pytest.approx(0.14205), "by": "noise floor", "noise_factor": 1.5, "ok": True}
+    assert not numerics.verdict(dev(0.15), dev(0.0947), 0.05, 1.5)["ok"]  # beyond 1.5x the floor: fails
+    assert numerics.verdict(dev(0.0433), dev(0.02), 0.05, 1.5)["by"] == "tolerance"  # a quiet control: 5% stands
+    assert not numerics.verdict(dev(0.1075), dev(0.0947), 0.05, 0)["ok"]  # factor 0: the fixed tolerance alone
+    assert not numerics.verdict(dev(0.06), None, 0.05, 1.5)["ok"]  # no control: the fixed tolerance alone
+    assert numerics.verdict(dev(0.06), None, 0.05, 1.5)["noise_factor"] is None
+
+
 def test_check_is_paired_smoothed_and_skips_the_start():
     ref = _stats([1.0, 0.5, 0.4, 0.3, 0.2, 0.2])
     # A 50% jump in the first interval (before --skip ends) is ignored; the rest is +2% then -2%, averaging 0.
@@ -60,11 +72,12 @@ def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_datas
     assert "within tolerance" in md and "model.norm_impl=torch" in md
     assert f"{verdict.replace('exceeds', 'EXCEEDS') if dev > floor else verdict} the noise floor" in md
     assert f"{verdict} the noise floor" in printed
+    assert r["verdict"] == numerics.verdict(r["check"], r["control_check"], 0.5, 1.5) and "**Verdict: pass**" in md
     assert (tmp_path / "numerics-bf16.png").stat().st_size > 10_000
 
     # The same legs as three trainer processes at once: the same curves (CPU arithmetic is deterministic), and with
     # no tolerance at all the check fails and says so.
-    assert numerics.main([*args, "--parallel", "--tol", "0"]) == 1
+    assert numerics.main([*args, "--parallel", "--tol", "0", "--noise-factor", "0"]) == 1
     printed = capsys.readouterr().out
     assert "running in parallel" in printed and "OUTSIDE TOLERANCE" in printed
     p = json.loads((tmp_path / "numerics-bf16.json").read_text())

@@ -8,7 +8,8 @@ One forward of the preset's model (as configured by the overrides) is recorded a
 transposed convolution, linear layer and scaled-dot-product attention it calls, with its arguments' shapes, and
 the input of every GroupNorm (the model rebuilt with model.norm_impl=torch, so that each site is an F.group_norm
 call). Each compute class is then replayed alone at the step's batch: its calls in order, in bf16 (fp32 on CPU),
-every tensor in the memory layout the call saw (channels_last as the step has it), forward, then forward + backward
+every tensor in the memory layout the call saw (channels_last as the step has it), convolutions without their bias
+(as inductor calls cuDNN: the bias add is pointwise work), forward, then forward + backward
 (the gradients the step takes: weights, and inputs where the step needs them), all of a class's calls captured as
 one CUDA graph and replayed (norm_bench's timing: no host launches, clocks settled). That is the class's measured
 floor: the same library kernels with nothing between them. The memory-bound classes have a floor in bytes: the
@@ -90,6 +91,18 @@ def scaled(shape: tuple, batch: int) -> tuple:
     return (batch, *shape[1:]) if shape and shape[0] == RECORD_BATCH else shape
 
 
+def without_bias(args: list, kwargs: dict) -> tuple[list, dict]:
+    """A conv2d / conv_transpose2d call's arguments with its bias dropped (bias is the third argument of both).
+    Inductor compiles every convolution on a GPU without its bias and adds the bias in a pointwise kernel that it
+    fuses with what follows ("peel off the bias, cudnn is slower with it", torch/_inductor/kernel/conv.py), so the
+    step's convolution kernels never see one and its backward takes no bias gradient there; the replay calls the
+    same. With the bias, ATen adds it in a separate pass over the output and reduces the output's gradient for it:
+    memory-bound work that would be counted as the convolutions' (the H100 call at 27068e1 measured the
+    convolutions alone 1.7x slower than in the step; NOTES item 22)."""
+    args = [None if i == 2 else a for i, a in enumerate(args)]
+    return args, {k: (None if k == "bias" else v) for k, v in kwargs.items()}
+
+
 class Replay:
     """A class's calls at `batch`: tensors made once (random, seeded), outputs' gradients made once; fwd() and
     fwd_bwd() run every call in order."""
@@ -115,6 +128,8 @@ class Replay:
         for c in calls:
             func = getattr(F, c.name)
             args, kwargs = [make(a) for a in c.args], {k: make(v) for k, v in c.kwargs.items()}
+            if c.cls == "convolution":  # the step's convolutions have no bias: without_bias
+                args, kwargs = without_bias(args, kwargs)
             out = func(*args, **kwargs)
             self.funcs.append(func)
             self.args.append(args)

@@ -87,6 +87,8 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
                 merged[kind][index] = entry  # an ok row replaces a failed one; --prefer-later: the later one
                 where[(kind, key)] = (index, path.name)
     merged["complete"] = is_complete([r for _, r in parts], merged["rows"])
+    # Every part's planned rows (the first part's alone would name a sixth of a table split four ways).
+    merged["planned"] = [list(k) for k in dict.fromkeys(tuple(row) for _, r in parts for row in r.get("planned", []))]
     return merged
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.common import BenchError, commit_text, pyplot, save_figure
+from benchmarks.speed.report import row_peak_mem
 from benchmarks.speed.rows import Row, merge, resolve_rows
 from benchmarks.speed.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser, fail
@@ -106,13 +107,13 @@ def plot_sweep(result: dict, sweep: Sweep, path: Path) -> Path:
         x = [xs.index(sweep.x(r)) if categorical else sweep.x(r) for r in rows]
         top.plot(x, [r["metrics"]["img_per_s"] for r in rows], "o-", label=series)
         if sweep.lower == "mem":
-            mem = [r["raw"].get("peak_mem_bytes") for r in rows]
+            mem = [row_peak_mem(r)[0] for r in rows]
             low.plot(x, [m / 2**30 if m is not None else float("nan") for m in mem], "o-", label=series)
         else:
             low.plot(x, [100 * r["metrics"]["data_wait_share"] for r in rows], "o-", label=series)
     top.set_ylim(bottom=0)
     top.set_ylabel("images / s (training step)")
-    if sweep.lower == "mem" and all(r["raw"].get("peak_mem_bytes") is None for r in ok):
+    if sweep.lower == "mem" and all(row_peak_mem(r)[0] is None for r in ok):
         low.text(0.5, 0.5, "peak memory: n/a (no CUDA)", ha="center", va="center", transform=low.transAxes)
     low.set_ylabel("peak memory (GiB)" if sweep.lower == "mem" else "waiting for data (% of step)")
     low.set_xlabel(sweep.xlabel)
