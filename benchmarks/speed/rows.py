@@ -96,6 +96,10 @@ VARIANTS = (
     # reformulations row with the command override train.compile_mode=reduce-overhead.)
     ("fused kernels under CUDA graphs (reduce-overhead)", "+ fused GroupNorm/SiLU/dropout kernels",
      ("train.compile_mode=reduce-overhead",)),
+    # The two together (H100, 27068e1: the search alone gave fused 8,018 then 8,822 img/s in two passes, its tail
+    # coming and going; under graphs the tail went, 8,547): the candidate for the defaults (issue 25).
+    ("fused + cuDNN search + CUDA graphs", "+ fused GroupNorm/SiLU/dropout kernels",
+     ("train.cudnn_benchmark=True", "train.compile_mode=reduce-overhead")),
 )
 
 # End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
