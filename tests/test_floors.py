@@ -74,7 +74,8 @@ def test_floors_beside_a_profile_and_in_the_ledger(tmp_path, capsys):
     assert floors.main([*ARGS, "--out", str(out), "--profile", str(prof)]) == 0
     r = json.loads((out / "floors.json").read_text())
     m = r["measured"]
-    assert m["batch"] == 6 and m["copy_gb_per_s"] > 0
+    assert m["batch"] == 6 and m["copy_gb_per_s"] > 0 and m["cudnn_benchmark"] is True  # the trainer's default
+    assert "cuDNN algorithms by timed search" in (out / "floors.md").read_text()
     conv = m["compute"]["convolution"]
     assert conv["calls"] > 0 and conv["fwd_ms"] > 0 and conv["fwd_bwd_ms"] > conv["fwd_ms"]
     # FLOPs counted on what the replay executes: the backward does the data and weight gradients (less than twice

@@ -238,7 +238,8 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     memory = {"normalization": {"sites": len(norms), "bytes_per_pass": norm_bytes,
                                 "floor_ms_5_passes": ms(5 * norm_bytes), "floor_ms_8_passes": ms(8 * norm_bytes)},
               "optimizer": {"params": n_params, "floor_ms": ms(7 * 4 * n_params) + ms(3 * 4 * n_params)}}
-    return {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "copy_gb_per_s": rate, "compute": classes,
+    return {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "copy_gb_per_s": rate,
+            "cudnn_benchmark": cfg.train.cudnn_benchmark, "compute": classes,
             "memory": memory}
 
 
@@ -288,7 +289,10 @@ def render(result: dict) -> str:
              f"{result['device_name'] or 'CPU'}", "",
              f"- commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}; command: "
              f"`{result['command']}`",
-             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write); "
+             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write); cuDNN "
+             + {True: "algorithms by timed search (cudnn.benchmark); ", False: "algorithms by heuristic; ",
+                None: ""}[m.get("cudnn_benchmark")]
+             + 
              + (f"step ms from the profile {result['profile']}" if result.get("profile") else "no profile given"), "",
              *md_table(["class", "in the step, ms", "floor, ms", "gap, ms", "the floor is"], table(result))]
     step = result.get("profile_ms")
