@@ -289,9 +289,9 @@ def render(result: dict) -> str:
              f"{result['device_name'] or 'CPU'}", "",
              f"- commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}; command: "
              f"`{result['command']}`",
-             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write); cuDNN "
-             + {True: "algorithms by timed search (cudnn.benchmark); ", False: "algorithms by heuristic; ",
-                None: ""}[m.get("cudnn_benchmark")]
+             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write); "
+             + {True: "cuDNN algorithms by timed search (cudnn.benchmark); ",
+                False: "cuDNN algorithms by heuristic; ", None: ""}[m.get("cudnn_benchmark")]  # None: older files
              + (f"step ms from the profile {result['profile']}" if result.get("profile") else "no profile given"), "",
              *md_table(["class", "in the step, ms", "floor, ms", "gap, ms", "the floor is"], table(result))]
     step = result.get("profile_ms")
