@@ -123,3 +123,12 @@ def test_a_stale_page_fails_the_check(tmp_path, capsys):
     assert ledger.main(["--check", "--results", str(root)]) == 1
     assert "is stale: 2 changed lines, the first at line" in capsys.readouterr().err
     assert ledger.main(["--results", str(root)]) == 0 and ledger.main(["--check", "--results", str(root)]) == 0
+
+
+def test_a_numerics_line_names_the_control_and_the_verdict_when_the_file_has_them():
+    check = {"max_abs_smoothed": 0.1075, "at_step": 1980, "tol": 0.05, "ok": False}
+    d = {"candidate": {"precision": "bf16"}, "reference": {"precision": "fp32"}, "steps": 2000, "check": check}
+    older = ledger.numerics(None, d)  # written before the control and the verdict existed
+    assert older.endswith("largest deviation 10.75% (step 1980), tolerance 5.0%: OUTSIDE")
+    d.update(noise_floor={"control": 0.0947}, verdict={"ok": True, "bound": 0.14205, "by": "noise floor"})
+    assert ledger.numerics(None, d) == older + "; the fp32 control strays 9.47%; verdict pass (bound 14.21%, the noise floor)"
