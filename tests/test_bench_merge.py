@@ -104,3 +104,20 @@ def test_a_cut_call_finished_by_a_later_call_is_one_complete_table(tmp_path):
     b.write_text(json.dumps(rest))
     assert merge.main([str(out), str(a), str(b)]) == 0 and not json.loads(out.read_text())["complete"]
     assert "; not measured: oom" in out.with_suffix(".md").read_text()
+
+
+def test_rows_from_later_calls_go_in_their_table_place(tmp_path):
+    # Call 1 measured the small table's rows 1 and 3; call 2 its row 2 and a row with extra overrides, which the
+    # table does not name: the merged table reads 1, 2, 3, then the extra row.
+    from benchmarks.speed.rows import TABLES
+    names = [row.name for row in TABLES["small"](())][:3]
+    a, b = (json.loads(_part(tmp_path, n, n, ["base"]).read_text()) for n in ("a", "b"))
+    base = a["rows"][0]
+    a["rows"] = [{**base, "name": names[0]}, {**base, "name": names[2]}]
+    b["rows"] = [{**base, "name": names[1] + " [train.cudnn_benchmark=True]"}, {**base, "name": names[1]}]
+    for name, result in (("a", a), ("b", b)):
+        result["table"] = "small"
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    out = tmp_path / "m.json"
+    assert merge.main([str(out), str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert [r["name"] for r in json.loads(out.read_text())["rows"]] == [*names, names[1] + " [train.cudnn_benchmark=True]"]

@@ -86,10 +86,23 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
             if ok or merged[kind][index].get("status", "ok") != "ok":
                 merged[kind][index] = entry  # an ok row replaces a failed one; --prefer-later: the later one
                 where[(kind, key)] = (index, path.name)
+    merged["rows"] = in_table_order(merged["rows"], merged["table"])
     merged["complete"] = is_complete([r for _, r in parts], merged["rows"])
     # Every part's planned rows (the first part's alone would name a sixth of a table split four ways).
     merged["planned"] = [list(k) for k in dict.fromkeys(tuple(row) for _, r in parts for row in r.get("planned", []))]
     return merged
+
+
+def in_table_order(rows: list[dict], table: str) -> list[dict]:
+    """The rows as their table lists them: a row measured by a later call (row 4 after rows 1-24) goes in its place,
+    not at the end. Rows the table does not name (a row run with extra overrides) follow, in the order merged."""
+    from benchmarks.speed.rows import TABLES
+
+    order: dict[tuple, int] = {}
+    for name in table.split("+"):
+        for row in TABLES[name](()) if name in TABLES else []:
+            order.setdefault((row.preset, row.name), len(order))
+    return sorted(rows, key=lambda r: order.get((r["group"], r["name"]), len(order)))  # stable: ties keep order
 
 
 def is_complete(parts: list[dict], rows: list[dict]) -> bool:
