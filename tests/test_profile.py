@@ -470,3 +470,31 @@ def test_profile_under_torchrun_profiles_rank_0_of_ddp(small_dataset, tmp_path):
     assert summary["environment"]["world_size"] == 2 and summary["profile"]["steps"] == 2
     assert "per rank x 2 ranks (train.ddp_reduce=flat, rank 0 shown)" in (out / "profile.md").read_text()
     assert proc.stdout.count("profile: wrote") == 1
+
+
+def test_the_fused_groupnorm_kernels_are_normalization_under_cuda_graphs():
+    # Under reduce-overhead the launching op is the whole compiled graph: the kernel's own name must say it (the
+    # profile of 26cefa3 filed three of them under "other" and the backward reduction as elementwise). Every Triton
+    # kernel of gn_kernels.py, read from the source so that a renamed or new kernel fails here.
+    import re
+    from pathlib import Path
+    source = (Path(__file__).resolve().parents[1] / "ffcv_ddpm" / "gn_kernels.py").read_text()
+    kernels = re.findall(r"@triton\.jit\ndef (\w+_kernel)\(", source)
+    assert len(kernels) >= 6, kernels
+    for name in kernels:
+        assert classify(name, ["ProfilerStep*", "## Call CompiledFxGraph f7nj2dk4 ##"]) == "normalization", name
+    assert classify("_apply_kernel_of_something_else") != "normalization"  # exact names only
+
+
+def test_peak_memory_under_cuda_graphs_includes_the_warm_up():
+    # 26cefa3 on an H100: "peak memory 0.8 GiB" for a ~19-GiB step under reduce-overhead (the graphs' pool was
+    # allocated while recording, before the profiled steps).
+    from benchmarks.speed.profile import _peak_text
+    s = {"config": {"train": {"compile_mode": "reduce-overhead"}}, "peak_mem_gib_profiled": 0.8,
+         "peak_mem_gib_incl_warmup": 18.9}
+    assert _peak_text(s).startswith("; peak memory 18.9 GiB including the warm-up") and "alone 0.8 GiB" in _peak_text(s)
+    s["config"]["train"]["compile_mode"] = "default"
+    assert _peak_text(s) == "; peak memory 0.8 GiB"
+    del s["peak_mem_gib_incl_warmup"]  # a summary written before the field existed
+    s["config"]["train"]["compile_mode"] = "reduce-overhead"
+    assert _peak_text(s) == "; peak memory 0.8 GiB"

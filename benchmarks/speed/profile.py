@@ -264,12 +264,16 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     warmup_s = untimed_steps(lambda batch, _i: trainer.step(*batch, lr), lambda: next(data), max(1, warmup), device)
     log(f"profile: {max(1, warmup)} warm-up steps in {warmup_s:.1f} s; profiling {steps} steps", flush=True)
 
+    # Under CUDA graphs the step's tensors live in the pool allocated while recording (in the warm-up): the peak of
+    # the profiled steps alone is a fraction of the step's memory (benchmarks.speed.report.row_peak_mem).
+    peak_incl_warmup = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     prof = profile_steps(trainer, data, lr, steps, device)  # every rank steps (DDP); rank 0's profile is the one kept
     if ddp.main:
         a = analyse(prof.events(), top=args.top)
         peak_mem = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        peak_incl_warmup = max(peak_incl_warmup, peak_mem) if cuda else None
         trace = out / "trace.json.gz"
         _export_trace(prof, trace)
     del prof
@@ -309,6 +313,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
                      "interval_s": args.interval, "profiler_schedule": {"wait": 1, "warmup": 1, "active": steps}},
         "warmup_s": warmup_s,
         "peak_mem_gib_profiled": peak_mem,
+        "peak_mem_gib_incl_warmup": peak_incl_warmup,
         "profile": a,
         "telemetry": tel,
         "files": files,
@@ -351,6 +356,15 @@ def _export_trace(prof, path: Path) -> None:
               "before committing it", flush=True)
 
 
+def _peak_text(s: dict) -> str:
+    """The step's peak memory: under CUDA graphs the one including the warm-up, where the graphs' pool was allocated."""
+    graphs = s["config"]["train"].get("compile_mode") == "reduce-overhead" and s.get("peak_mem_gib_incl_warmup")
+    if graphs:
+        return (f"; peak memory {s['peak_mem_gib_incl_warmup']:.1f} GiB including the warm-up (CUDA graphs: the "
+                f"profiled steps alone {s['peak_mem_gib_profiled']:.1f} GiB, their pool allocated when recorded)")
+    return f"; peak memory {s['peak_mem_gib_profiled']:.1f} GiB" if s["peak_mem_gib_profiled"] else ""
+
+
 def _header(s: dict) -> list[str]:
     env, a, cfg = s["environment"], s["profile"], s["config"]
     ds = s["dataset"]
@@ -373,7 +387,7 @@ def _header(s: dict) -> list[str]:
         f"- Profiled: {a['steps']} steps after {s['settings']['warmup']} warm-up steps + 2 profiler warm-up steps; "
         f"{step} under the profiler; unprofiled step {unprof:.2f} ms"
         + (" (CUDA events)" if s["device_name"] else " (perf_counter)")
-        + (f"; peak memory {s['peak_mem_gib_profiled']:.1f} GiB" if s["peak_mem_gib_profiled"] else ""),
+        + _peak_text(s),
         f"- Trace: [{s['files']['trace']}]({s['files']['trace']}) (ui.perfetto.dev or chrome://tracing)",
     ]
 

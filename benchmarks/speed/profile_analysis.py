@@ -56,7 +56,10 @@ _SPECIFIC = tuple((c, re.compile(p)) for c, p in (
     ("convolution fwd", r"fprop|convolve|convolution|conv2d|winograd|implicit_gemm|conv_fwd"),
     # var_mean: the statistics of the default (scale-shift) GroupNorm, whose apply step is plain elementwise work.
     ("normalization", r"group_?norm|layer_?norm|batch_?norm|rowwisemoments|computefusedparams|gammabeta"
-                      r"|compute1d|var_mean"),
+                      r"|compute1d|var_mean"
+                      # The fused GroupNorm's own Triton kernels (ffcv_ddpm/gn_kernels.py): under CUDA graphs nothing
+                      # but their names says what they are (the launching op is the whole compiled graph).
+                      r"|^_(stats|finalize|apply|bwd_reduce|bwd_finalize|bwd_dx)_kernel$"),
 ))
 # Names that are only a kernel family: used when neither the name nor the launching ops said more.
 _GENERIC = tuple((c, re.compile(p)) for c, p in (
