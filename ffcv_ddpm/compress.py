@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from ffcv_ddpm.norm import GroupNormAct
-from ffcv_ddpm.unet import AnnotatedResBlock, DDPMResBlock, ImageConv2d, WSConv2d
+from ffcv_ddpm.unet import AnnotatedResBlock, DDPMResBlock, DDPMUNet, ImageConv2d, SelfAttention, Upsample, WSConv2d
 
 PRUNE_METHODS = {"l1": prune.L1Unstructured, "random": prune.RandomUnstructured}
 PRUNE_SCOPES = ("global", "local")
@@ -318,6 +318,23 @@ def import_torchao():
 
 
 @torch.no_grad()
+def reference_computation(model: nn.Module) -> nn.Module:
+    """Switches a built network to the paper's computation (unet.REFERENCE_COMPUTATION) in place: the same function
+    and weights. The faster forms compute with the weight itself, which torchao's int8 tensors cannot: the image
+    convs pad it (constant_pad_nd), the linear attention projections flatten it (view), the concat-free skips slice
+    it, the transposed upsample folds it (ddpm-cifar10's int8 rows failed on an H100 at 26cefa3 on the view)."""
+    for m in model.modules():
+        if isinstance(m, ImageConv2d):
+            m.pad_to = 0
+        elif isinstance(m, SelfAttention):
+            m.linear = False
+        elif isinstance(m, Upsample):
+            m.impl = "nearest"
+        elif isinstance(m, DDPMUNet):
+            m.concat_free = False
+    return model
+
+
 def quantize_int8(model: nn.Module, mode: str) -> nn.Module:
     """Replaces weights in place by torchao int8 tensors (see the module docstring for the modes); returns the model."""
     if mode not in QUANT_MODES:
@@ -332,11 +349,7 @@ def quantize_int8(model: nn.Module, mode: str) -> nn.Module:
     )
 
     make_permanent(model)
-    # The image convs' channel padding (a cuDNN kernel choice for bf16 training) pads the weight, which torchao's
-    # int8 tensors cannot do (constant_pad_nd: NotImplementedError); unpadded they compute the same function.
-    for m in model.modules():
-        if isinstance(m, ImageConv2d):
-            m.pad_to = 0
+    reference_computation(model)
     chosen = {id(m) for m in compressible_layers(model)}
     if mode == "weight-only":
         quantize_(model, IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
