@@ -40,7 +40,8 @@ class TrainConfig:
     ema_decay: float = 0.9999            # EMA of weights for sampling (DDPM paper: 0.9999); 0 disables EMA
     precision: str = "bf16"              # fp32 | tf32 (fp32 weights, TF32 matmuls) | bf16 | fp16 (with GradScaler)
     compile: bool = True                 # torch.compile the model (forward + backward); ignored on CPU
-    compile_mode: str = "default"        # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    # CUDA graphs replay the step without a launch per kernel (H100, fused GroupNorm: 8,248 -> 8,533 img/s at 1024).
+    compile_mode: str = "reduce-overhead"  # default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
