@@ -45,6 +45,7 @@ class TrainConfig:
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
+    deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     noise_seed: int = -1                 # seeds noise, timesteps and dropout alone (rank r: + r); -1 = train.seed
     device: str = "auto"                 # auto (cuda if available) | cuda | cuda:N | cpu

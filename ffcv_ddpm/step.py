@@ -9,6 +9,7 @@ benchmarks.speed.profile time the same step, so a benchmark measures exactly wha
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -143,10 +144,26 @@ def noise_seed(cfg: RunConfig, rank: int) -> int:
     return (cfg.train.seed if cfg.train.noise_seed < 0 else cfg.train.noise_seed) + rank
 
 
+def set_deterministic() -> None:
+    """Deterministic kernels where torch has them (train.deterministic), for the process: cuDNN's deterministic
+    algorithms, cuBLAS's fixed workspace, inductor's deterministic mode (no timing-based kernel choices) and
+    torch.use_deterministic_algorithms. With warn_only, an op that has no deterministic kernel warns, naming itself,
+    and runs anyway: a run that should be reproducible says which ops keep it from being so (NOTES item 16: two
+    identical fp32 runs drift apart on a GPU)."""
+    import torch._inductor.config
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS makes its handle
+    torch.backends.cudnn.deterministic = True
+    torch._inductor.config.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    if cfg.train.deterministic:
+        set_deterministic()
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model).to(device)
     if cfg.train.channels_last:

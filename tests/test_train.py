@@ -225,6 +225,28 @@ def test_training_step_has_no_host_sync():
     assert host_syncs(t.step, images, labels, 1e-4) == []
 
 
+def test_deterministic_sets_every_switch(monkeypatch):
+    """train.deterministic (NOTES item 16): torch (warn-only: an op without a deterministic kernel warns with its
+    name instead of stopping the run), cuDNN, inductor and cuBLAS in their deterministic modes."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(inductor_config, "deterministic", False)
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        cfg = load_config("tiny", ["train.device=cpu", "train.compile=False"])
+        step_mod.build(cfg, torch.device("cpu"))
+        assert not torch.are_deterministic_algorithms_enabled()  # off by default
+        cfg = load_config("tiny", ["train.device=cpu", "train.compile=False", "train.deterministic=True"])
+        step_mod.build(cfg, torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.deterministic and inductor_config.deterministic
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def test_largest_fitting_batch_reports_what_fits():
     seen = []
 
