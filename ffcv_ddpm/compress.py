@@ -317,7 +317,6 @@ def import_torchao():
     return torchao
 
 
-@torch.no_grad()
 def reference_computation(model: nn.Module) -> nn.Module:
     """Switches a built network to the paper's computation (unet.REFERENCE_COMPUTATION) in place: the same function
     and weights. The faster forms compute with the weight itself, which torchao's int8 tensors cannot: the image
@@ -335,6 +334,7 @@ def reference_computation(model: nn.Module) -> nn.Module:
     return model
 
 
+@torch.no_grad()
 def quantize_int8(model: nn.Module, mode: str) -> nn.Module:
     """Replaces weights in place by torchao int8 tensors (see the module docstring for the modes); returns the model."""
     if mode not in QUANT_MODES:
