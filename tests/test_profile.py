@@ -37,6 +37,8 @@ NAMES = {
         "aten::convolution_backward", "autograd::engine::evaluate_function: ConvolutionBackward0",
     ],
     "attention": [
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 256>(void const*, void const*, float*, int, int, int)",
+        "void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*, unsigned int, unsigned int)",
         "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::"
         "bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, false, false, false, true, "
         "true, false, false>(pytorch_flash::Flash_fwd_params)",

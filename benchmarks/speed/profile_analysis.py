@@ -51,7 +51,8 @@ _SPECIFIC = tuple((c, re.compile(p)) for c, p in (
     ("data/copies", r"^data:|memcpy|memset|direct_copy|copy_kernel|catarraybatchedcopy|nchwtonhwc|nhwctonchw"
                     r"|^aten::(copy_|to|_to_copy|contiguous|clone|cat|index_select|_pin_memory|pin_memory)$"),
     ("optimizer", r"^optimizer\.|multi_tensor_apply|adam|_foreach_"),
-    ("attention", r"flash|fmha|attention|sdpa|softmax"),
+    # cuDNN's SDPA backward also runs two helpers of its own: dot(dO, O) per row, and dQ's conversion to 16 bits.
+    ("attention", r"flash|fmha|attention|sdpa|softmax|compute_dot_do_o|convert_dq_to_16bits"),
     ("convolution bwd", r"dgrad|wgrad|convolution_?backward|conv2d_backward|conv_bwd"),
     ("convolution fwd", r"fprop|convolve|convolution|conv2d|winograd|implicit_gemm|conv_fwd"),
     # var_mean: the statistics of the default (scale-shift) GroupNorm, whose apply step is plain elementwise work.
