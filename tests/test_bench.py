@@ -32,6 +32,14 @@ def test_rows_are_complete_configs_that_load():
     assert (last.train.precision, last.train.compile, last.model.attn_impl, last.data.loader) == (
         "bf16", True, "sdpa", "gpu")
     assert (last.model.norm_impl, last.train.channels_last) == ("fused", True)
+    # The trainer's defaults (CUDA graphs, cuDNN's search since f3ad27b) are rows of their own, never inherited: a
+    # row is what its name says whatever the defaults become.
+    for name, c in cfg.items():
+        graphs = "CUDA graphs" in name or "reduce-overhead" in name
+        autotune = "max-autotune" in name
+        assert c.train.compile_mode == ("reduce-overhead" if graphs else "max-autotune-no-cudagraphs" if autotune
+                                        else "default"), name
+        assert c.train.cudnn_benchmark == ("cuDNN" in name), name
     fp16 = cfg["fp16 + GradScaler (instead of bf16)"]
     assert fp16.data.loader == "ffcv" and fp16.model.norm_impl == "torch"  # a variant, not stacked
     # On the fused-AdamW row, so that GradScaler needs no host read of found_inf: the only difference is fp16.

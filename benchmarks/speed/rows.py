@@ -41,6 +41,7 @@ BASELINE = (
     "train.fused_adam=False",
     "data.flip=cpu",
     "train.cudnn_benchmark=False",  # cuDNN's heuristic choice, not its timed search (a row of its own below)
+    "train.compile_mode=default",  # plain torch.compile once compiled; CUDA graphs are rows of their own below
 )
 
 # The computation switches every network takes (model.concat_free only the DDPM one: table_rows).
