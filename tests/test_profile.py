@@ -492,8 +492,8 @@ def test_peak_memory_under_cuda_graphs_includes_the_warm_up():
     # 26cefa3 on an H100: "peak memory 0.8 GiB" for a ~19-GiB step under reduce-overhead (the graphs' pool was
     # allocated while recording, before the profiled steps).
     from benchmarks.speed.profile import _peak_text
-    s = {"config": {"train": {"compile_mode": "reduce-overhead"}}, "peak_mem_gib_profiled": 0.8,
-         "peak_mem_gib_incl_warmup": 18.9}
+    s = {"config": {"train": {"compile_mode": "reduce-overhead"}}, "device_name": "NVIDIA H100 80GB HBM3",
+         "peak_mem_gib_profiled": 0.8, "peak_mem_gib_incl_warmup": 18.9}
     assert _peak_text(s).startswith("; peak memory 18.9 GiB including the warm-up") and "alone 0.8 GiB" in _peak_text(s)
     s["config"]["train"]["compile_mode"] = "default"
     assert _peak_text(s) == "; peak memory 0.8 GiB"

@@ -265,7 +265,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     log(f"profile: {max(1, warmup)} warm-up steps in {warmup_s:.1f} s; profiling {steps} steps", flush=True)
 
     # Under CUDA graphs the step's tensors live in the pool allocated while recording (in the warm-up): the peak of
-    # the profiled steps alone is a fraction of the step's memory (benchmarks.speed.report.row_peak_mem).
+    # the profiled steps alone is a fraction of the step's memory (benchmarks.speed.report.graphs_peak).
     peak_incl_warmup = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -357,12 +357,15 @@ def _export_trace(prof, path: Path) -> None:
 
 
 def _peak_text(s: dict) -> str:
-    """The step's peak memory: under CUDA graphs the one including the warm-up, where the graphs' pool was allocated."""
-    graphs = s["config"]["train"].get("compile_mode") == "reduce-overhead" and s.get("peak_mem_gib_incl_warmup")
+    """The step's peak memory, read as the bench rows read theirs (benchmarks.speed.report.graphs_peak)."""
+    from benchmarks.speed.report import graphs_peak
+
+    peak, graphs = graphs_peak(s["config"]["train"].get("compile_mode"), bool(s["device_name"]),
+                               s["peak_mem_gib_profiled"], s.get("peak_mem_gib_incl_warmup"))
     if graphs:
-        return (f"; peak memory {s['peak_mem_gib_incl_warmup']:.1f} GiB including the warm-up (CUDA graphs: the "
-                f"profiled steps alone {s['peak_mem_gib_profiled']:.1f} GiB, their pool allocated when recorded)")
-    return f"; peak memory {s['peak_mem_gib_profiled']:.1f} GiB" if s["peak_mem_gib_profiled"] else ""
+        return (f"; peak memory {peak:.1f} GiB including the warm-up (CUDA graphs: the profiled steps alone "
+                f"{s['peak_mem_gib_profiled']:.1f} GiB, their pool allocated when recorded)")
+    return f"; peak memory {peak:.1f} GiB" if peak else ""
 
 
 def _header(s: dict) -> list[str]:

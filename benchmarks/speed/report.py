@@ -179,16 +179,23 @@ _COLUMNS = (
 )
 
 
+def graphs_peak(compile_mode: str | None, compiled: bool, timed, incl_warmup) -> tuple:
+    """(a step's peak memory, whether it is the peak including the warm-up), from the peak of the timed steps and
+    the one including the warm-up (bytes or GiB alike). The peak is reset after the warm-up so that compilation and
+    autotuning do not count; under CUDA graphs (compile mode reduce-overhead) the step's tensors live in the graphs'
+    private pool, allocated while recording in the warm-up and reused by every replay, so the timed steps allocate
+    almost nothing (0.8 GiB seen for a 20-GiB step on an H100) and the peak that includes the warm-up is the step's.
+    The bench rows and the profile both read their peak through this."""
+    if compile_mode == "reduce-overhead" and compiled and incl_warmup is not None:
+        return incl_warmup, True
+    return timed, False
+
+
 def row_peak_mem(row: dict) -> tuple[int | None, bool]:
-    """(the row's peak memory in bytes, whether it is the peak including the warm-up). The peak is reset after the
-    warm-up so that compilation and autotuning do not count; under CUDA graphs (compile mode reduce-overhead) the
-    step's tensors live in the graphs' private pool, allocated while recording in the warm-up and reused by every
-    replay, so the timed steps allocate almost nothing (0.8 GiB seen for a 20-GiB step on an H100) and the peak that
-    includes the warm-up is the step's."""
+    """(a bench row's peak memory in bytes, whether it includes the warm-up): graphs_peak."""
     raw = row.get("raw") or {}
-    graphs = ((row.get("config") or {}).get("train", {}).get("compile_mode") == "reduce-overhead"
-              and raw.get("compiled") and raw.get("peak_mem_bytes_incl_warmup") is not None)
-    return (raw["peak_mem_bytes_incl_warmup"], True) if graphs else (raw.get("peak_mem_bytes"), False)
+    return graphs_peak((row.get("config") or {}).get("train", {}).get("compile_mode"), bool(raw.get("compiled")),
+                       raw.get("peak_mem_bytes"), raw.get("peak_mem_bytes_incl_warmup"))
 
 
 def _row_cells(row: dict, measured: bool) -> list[str]:
