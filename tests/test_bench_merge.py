@@ -104,6 +104,11 @@ def test_a_cut_call_finished_by_a_later_call_is_one_complete_table(tmp_path):
     b.write_text(json.dumps(rest))
     assert merge.main([str(out), str(a), str(b)]) == 0 and not json.loads(out.read_text())["complete"]
     assert "; not measured: oom" in out.with_suffix(".md").read_text()
+    # Row names repeat across presets (the loaders-e2e table): with two presets planned, each missing row names its own.
+    cut["planned"].append(["ddpm-cifar10", "base"])
+    a.write_text(json.dumps(cut))
+    assert merge.main([str(out), str(a), str(b)]) == 0
+    assert "; not measured: annotated-small: oom; ddpm-cifar10: base" in out.with_suffix(".md").read_text()
 
 
 def test_rows_from_later_calls_go_in_their_table_place(tmp_path):

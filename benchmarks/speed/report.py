@@ -155,7 +155,9 @@ def _header(result: dict) -> list[str]:
         lines.append(f"- {result['note']}")
     if not result.get("complete", True):
         done = {(r["group"], r["name"]) for r in result.get("rows") or [] if r.get("status", "ok") == "ok"}
-        missing = [name for group, name in result.get("planned") or [] if (group, name) not in done]
+        planned = result.get("planned") or []
+        several = len({group for group, _ in planned}) > 1  # row names repeat across presets (loaders-e2e)
+        missing = [f"{group}: {name}" if several else name for group, name in planned if (group, name) not in done]
         lines.append("- INCOMPLETE: the run stopped before its last row; the rows below are those it finished"
                      + (f"; not measured: {'; '.join(missing)}" if missing else ""))
     for preset, f in result.get("flops", {}).items():
