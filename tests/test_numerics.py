@@ -2,6 +2,7 @@
 or as parallel processes, and the checks between them."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +75,8 @@ def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_datas
     assert f"{verdict} the noise floor" in printed
     assert r["verdict"] == numerics.verdict(r["check"], r["control_check"], 0.5, 1.5) and "**Verdict: pass**" in md
     assert (tmp_path / "numerics-bf16.png").stat().st_size > 10_000
+    assert "identical control" not in r["control"]["description"]  # its norm_impl differs
+    assert not list(tmp_path.glob("*.log"))  # in-process legs have no logs of their own
 
     # The same legs as three trainer processes at once: the same curves (CPU arithmetic is deterministic), and with
     # no tolerance at all the check fails and says so.
@@ -83,6 +86,11 @@ def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_datas
     p = json.loads((tmp_path / "numerics-bf16.json").read_text())
     md = (tmp_path / "numerics-bf16.md").read_text()
     assert p["parallel"] and "OUTSIDE tolerance" in md
+    # Each process's output is kept beside the report (its warnings name ops without deterministic kernels).
+    for leg in ("reference", "candidate", "control"):
+        log = (tmp_path / f"numerics-bf16-{leg}.log").read_text()
+        assert f"-tiny-{leg}, 1 process(es)" in log, log[:300]  # that leg's trainer wrote it
+    assert "leg_logs" not in p
     # With the control beyond the tolerance as well, the report says the check cannot separate precision from drift
     # (at tolerance 0.5 above, it did not).
     assert "control is outside the tolerance too" in md and "cannot separate precision from drift" in printed
@@ -215,3 +223,17 @@ def test_time_limit_stops_the_legs_and_compares_the_intervals_all_logged(small_d
     md = (tmp_path / "numerics-bf16.md").read_text()
     assert "stopped by --time-limit after" in md and "steps every leg logged (1000000 planned)" in md
     assert "| reference | - |" in md  # the leg timing table
+
+
+def test_a_control_that_changes_nothing_is_called_identical():
+    # --control train.compile_mode=reduce-overhead restated the default after f3ad27b: that control measured
+    # run-to-run drift, and its description must say so (a control that changes a kernel choice must not).
+    legs = [numerics.Leg("reference", "fp32", []), numerics.Leg("candidate", "bf16", []),
+            numerics.Leg("control", "fp32", ["train.compile_mode=reduce-overhead"]),
+            numerics.Leg("control", "fp32", ["model.norm_impl=torch"])]
+    for leg in legs:
+        leg.build("ddpm-cifar10", ["data.batch_size=8"], Path("unused.beton"), Path("/tmp/legs"))
+    ref, cand, same, other = legs
+    assert "identical control" in same.describe(ref)
+    assert "identical control" not in other.describe(ref) and "identical control" not in cand.describe(ref)
+    assert "identical control" not in ref.describe(ref) and ref.describe() == "fp32 (TF32 off)"

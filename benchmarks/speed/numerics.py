@@ -82,9 +82,22 @@ class Leg:
         self.cfg = load_config(preset, self.trainer_overrides(common, tmp))
         self.cfg.data.path = str(beton)
 
-    def describe(self) -> str:
+    def describe(self, reference: "Leg | None" = None) -> str:
+        """Its precision and overrides; a leg whose config equals the reference's (overrides that restate a default)
+        says so, since a control that changes nothing measures run-to-run drift, not a kernel choice."""
+        same = reference is not None and self is not reference and _arithmetic(self.cfg) == _arithmetic(reference.cfg)
         return f"{self.precision}" + (" (TF32 off)" if self.precision == "fp32" else "") + \
-            (f" + `{' '.join(self.overrides)}`" if self.overrides else "")
+            (f" + `{' '.join(self.overrides)}`" if self.overrides else "") + \
+            (" (the same configuration as the reference: an identical control)" if same else "")
+
+
+def _arithmetic(cfg: RunConfig | None) -> dict | None:
+    """A leg's config without what only names its run (folder, description)."""
+    if cfg is None:
+        return None
+    d = cfg.to_dict()
+    d["train"] = {k: v for k, v in d["train"].items() if k not in ("out_dir", "desc")}
+    return d
 
 
 # Fields whose difference gives two legs different batches, timesteps or noise: such legs are not paired.
@@ -434,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or results_dir(result["device"])
     out = out / f"numerics-{result['candidate']['precision']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    for leg, text in result.pop("leg_logs", {}).items():
+        out.with_name(f"{out.stem}-{leg}.log").write_text(text)
     write_json(out, result, indent=2)  # atomic: a cut-off run leaves no half-written JSON
     render(result, out)
     c, nf, v = result["check"], result["noise_floor"], result["verdict"]
@@ -478,11 +493,13 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         for leg in legs:
             leg.build(args.preset, common, beton, tmp)
         check_paired(legs)
-        stopped_at = None
+        stopped_at, logs = None, {}
         if args.parallel:
             if device.type == "cuda":
                 place_legs(legs, visible_gpus(), args.gpus)
             stopped_at = run_parallel(legs, args.preset, common, beton, tmp, args.time_limit)
+            # Kept beside the report: a leg's warnings (an op without a deterministic kernel names itself) are there.
+            logs = {leg.name: (tmp / f"{leg.name}.log").read_text(errors="replace") for leg in legs}
         else:
             run_sequential(legs)
         runs = {leg.name: read_run(tmp / leg.name, leg.cfg) for leg in legs}
@@ -506,9 +523,10 @@ def measure(args: argparse.Namespace, command: str) -> dict:
         "time_limit": args.time_limit, "stopped_at_s": stopped_at, "leg_timing": timing,
         "dataset": f"{beton}" + (" (SYNTHETIC)" if built or dataset_info(beton)["synthetic"] else ""),
         "control": None,
-        **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(),
+        **{leg.name: {"precision": leg.precision, "overrides": leg.overrides, "description": leg.describe(legs[0]),
                       **runs[leg.name]} for leg in legs},
         **compare(curves, args),
+        "leg_logs": logs,  # written beside the report by main, not into its JSON
     }
 
 
@@ -545,7 +563,7 @@ def from_runs(args: argparse.Namespace, command: str) -> dict:
         "environment": env, "analysed_with": environment(), "config": cfg.to_dict(), "common_overrides": [],
         "parallel": None, "dataset": f"{cfg.data.path} (as the runs recorded it)", "control": None,
         "leg_timing": {leg.name: leg_timing(runs[leg.name]["stats"], None) for leg in legs},
-        **{leg.name: {"precision": leg.precision, "overrides": [], "description": leg.describe(),
+        **{leg.name: {"precision": leg.precision, "overrides": [], "description": leg.describe(legs[0]),
                       **{**runs[leg.name], "stats": curves[leg.name]}} for leg in legs},
         **compare(curves, args),
     }
