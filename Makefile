@@ -35,7 +35,8 @@ dataset: $(SETUP)
 		$(ARGS)
 
 # The .beton files plus the Kaggle-layout PNG folder <dataset folder>/png, for the PyTorch-DataLoader-from-files
-# baseline (make bench and make bench-loaders use it when present).
+# baseline (make bench and make bench-loaders use it when present; make bench ARGS="--table loaders-e2e" needs it:
+# without it that table stops before any row runs). Give the SOURCE the .beton files were made from.
 dataset-png: $(SETUP)
 	$(MAKE) dataset ARGS="--export-png $(or $(OUT),$(DATA))/png $(ARGS)"
 

@@ -44,15 +44,26 @@ def results_here() -> Path:
     return results_dir(torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
+def dataset_files(data: Path) -> tuple[Path, tuple[Path, ...]]:
+    """(the train .beton ensure_dataset(data) gives, the files it answers for: that .beton, which it requires or
+    builds, and the JPEG one a synthetic build writes beside it). Looks only; a check before ensure_dataset runs
+    leaves these to it."""
+    data = Path(data)
+    if data.suffix == ".beton":
+        return data, (data,)
+    beton = data / BETON
+    return beton, ((beton,) if beton.is_file() else (beton, data / JPEG_BETON))
+
+
 def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
     """(train .beton, built now?) for --data given as a dataset folder (its cifar10_train_raw.beton, a synthetic one
     built there first when missing) or as a .beton file (which must exist)."""
     data = Path(data)
+    beton, _ = dataset_files(data)
     if data.suffix == ".beton":
         if not data.is_file():
             raise BenchError(f"--data {data} does not exist; run `make dataset` or give a dataset folder")
         return data, False
-    beton = data / BETON
     if beton.is_file():
         return beton, False
     print(f"bench: NOTE: no {BETON} in {data}/, so building a SYNTHETIC dataset there first "

@@ -20,6 +20,7 @@ import csv
 import json
 import os
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,14 +79,56 @@ class DataConfig:
 
 # ---- checks and metadata ---------------------------------------------------------------------------------------
 
+def missing_input(cfg: DataConfig, assume_present: Collection[Path] = ()) -> str | None:
+    """What cfg.loader reads that is not on disk -- the .beton, or (torch-files) the PNG folder and its labels CSV --
+    as one message that says how to make it; None when all is there. The loaders raise the same message as
+    FileNotFoundError when they start; a benchmark asks first, before it starts anything. `assume_present`: paths
+    the caller is about to write itself (a benchmark's synthetic dataset)."""
+    if cfg.loader == "torch-files":
+        return _missing_png(Path(cfg.png_dir), assume_present)
+    return _missing_beton(Path(cfg.path), assume_present)
+
+
+def _missing_beton(path: Path, assume_present: Collection[Path] = ()) -> str | None:
+    if path.exists() or path in assume_present:  # a path that is there but no file is _open_beton's ValueError
+        return None
+    return f"dataset {path} not found; {_MAKE_DATASET_HINT}"
+
+
+def png_labels(folder: Path) -> Path:
+    """The labels CSV of a Kaggle-layout PNG folder: beside it, named after it (png/train -> png/trainLabels.csv)."""
+    return folder.parent / f"{folder.name}Labels.csv"
+
+
+def _missing_png(folder: Path, assume_present: Collection[Path] = ()) -> str | None:
+    labels = png_labels(folder)
+    folder_there = folder.is_dir() or folder in assume_present
+    if folder_there and (labels.is_file() or labels in assume_present):
+        return None
+    what = (f"labels {labels} of PNG folder {folder}" if folder_there
+            else f"PNG folder {folder} (with its labels {labels})")
+    return f"{what} not found; {_png_export_hint(folder)}"
+
+
+def _png_export_hint(folder: Path) -> str:
+    """How to write `folder`: tools.make_dataset --export-png DIR writes DIR/train and DIR/test with their CSVs, from
+    the source it also writes the .beton files from (the same source, or it rewrites them to match)."""
+    export = folder.parent
+    data = export.parent if export.name == "png" else "DATA"  # `make dataset-png DATA=D` exports to D/png
+    command = f"`python -m tools.make_dataset --source ... --out {data} --export-png {export}`"
+    if export.name == "png":
+        command = f"`make dataset-png DATA={data} SOURCE=...` or {command}"
+    return f"export it with {command}, giving the source the .beton files in {data} were made from"
+
+
 def _open_beton(path):
     """Reader of a .beton that has an RGB 'image' and an integer 'label' field; clear errors otherwise."""
     from ffcv.fields import IntField, RGBImageField
     from ffcv.reader import Reader
 
     p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"dataset {p} not found; {_MAKE_DATASET_HINT}")
+    if missing := _missing_beton(p):
+        raise FileNotFoundError(missing)
     if not p.is_file():
         raise ValueError(f"dataset {p} is not a file; expected an FFCV .beton such as data/cifar10_train_raw.beton")
     try:
@@ -419,10 +462,9 @@ class _PNGDataset(torch.utils.data.Dataset):
 
     def __init__(self, png_dir):
         self.dir = Path(png_dir)
-        csv_path = self.dir.parent / f"{self.dir.name}Labels.csv"
-        if not self.dir.is_dir() or not csv_path.is_file():
-            raise FileNotFoundError(f"PNG folder {self.dir} or its labels {csv_path} not found; export them with "
-                                    "tools.make_dataset (see `make dataset`) or set data.png_dir")
+        csv_path = png_labels(self.dir)
+        if missing := _missing_png(self.dir):
+            raise FileNotFoundError(f"{missing}, or set data.png_dir")
         with open(csv_path, newline="") as f:
             rows = list(csv.DictReader(f))
         if not rows or set(rows[0]) != {"id", "label"}:

@@ -432,3 +432,77 @@ def test_a_row_whose_batch_comes_from_an_unselected_row_gets_the_full_tables_bat
     rc, path = runner.run_table(table[3:], "t", args, [], [])
     (row,) = json.loads(path.read_text())["rows"]
     assert rc == 1 and ran == [] and "which did not run (failed or not selected)" in row["error"]
+
+
+class _Started(Exception):
+    """Raised by a stand-in for runner.spawn: the command got as far as starting a process."""
+
+
+def test_loaders_e2e_stops_before_any_row_runs_when_a_rows_data_is_missing(small_dataset, small_dataset_arrays,
+                                                                           tmp_path, monkeypatch, capsys):
+    """Row 4 of --table loaders-e2e (the DataLoader over PNG files) used to fail in its turn, after rows 1-3 had
+    compiled and timed for minutes, when the data folder had no PNG export (`make dataset-png`). Now the command
+    stops first, naming every row that lacks a file, the file, and how to make it or leave the row out; with the
+    folder there, the check passes and the run starts."""
+    import shutil
+
+    from conftest import write_png_folder
+
+    from benchmarks.speed import bench, runner
+
+    started = []
+
+    def spawned(kind, spec, timeout, log=None):
+        started.append(kind)
+        raise _Started(kind)
+
+    monkeypatch.setattr(runner, "spawn", spawned)
+    monkeypatch.setattr(runner, "flops_of", lambda row, overrides: started.append("flops"))
+    data, out = tmp_path / "data", tmp_path / "out"
+    shutil.copytree(small_dataset, data)  # what `make dataset` writes: the .beton files, no png/
+    argv = ["--data", str(data), "--table", "loaders-e2e", "--out", str(out)]
+
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    png = data / "png" / "train"
+    assert "row 4 [ddpm-cifar10] PyTorch DataLoader over PNG files" in err, err
+    assert "row 9 [annotated-small] PyTorch DataLoader over PNG files" in err, err
+    assert f"PNG folder {png}" in err and f"make dataset-png DATA={data}" in err and f"--export-png {png.parent}" in err
+    assert "--rows 1,2,3,5,6,7,8,10" in err  # the rows that can run, as --rows takes them
+    assert err.count("row ") == 2 and "JPEG" not in err  # the rows with their files are not named
+    assert started == [] and not out.exists()  # no process, no FLOP count, nothing written
+
+    # A JPEG .beton that is not there: its rows too, with the fix for a .beton.
+    (data / "cifar10_train_jpg.beton").unlink()
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "row 2 [ddpm-cifar10] FFCV JPEG .beton" in err and "row 7 [annotated-small] FFCV JPEG .beton" in err
+    assert f"{data / 'cifar10_train_jpg.beton'} not found; create it with `make dataset`" in err
+    assert "--rows 1,3,5,6,8,10" in err and started == []
+    shutil.copy(small_dataset / "cifar10_train_jpg.beton", data)
+
+    # The PNG folder without its labels CSV is as unusable as no folder.
+    write_png_folder(data / "png", small_dataset_arrays, with_test=False)
+    (data / "png" / "trainLabels.csv").rename(tmp_path / "trainLabels.csv")
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"labels {data / 'png' / 'trainLabels.csv'} of PNG folder {png} not found" in err and started == []
+
+    (tmp_path / "trainLabels.csv").rename(data / "png" / "trainLabels.csv")
+    with pytest.raises(_Started):  # every row's files are there: the run starts (its first process: the environment)
+        bench.main(argv)
+    assert started == ["env"]
+
+
+def test_a_dataset_bench_is_about_to_build_counts_as_there(tmp_path):
+    """--data naming a folder with no .beton: bench builds a synthetic dataset there (raw and JPEG .beton files), so
+    only the rows reading what that build does not write (the PNG folder) are named."""
+    from benchmarks.common import BenchError
+    from benchmarks.speed import runner
+
+    rows = TABLES["loaders-e2e"](("data.loader=torch-memory",))
+    with pytest.raises(BenchError) as e:
+        runner.check_row_data(rows, tmp_path / "empty", [], rows)
+    named = [line.strip() for line in str(e.value).splitlines() if line.strip().startswith("row ")]
+    assert [n.split(" [")[0] for n in named] == ["row 4", "row 9"] and not (tmp_path / "empty").exists()
+    runner.check_row_data([r for r in rows if "PNG" not in r.name], tmp_path / "empty", [], rows)  # the rest pass

@@ -6,7 +6,7 @@
     python -m benchmarks.speed.bench --data data --table small --measure-peak --sampling
     python -m benchmarks.speed.bench --table sampling     # DDIM and DDPM sampling, eager vs compiled (no data read)
     python -m benchmarks.speed.bench --list --table both  # print the rows and their overrides, run nothing
-    python -m benchmarks.speed.bench --data data --table loaders-e2e   # end to end per loader (issue 6)
+    python -m benchmarks.speed.bench --data data --table loaders-e2e   # per loader (issue 6); `make dataset-png` first
     python -m benchmarks.speed.bench --data data --rows best --name headline-cudnn train.cudnn_benchmark=True  # a switch
 
 A row is a RunConfig (`load_config(preset, overrides)`) plus a batch rule (benchmarks.speed.rows). For each row a child
@@ -17,6 +17,8 @@ batch inside each iteration, one sync at the end. Compiled kernels are kept in t
 (ffcv_ddpm.env.compile_cache): a row whose graph an earlier row or run compiled starts in seconds. Results (raw
 per-iteration times, environment, full configs, dataset source) go to benchmarks/results/<card>/<table>.json,
 with the Markdown table and PNG chart beside it (benchmarks.speed.report), rewritten after every row.
+Before anything starts, the files every selected row reads are checked (runner.check_row_data): one missing
+(a PNG folder never exported, say) stops the command with the rows that read it and how to make it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.common import DEVICE_HELP, commit_text, pyplot, results_dir, save_figure, write_json, write_text
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
-from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader
+from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader, missing_input
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.step import TrainingError, resolve_device
 from ffcv_ddpm.timing import sync
@@ -129,11 +129,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def variant_config(variant: Variant, workers: int | None, args) -> DataConfig:
+    return DataConfig(**{"seed": 0, **args.data_overrides},
+                      path=str(args.data / f"cifar10_train_{variant.beton}.beton"), loader=variant.loader,
+                      batch_size=args.batch_size, num_workers=workers or 0, order=variant.order,
+                      os_cache=variant.os_cache, flip=variant.flip, png_dir=str(args.png_dir))
+
+
 def measure(variant: Variant, workers: int | None, args, device: torch.device) -> dict:
     """Setup, first-epoch and steady-state figures of one loader variant at one worker count."""
-    cfg = DataConfig(**{"seed": 0, **args.data_overrides}, path=str(args.data / f"cifar10_train_{variant.beton}.beton"),
-                     loader=variant.loader, batch_size=args.batch_size, num_workers=workers or 0,
-                     order=variant.order, os_cache=variant.os_cache, flip=variant.flip, png_dir=str(args.png_dir))
+    cfg = variant_config(variant, workers, args)
     t0 = time.perf_counter()
     loader = make_loader(cfg, device)
     sync(device)
@@ -160,11 +165,8 @@ def measure(variant: Variant, workers: int | None, args, device: torch.device) -
 
 
 def skip_reason(variant: Variant, workers: int | None, args, cores: int) -> str | None:
-    if variant.loader == "ffcv" and not (args.data / f"cifar10_train_{variant.beton}.beton").is_file():
-        return f"{args.data}/cifar10_train_{variant.beton}.beton not found"
-    if variant.loader == "torch-files" and not args.png_dir.is_dir():
-        return (f"PNG folder {args.png_dir} not found: export it with `make dataset ARGS=\"--export-png "
-                f"{args.png_dir.parent}\"` (same SOURCE as the .beton files) or pass --png-dir")
+    if missing := missing_input(variant_config(variant, workers, args)):
+        return f"{missing}, or pass --png-dir" if variant.loader == "torch-files" else missing
     if workers is not None and workers > cores:
         return f"{workers} workers > {cores} cores"
     if variant.loader == "ffcv" and workers == 0:

@@ -104,7 +104,8 @@ VARIANTS = (
 )
 
 # End to end per loader (issue 6): the trainer's defaults (bf16, compile, SDPA, channels_last, fused AdamW, flips on
-# the GPU, 8 workers or the cores there are) and only the loader changes. "{data}" stands for the --data folder.
+# the GPU, 8 workers or the cores there are) and only the loader changes. "{data}" stands for the --data folder; the
+# JPEG row reads the JPEG .beton `make dataset` writes, the PNG row the folder only `make dataset-png` exports.
 LOADER_ROWS = (
     ("FFCV raw .beton", ("data.loader=ffcv",)),
     ("FFCV JPEG .beton", ("data.loader=ffcv", f"data.path={{data}}/{JPEG_BETON}")),

@@ -22,7 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import DATA_HELP, PNG_TRAIN, REPO, BenchError, ensure_dataset, results_dir, write_json
+from benchmarks.common import (DATA_HELP, PNG_TRAIN, REPO, BenchError, dataset_files, ensure_dataset, results_dir,
+                               write_json)
 from benchmarks.speed.rows import BATCH_LADDER, Row, row_overrides
 from ffcv_ddpm.checks import above, at_least, choice_list, matches, option
 
@@ -115,6 +116,38 @@ def check_overrides(rows: list[Row], overrides: list[str]) -> None:
             load_config(row.preset, [*row.overrides, *overrides])
         except ValueError as e:
             raise BenchError(str(e)) from None
+
+
+def check_row_data(rows: list[Row], data: Path, overrides: list[str], table_rows: list[Row] | None = None) -> None:
+    """Every file each row's loader reads (its overrides with the dataset's, then the command's) is there, or is one
+    ensure_dataset answers for; else one BenchError naming each row, what it lacks and how to make it or leave the
+    row out. Run before anything starts: a row whose PNG folder was never exported used to fail in its turn, after
+    the rows before it had compiled and timed for minutes."""
+    from ffcv_ddpm.config import load_config
+    from ffcv_ddpm.data import missing_input
+
+    beton, provided = dataset_files(data)
+    table = table_rows if table_rows and all(r in table_rows for r in rows) else rows  # what --rows numbers
+    lacking: dict[str, list[str]] = {}  # what is missing -> the rows that read it, so that it is said once
+    runnable = []
+    for row in rows:
+        i = table.index(row) + 1
+        cfg = load_config(row.preset, [*row_overrides(row, (f"data.path={beton}",), beton.parent), *overrides])
+        problem = missing_input(cfg.data, assume_present=provided)
+        if problem is None:
+            runnable.append(str(i))
+        else:
+            lacking.setdefault(problem, []).append(f"row {i} [{row.preset}] {row.name}")
+    if lacking:
+        count = sum(map(len, lacking.values()))
+        which = (f"{count} of the {len(rows)} rows read" if count < len(rows) else "the row reads" if count == 1
+                 else f"all {count} rows read")
+        lines = [f"{which} data that is not there (nothing has run):"]
+        for problem, names in lacking.items():
+            lines += [*(f"  {name}" for name in names), f"    {problem}"]
+        if runnable:
+            lines.append(f"  or leave {'that row' if count == 1 else 'those rows'} out: --rows {','.join(runnable)}")
+        raise BenchError("\n".join(lines))
 
 
 def flops_of(row: Row, overrides: list[str]) -> dict:
@@ -274,6 +307,8 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     sampling = args.sampling or table == "sampling"
     sample_presets = sampling_presets(args, cuda, list(dict.fromkeys(r.preset for r in rows))) if sampling else []
     check_overrides([Row("sampling", preset, (), 1) for preset in sample_presets], overrides)  # their configs too
+    if rows:  # the sampling rows read no data
+        check_row_data(rows, args.data, overrides, table_rows)
 
     # ---- first lines: what runs, on what, with which data --------------------------------------------------------
     env, gpu = environment(cuda)
