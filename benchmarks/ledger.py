@@ -274,7 +274,8 @@ READERS = (
     Reader("quality study", lambda p, d: {"best", "judge", "floor", "rows"} <= d.keys(), quality),
     Reader("SDE quality study", lambda p, d: {"models", "reference", "rows"} <= d.keys(), sde_quality),
     Reader("compression study", lambda p, d: {"dense", "rows", "model"} <= d.keys(), compress),
-    Reader("GroupNorm layer", lambda p, d: d.keys() == {"environment", "device_name", "rows"}
+    Reader("GroupNorm layer", lambda p, d: {"environment", "device_name", "rows"} <= d.keys()
+           <= {"environment", "device_name", "rows", "settings"}  # settings: since the plan grid's graph timing
            and all("fwd_bwd_ms" in r for r in d["rows"]), norm_bench),
     Reader("trainer run", lambda p, d: p.name == "environment.json" and "world_size" in d, trainer_run,
            stamp=lambda p, d: d),
