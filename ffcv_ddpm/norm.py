@@ -8,7 +8,8 @@
 - "fused": Triton kernels (ffcv_ddpm.gn_kernels) for GroupNorm + the optional add before it + the optional FiLM
   after it + SiLU + dropout, behind the custom op ffcv_ddpm::group_norm_act that torch.compile keeps as one call.
   Statistics in fp32, output in the input's dtype, the dropout mask recomputed in the backward from a seed instead
-  of stored. On CPU tensors the op runs `reference_forward`, plain torch with the same mask.
+  of stored. On CPU tensors the op runs `reference_forward`, plain torch with the same mask. How the kernels split
+  the work (their plan: `model.norm_plan`, DEFAULT_PLAN when empty) is part of every call, not module state.
 
 All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them. Each takes a
 tensor or the parts of a channel concatenation (the up path's (h, skip) with model.concat_free) and returns the
@@ -25,6 +26,46 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 NORM_IMPLS = ("torch", "scale-shift", "fused")
+
+# The fused kernels' plan: (elements per tile of the elementwise kernels, elements per program of the reductions,
+# num_warps), what an empty model.norm_plan means. benchmarks.speed.norm_bench sweeps others.
+DEFAULT_PLAN = (1024, 16384, 4)
+PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
+PLAN_HELP = "TILE,CHUNK,WARPS, e.g. '2048,65536,4', or '' for the default {}".format(",".join(map(str, DEFAULT_PLAN)))
+
+
+def plan_problem(tile: int, chunk: int, warps: int) -> str | None:
+    """What makes (tile, chunk, warps) no plan for the kernels, in words; None if it is one.
+
+    Why these rules: tiles and chunks are tl.arange extents (powers of two), a reduction program covers whole tiles,
+    and num_warps is a power of two up to what every GPU runs."""
+    if min(tile, chunk, warps) < 1:
+        return "every part must be a positive integer"
+    for name, v in (("TILE", tile), ("CHUNK", chunk)):
+        if v & (v - 1):
+            return f"{name}={v} is not a power of two"
+    if chunk < tile:
+        return f"CHUNK={chunk} is below TILE={tile} (a reduction program covers whole tiles)"
+    if warps not in PLAN_WARPS:
+        return f"WARPS={warps} is not one of {', '.join(map(str, PLAN_WARPS))}"
+    return None
+
+
+def parse_plan(text: str) -> tuple[int, int, int]:
+    """model.norm_plan's text as (tile, chunk, warps); "" is DEFAULT_PLAN. ValueError('norm_plan=...: ...') saying
+    what is wrong and what to write instead."""
+    if text == "":
+        return DEFAULT_PLAN
+    try:
+        plan = tuple(int(part) for part in text.split(",")) if isinstance(text, str) else ()
+    except ValueError:
+        plan = ()
+    if len(plan) != 3:
+        raise ValueError(f"norm_plan={text!r}: expected three comma-separated integers {PLAN_HELP}")
+    problem = plan_problem(*plan)
+    if problem:
+        raise ValueError(f"norm_plan={text!r}: {problem}; write {PLAN_HELP}")
+    return plan
 
 
 def scale_shift_group_norm(x: Tensor | Sequence[Tensor], groups: int, weight: Tensor | None, bias: Tensor | None,
@@ -81,16 +122,23 @@ class GroupNormAct(nn.GroupNorm):
     """
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
-                 dropout: float = 0.0, eps: float = 1e-5):
+                 dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, int, int] | None = None):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
+        if plan is not None and impl != "fused":
+            raise ValueError(f"plan={plan} is the fused kernels' plan; norm_impl={impl!r} has none: pass plan=None")
+        if plan is not None and (problem := plan_problem(*plan)):
+            raise ValueError(f"plan={plan}: {problem}")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
+        # The fused kernels' (tile, chunk, warps), DEFAULT_PLAN unless given; None for the other implementations.
+        self.plan = (tuple(plan) if plan is not None else DEFAULT_PLAN) if impl == "fused" else None
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}"
+        plan = f", plan={self.plan}" if self.plan else ""
+        return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}"
 
     def forward(self, x: Tensor | Sequence[Tensor], add: Tensor | None = None,
                 film: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -124,7 +172,7 @@ class GroupNormAct(nn.GroupNorm):
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
         out, _, _ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
                                                        None if add is None else add.to(dt).contiguous(),
-                                                       seed, self.num_groups, self.eps, self.silu, p)
+                                                       seed, self.num_groups, self.eps, self.silu, p, *self.plan)
         return out
 
 
@@ -146,46 +194,49 @@ def _on_triton(x: Tensor) -> bool:
     return x.device.type == "cuda"
 
 
+# The plan (tile, chunk, warps) is three int arguments of both ops, so torch.compile sees it as constants of the
+# call and two models with different plans can run in one process. It decides how the Triton kernels split the
+# work, not what they compute: the plain-torch path (reference_*) has nothing to split and leaves it unused.
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
-                   silu: bool, p: float) -> tuple[Tensor, Tensor, Tensor]:
+                   silu: bool, p: float, tile: int, chunk: int, warps: int) -> tuple[Tensor, Tensor, Tensor]:
     """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward."""
     if _on_triton(x):
-        return triton_forward(x, a, b, e, seed, groups, eps, silu, p)
+        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps)
     return reference_forward(x, a, b, e, seed, groups, eps, silu, p)
 
 
 @group_norm_act.register_fake
-def _(x, a, b, e, seed, groups, eps, silu, p):
+def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     return torch.empty_like(x), stats, stats.clone()
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
-                            mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                            mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
+                            chunk: int, warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de): de is empty when there was no add."""
     if _on_triton(x):
-        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p)
+        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps)
     return reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p)
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p):
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps):
     return torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0)
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, groups, eps, silu, p = inputs
+    x, a, b, e, seed, *args = inputs
     ctx.save_for_backward(x, a, b, e, seed, output[1], output[2])
-    ctx.args = (groups, eps, silu, p)
+    ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps
 
 
 def _backward(ctx, dout, _dmean, _drstd):
     x, a, b, e, seed, mean, rstd = ctx.saved_tensors
     dx, da, db, de = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args)
-    return dx, da, db, (de if e is not None else None), None, None, None, None, None
+    return dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args)  # seed, the non-tensors
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -194,17 +245,13 @@ group_norm_act.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------------- Triton
 
 
-# Elements per tile of the elementwise kernels, and per program of the reductions; module-level so that
-# benchmarks.speed.norm_bench can sweep them.
-TILE_ELEMENTS = 1024
-CHUNK_ELEMENTS = 16384
-NUM_WARPS = 4
-
-
-def _plan(x: Tensor, groups: int) -> dict:
-    """Tile sizes, and the split of each sample's rows into K chunks for the reductions (ffcv_ddpm.gn_kernels)."""
+def _plan(x: Tensor, groups: int, tile: int, chunk: int) -> dict:
+    """Tile sizes, and the split of each sample's rows into K chunks for the reductions (ffcv_ddpm.gn_kernels):
+    about `tile` elements per tile of the elementwise kernels and `chunk` per program of the reductions."""
     import triton
 
+    if problem := plan_problem(tile, chunk, 1):
+        raise ValueError(f"fused GroupNorm plan tile={tile}, chunk={chunk}: {problem}")
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise RuntimeError("the fused GroupNorm's Triton kernels run on CUDA tensors, or on CPU tensors under "
                            "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
@@ -218,15 +265,15 @@ def _plan(x: Tensor, groups: int) -> dict:
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
     if block_g * block_cpg > 8192:
         raise ValueError(f"the fused GroupNorm handles up to 8192 channels, got {c}; use model.norm_impl=scale-shift")
-    block_r = max(1, min(triton.next_power_of_2(hw), TILE_ELEMENTS // block_c))
+    block_r = max(1, min(triton.next_power_of_2(hw), tile // block_c))
     sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
-    k = triton.cdiv(hw, max(block_r, CHUNK_ELEMENTS // block_c))
+    k = triton.cdiv(hw, max(block_r, chunk // block_c))
     if n * k < 4 * sms:  # small batches: more, shorter chunks to fill the GPU
         k = min(triton.cdiv(hw, block_r), triton.cdiv(4 * sms, n))
     k = min(k, max(1, 16384 // (block_g * block_cpg)))  # the finalize kernels hold [K, C] partials
-    chunk = triton.cdiv(triton.cdiv(hw, k), block_r) * block_r
-    k = triton.cdiv(hw, chunk)
-    return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=chunk, BLOCK_R=block_r, BLOCK_C=block_c,
+    rows = triton.cdiv(triton.cdiv(hw, k), block_r) * block_r  # a sample's rows per reduction program
+    k = triton.cdiv(hw, rows)
+    return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=rows, BLOCK_R=block_r, BLOCK_C=block_c,
                 BLOCK_G=block_g, BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k))
 
 
@@ -242,13 +289,13 @@ def _dropout_args(p: float) -> tuple[int, float]:
     return int(round(p * (1 << 24))), 1.0 / (1.0 - p)
 
 
-def triton_forward(x, a, b, e, seed, groups, eps, silu, p):
-    """The op's forward through the Triton kernels."""
+def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps):
+    """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
 
-    pl = _plan(x, groups)
+    pl = _plan(x, groups, tile, chunk)
     n, c, hw, k = pl["N"], pl["C"], pl["HW"], pl["K"]
     out = torch.empty_like(x)
     if out.stride() != x.stride():
@@ -260,23 +307,24 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p):
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
     xs = _nchw_strides(x)
     K._stats_kernel[(n, k)](x, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], num_warps=NUM_WARPS)
+                            BLOCK_C=pl["BLOCK_C"], num_warps=warps)
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
-                             num_warps=NUM_WARPS)
+                             num_warps=warps)
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
         x, out, coef, seed, c, hw, *xs, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu,
-        DROPOUT=p > 0, num_warps=NUM_WARPS)
+        DROPOUT=p > 0, num_warps=warps)
     return out, mean, rstd
 
 
-def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p):
+def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps):
+    """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
 
-    pl = _plan(x, groups)
+    pl = _plan(x, groups, tile, chunk)
     n, c, hw, k = pl["N"], pl["C"], pl["HW"], pl["K"]
     dx = torch.empty_like(x)
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
@@ -286,13 +334,13 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p):
     e_ = a if e is None else e
     xs, ds = _nchw_strides(x), _nchw_strides(dout)
     common = (c, hw, groups, pl["CPG"])
-    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=NUM_WARPS)
+    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=warps)
     K._bwd_reduce_kernel[(n, k)](dout, x, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
     K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
-                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=NUM_WARPS)
+                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=warps)
     K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
         dout, x, dx, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1), e_.stride(0),
         e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)

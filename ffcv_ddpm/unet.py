@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct
+from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, parse_plan
 
 
 @dataclass
@@ -55,6 +55,7 @@ class ModelConfig:
     depthwise_separable: bool = False  # res-block 3x3 convs as depthwise 3x3 + pointwise 1x1 (MobileNet); needs conv_groups=1
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
     norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
+    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS" (e.g. "2048,65536,4"; norm_bench --plans); "" = norm.DEFAULT_PLAN
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
@@ -77,6 +78,10 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def fused_norm_plan(self) -> tuple[int, int, int] | None:
+        """norm_plan as GroupNormAct takes it: (tile, chunk, warps), or None for the default plan."""
+        return parse_plan(self.norm_plan) if self.norm_plan else None
+
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent field, so a bad config fails before building."""
         if self.arch not in ("ddpm", "annotated"):
@@ -85,6 +90,10 @@ class ModelConfig:
             raise ValueError(f"attn_impl={self.attn_impl!r}: use 'sdpa' or 'math'")
         if self.norm_impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={self.norm_impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
+        parse_plan(self.norm_plan)  # ValueError('norm_plan=...: ...') naming what is wrong
+        if self.norm_plan and self.norm_impl != "fused":  # else the plan would be recorded but change nothing
+            raise ValueError(f"norm_plan={self.norm_plan!r} is the fused GroupNorm kernels' plan, but "
+                             f"norm_impl={self.norm_impl!r} runs no such kernels; set norm_impl=fused or norm_plan=''")
         if self.image_size % 2 ** (len(self.channel_mult) - 1):
             raise ValueError(
                 f"image_size={self.image_size} must be divisible by 2**(len(channel_mult)-1)="
@@ -273,7 +282,7 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
-                 norm_impl: str = "scale-shift", linear: bool = False):
+                 norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, int, int] | None = None):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
@@ -282,7 +291,7 @@ class SelfAttention(nn.Module):
         # in a kernel of its own, which nothing fuses when SDPA consumes the output; cuBLAS adds it in its epilogue.
         self.linear = linear
         inner = self.heads * self.head_dim
-        self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False)
+        self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False, plan=norm_plan)
         self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
         self.proj = nn.Conv2d(inner, channels, 1)
 
@@ -348,10 +357,11 @@ class DDPMResBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
         super().__init__()
-        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl)  # GroupNorm + SiLU
+        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, plan=cfg.fused_norm_plan())  # GroupNorm + SiLU
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
-        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout)  # + SiLU + dropout
+        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout
+                                  plan=cfg.fused_norm_plan())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
@@ -374,9 +384,10 @@ class AnnotatedResBlock(nn.Module):
         self.temb = nn.Sequential(nn.SiLU(), nn.Linear(temb_dim, 2 * cout))
         self.conv1 = res_conv3x3(cfg, cin, cout)
         # GroupNorm, FiLM, SiLU, then a dropout before conv2 (not in the original; off at the preset's dropout=0)
-        self.norm1 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout)
+        self.norm1 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,
+                                  plan=cfg.fused_norm_plan())
         self.conv2 = res_conv3x3(cfg, cout, cout)
-        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl)  # GroupNorm + SiLU
+        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, plan=cfg.fused_norm_plan())  # GroupNorm + SiLU
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -430,7 +441,7 @@ class DDPMUNet(nn.Module):
         self.stem = ImageConv2d(cfg.in_channels, ch, cfg.stem_kernel, "in", cfg.pad_image_channels)
         block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
-                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear)
+                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan())
 
         # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
         self.down = nn.ModuleList()
@@ -458,8 +469,8 @@ class DDPMUNet(nn.Module):
                 self.up.append(Upsample(cur, cur, cfg.upsample))
                 res *= 2
         # GroupNorm + SiLU, conv; the Identity keeps the conv's state_dict key (out.2) from when SiLU was a module.
-        self.out = nn.Sequential(GroupNormAct(cfg.norm_groups, cur, cfg.norm_impl), nn.Identity(),
-                                 ImageConv2d(cur, cfg.in_channels, 3, "out", cfg.pad_image_channels))
+        self.out = nn.Sequential(GroupNormAct(cfg.norm_groups, cur, cfg.norm_impl, plan=cfg.fused_norm_plan()),
+                                 nn.Identity(), ImageConv2d(cur, cfg.in_channels, 3, "out", cfg.pad_image_channels))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         temb = self.time(t, y)
@@ -492,7 +503,7 @@ class AnnotatedUNet(nn.Module):
         self.stem = ImageConv2d(cfg.in_channels, dim, cfg.stem_kernel, "in", cfg.pad_image_channels)
         block = lambda cin, cout: AnnotatedResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False,  # noqa: E731
-                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear)
+                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan())
         dims = [dim] + [dim * m for m in cfg.channel_mult]
         in_out = list(zip(dims[:-1], dims[1:]))
         n = cfg.num_res_blocks

@@ -162,6 +162,15 @@ def test_structured_pruning_shrinks_and_equals_the_masked_dense_model():
     assert compress.forward_gflops(small, 3, 32, 10) < flops
 
 
+def test_structured_pruning_keeps_the_fused_kernels_plan():
+    """The shrunk GroupNorms run the fused kernels with the model's model.norm_plan, as the dense ones did."""
+    from ffcv_ddpm.norm import GroupNormAct
+
+    small = compress.prune_structured(model_of(dataclasses.replace(TINY, norm_impl="fused", norm_plan="2048,65536,8")),
+                                      0.5)
+    assert {m.plan for m in small.modules() if isinstance(m, GroupNormAct)} == {(2048, 65536, 8)}
+
+
 def test_structured_pruning_refuses_weight_standardized_convs():
     """The annotated block's convs standardize each filter over its inputs: removing inputs changes the kept
     filters, and even masking them does not give the pruned network (a masked zero is standardized to non-zero).

@@ -102,15 +102,24 @@ CASES = [  # (n, c, h, w, groups, silu, p, add, channels_last, dtype); n >= 8 ta
 ]
 
 
+def needs_triton():
+    import triton
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c[:9])) + f"-{c[9]}".replace("torch.", ""))
 def test_triton_kernels_against_reference(case):
     """The kernels (interpreted without a GPU) against fp64 math with the same per-(n, c) a, b, e and the same
     dropout mask (the kernels' hash, which keep_mask reproduces): forward, mean/rstd, every gradient. The inputs have
     |mean| >> std in places (shifted-sum stability)."""
-    import triton
+    check_kernels(case, N.DEFAULT_PLAN)
 
-    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
-        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+
+def check_kernels(case, plan):
+    """test_triton_kernels_against_reference's checks, the kernels launched with `plan` (tile, chunk, warps)."""
+    needs_triton()
     n, c, h, w, groups, silu, p, add, cl, dtype = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -120,7 +129,7 @@ def test_triton_kernels_against_reference(case):
     a, b = (torch.randn(n, c, generator=g).to(dev) for _ in range(2))
     e = torch.randn(n, c, generator=g).to(dev) if add else None
     seed = torch.tensor([1234], device=dev)
-    out, mean, rstd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p)
+    out, mean, rstd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan)
     xd = x.double()
     leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
 
@@ -138,22 +147,21 @@ def test_triton_kernels_against_reference(case):
     assert out.stride() == x.stride()
 
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
-    dx, da, db, de = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p)
+    dx, da, db, de = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan)
     _, *ref_grads = grads(fn, leaves, dout.double())
     for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
         assert rel(got, want) < tol, name
     assert dx.stride() == x.stride()
 
 
-@pytest.mark.parametrize("plan", [(1024, 8192, 4), (8192, 65536, 8)], ids=["smallest", "largest"])
-def test_triton_kernels_under_the_swept_plans(plan, monkeypatch):
+@pytest.mark.parametrize("plan,cases", [((1024, 8192, 4), (2, 5)), ((8192, 131072, 8), (2, 5)), ((16, 16, 1), (2,))],
+                         ids=["grid-smallest", "grid-largest", "a-row-per-tile"])
+def test_triton_kernels_under_the_swept_plans(plan, cases):
     """benchmarks.speed.norm_bench --plans grid times the kernels under other tile, chunk and warp plans: the
-    extremes of its grid compute the same as the default plan (padded tiles, dropout, add, bf16)."""
-    monkeypatch.setattr(N, "TILE_ELEMENTS", plan[0])
-    monkeypatch.setattr(N, "CHUNK_ELEMENTS", plan[1])
-    monkeypatch.setattr(N, "NUM_WARPS", plan[2])
-    for case in (CASES[2], CASES[5]):
-        test_triton_kernels_against_reference(case)
+    extremes of its grid, and the least plan model.norm_plan allows (a tile of fewer elements than a row has
+    channels: one row per tile), compute the same as the default plan (padded tiles, dropout, add, bf16)."""
+    for i in cases:
+        check_kernels(CASES[i], plan)
 
 
 def test_keep_mask_is_a_fair_coin_per_element():
@@ -172,14 +180,11 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, monkeypatc
     mode), with the custom op routed to its Triton kernels (interpreted without a GPU): forward and every gradient
     against nn.GroupNorm + autograd in fp64 with the same dropout mask. 3 channels per group (not a power of 2:
     padded tiles); 16x16 pixels make one chunk of 8 row tiles per sample at n=16, 8 one-tile chunks at n=2."""
-    import triton
-
-    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
-        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+    needs_triton()
     monkeypatch.setattr(N, "_on_triton", lambda x: True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     c, groups, p = 24, 8, 0.2
-    plan = N._plan(torch.empty(n, c, 16, 16, device=dev), groups)
+    plan = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *N.DEFAULT_PLAN[:2])
     assert plan["CPG"] == 3 and plan["CHUNK"] // plan["BLOCK_R"] == (8 if n == 16 else 1)
     g = torch.Generator().manual_seed(3)
     x = spread_input((n, c, 16, 16), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
@@ -206,3 +211,139 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, monkeypatc
     for name, a, b in zip(["dx", "dtemb", "dscale", "dshift", "dweight", "dbias"], got, want):
         assert rel(a, b) < 1e-4, name
     assert got[0].is_contiguous(memory_format=torch.channels_last)
+
+
+# ---------------------------------------------------------------------------------------------------- the plan
+
+
+@pytest.mark.parametrize("text,message", [
+    ("2048,65536", "expected three comma-separated integers TILE,CHUNK,WARPS"),
+    ("a,b,c", "expected three comma-separated integers"),
+    ("2048;65536;4", "expected three comma-separated integers"),
+    ("0,65536,4", "every part must be a positive integer"),
+    ("2048,65536,-4", "every part must be a positive integer"),
+    ("1000,65536,4", "TILE=1000 is not a power of two"),
+    ("2048,60000,4", "CHUNK=60000 is not a power of two"),
+    ("4096,2048,4", "CHUNK=2048 is below TILE=4096"),
+    ("2048,65536,3", "WARPS=3 is not one of 1, 2, 4, 8, 16"),
+    ("2048,65536,32", "WARPS=32 is not one of"),
+])
+def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
+    with pytest.raises(ValueError) as e:
+        N.parse_plan(text)
+    assert str(e.value).startswith(f"norm_plan={text!r}: ") and message in str(e.value)
+    assert "e.g. '2048,65536,4', or '' for the default 1024,16384,4" in str(e.value)
+
+
+def test_a_plan_parses_to_its_three_integers():
+    assert N.parse_plan("") == N.DEFAULT_PLAN == (1024, 16384, 4)
+    assert N.parse_plan("2048,65536,4") == (2048, 65536, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
+
+
+def test_group_norm_act_takes_a_plan_only_for_the_fused_kernels():
+    assert GroupNormAct(2, 8, "fused").plan == N.DEFAULT_PLAN
+    assert GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8)).plan == (2048, 65536, 8)
+    assert GroupNormAct(2, 8, "scale-shift").plan is None
+    assert "plan=(2048, 65536, 8)" in repr(GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8)))
+    with pytest.raises(ValueError, match="norm_impl='torch' has none: pass plan=None"):
+        GroupNormAct(2, 8, "torch", plan=(2048, 65536, 8))
+    with pytest.raises(ValueError, match=r"plan=\(2048, 1024, 4\): CHUNK=1024 is below TILE=2048"):
+        GroupNormAct(2, 8, "fused", plan=(2048, 1024, 4))
+
+
+def test_the_plan_sets_the_reductions_split():
+    """_plan's K (programs per sample) and CHUNK (rows per program) follow the plan's chunk, and BLOCK_R (rows per
+    tile) its tile: 16 samples of 32 channels at 64x64, 4096 rows of 32 channels each."""
+    needs_triton()
+    x = torch.empty(16, 32, 64, 64, device="cuda" if torch.cuda.is_available() else "cpu")
+    default = N._plan(x, 8, 1024, 16384)
+    assert (default["BLOCK_R"], default["K"], default["CHUNK"]) == (32, 8, 512)  # 1024 / 32, 16384 / 32 rows
+    wide = N._plan(x, 8, 2048, 65536)
+    assert (wide["BLOCK_R"], wide["K"], wide["CHUNK"]) == (64, 2, 2048)
+    with pytest.raises(ValueError, match="tile=1000, chunk=16384: TILE=1000 is not a power of two"):
+        N._plan(x, 8, 1000, 16384)
+
+
+class LaunchSpy:
+    """A Triton kernel whose launches record their num_warps and grid, then run."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((kwargs["num_warps"], grid))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def run_fused(plan, x, temb, dout, p=0.2):
+    """GroupNormAct("fused") with `plan` through the op and its Triton kernels: (out, dx, dtemb, dweight, dbias)."""
+    c = x.shape[1]
+    m = GroupNormAct(8, c, "fused", dropout=p, plan=plan).to(x.device).train()
+    with torch.no_grad():
+        m.weight.copy_(torch.linspace(0.5, 1.5, c))
+        m.bias.copy_(torch.linspace(-1, 1, c))
+    xi, ti = x.clone().requires_grad_(), temb.clone().requires_grad_()
+    torch.manual_seed(0)  # the same dropout seed for every plan
+    out = m(xi, add=ti)
+    return (out, *torch.autograd.grad(out, [xi, ti, m.weight, m.bias], dout))
+
+
+def test_two_plans_compute_the_same_and_reach_the_kernels(monkeypatch):
+    """GroupNormAct's plan is what the op launches: the reductions split each sample differently (K) and every
+    kernel, forward and backward, gets its num_warps; outputs and gradients agree to fp32 rounding, dropout mask
+    included (it is a hash of the seed and the element, whatever the tiles)."""
+    needs_triton()
+    from ffcv_ddpm import gn_kernels
+
+    monkeypatch.setattr(N, "_on_triton", lambda x: True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    n, c = 8, 24
+    x = spread_input((n, c, 8, 8), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
+    temb, dout = torch.randn(n, c, generator=g).to(dev), torch.randn(x.shape, generator=g).to(dev)
+    plans = (N.DEFAULT_PLAN, (128, 512, 2))
+    ks = [N._plan(x, 8, *plan[:2])["K"] for plan in plans]
+    assert ks == [2, 4]  # two reduction programs per sample, then four: the plans really split differently
+
+    kernels = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
+               "_bwd_dx_kernel")
+    results = []
+    for plan in plans:
+        spies = {k: LaunchSpy(getattr(gn_kernels, k)) for k in kernels}
+        for k, spy in spies.items():
+            monkeypatch.setattr(gn_kernels, k, spy)
+        results.append(run_fused(plan, x, temb, dout))
+        for k, spy in spies.items():
+            assert [w for w, _ in spy.launches] == [plan[2]], k  # launched once, with the plan's warps
+        for k in ("_stats_kernel", "_bwd_reduce_kernel"):  # the reductions' grids: K programs per sample
+            assert spies[k].launches[0][1] == (n, ks[len(results) - 1]), k
+        for k in kernels:
+            monkeypatch.setattr(gn_kernels, k, spies[k].kernel)
+    (out0, *grads0), (out1, *grads1) = results
+    assert torch.equal(out0 == 0, out1 == 0) and 0.7 < (out0 != 0).double().mean() < 0.9
+    assert rel(out1, out0) < 1e-6
+    for name, a, b in zip(["dx", "dtemb", "dweight", "dbias"], grads1, grads0):
+        assert rel(a, b) < 1e-5, name
+
+
+def test_the_plan_is_an_argument_of_the_compiled_op():
+    """torch.compile (fullgraph) keeps the plan as the op's constant arguments: the traced graph calls
+    ffcv_ddpm::group_norm_act with the module's tile, chunk and warps; forward and backward run through the fake
+    implementations and the autograd registration with them (on CPU: the plain-torch path, as without a plan)."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    m = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8))
+    backend = EagerAndRecordGraphs()
+    x = torch.randn(2, 8, 4, 4, requires_grad=True)
+    y = torch.compile(m, backend=backend, fullgraph=True)(x)
+    y.sum().backward()
+    calls = [node for graph in backend.graphs for node in graph.graph.nodes
+             if node.op == "call_function" and "group_norm_act" in str(node.target)]
+    assert len(calls) == 1 and calls[0].args[-3:] == (2048, 65536, 8)
+    ref = GroupNormAct(2, 8, "fused")
+    x2 = x.detach().clone().requires_grad_()
+    ref(x2).sum().backward()
+    assert torch.allclose(x.grad, x2.grad)

@@ -4,11 +4,28 @@ from benchmarks.speed import norm_bench
 
 
 def test_the_grid_sweeps_every_tile_chunk_and_warp_combination():
+    from ffcv_ddpm.norm import plan_problem
+
     grid = norm_bench.FUSED_PLANS["grid"]
-    assert len(grid) == len(set(grid)) == 32
+    assert len(grid) == len(set(grid)) == 40  # 4 tiles x 5 chunks x 2 warps: the docstring and --help say 40
+    assert "40 kernel plans per site" in norm_bench.__doc__
     assert set(norm_bench.FUSED_PLANS["default"]) <= set(grid)
-    for tile, chunk, warps in grid:  # powers of two, a chunk at least a tile: what norm._plan expects
-        assert tile & (tile - 1) == 0 and chunk & (chunk - 1) == 0 and chunk >= tile and warps in (4, 8)
+    assert max(chunk for _, chunk, _ in grid) == 131072  # past 65536, where the H200 sweep found every site's best
+    for plans in norm_bench.FUSED_PLANS.values():  # every plan one that model.norm_plan accepts
+        assert [plan_problem(*plan) for plan in plans] == [None] * len(plans)
+
+
+def test_the_fused_layer_is_built_with_the_plan_given(monkeypatch):
+    """Site.layer hands the plan to GroupNormAct (no module constants to assign), None meaning the default."""
+    from ffcv_ddpm.norm import DEFAULT_PLAN, GroupNormAct
+
+    built = []
+    monkeypatch.setattr(GroupNormAct, "cuda", lambda self: built.append(self.plan) or self)
+    site = norm_bench.Site.__new__(norm_bench.Site)  # without its CUDA inputs: only layers are built here
+    site.shape = (2, 8, 4, 4, 0.0, False, 2)
+    site.layer("fused", (2048, 65536, 4))
+    site.layer("fused", None)
+    assert built == [(2048, 65536, 4), DEFAULT_PLAN]
 
 
 def test_best_plans_takes_the_fastest_fused_row_of_each_site():

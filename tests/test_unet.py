@@ -222,6 +222,32 @@ def test_compiles_as_one_graph(name):
     assert torch.equal(*outs)
 
 
+@pytest.mark.parametrize("base", ["tiny", "tiny-annotated"])
+def test_norm_plan_reaches_every_fused_norm(base):
+    """model.norm_plan is handed to every GroupNormAct of the network (res blocks, attention, output); the network
+    still compiles as one graph with it, and it changes neither the state_dict nor, on CPU, the output."""
+    from ffcv_ddpm.norm import DEFAULT_PLAN, GroupNormAct
+
+    cfg = dataclasses.replace(TINY_CONFIGS[base], norm_impl="fused", dropout=0.1)
+    torch.manual_seed(0)
+    default = build_model(cfg)
+    model = build_model(dataclasses.replace(cfg, norm_plan="2048,65536,8"))
+    norms = [m for m in model.modules() if isinstance(m, GroupNormAct)]
+    assert len(norms) > 4 and {m.plan for m in norms} == {(2048, 65536, 8)}
+    assert {m.plan for m in default.modules() if isinstance(m, GroupNormAct)} == {DEFAULT_PLAN}
+    model.load_state_dict(default.state_dict())
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x, t = inputs(2)
+    outs = []
+    for m in (compiled, default):
+        torch.manual_seed(0)  # the same dropout masks
+        outs.append(m(x, t))
+    assert torch.equal(*outs)
+    with pytest.raises(ValueError, match="norm_plan='2048,65536,8' is the fused .* norm_impl=fused or norm_plan=''"):
+        build_model(dataclasses.replace(cfg, norm_impl="scale-shift", norm_plan="2048,65536,8"))
+
+
 @pytest.mark.parametrize("impl", ["scale-shift", "fused"])
 @pytest.mark.parametrize("base", ["tiny", "tiny-annotated"])
 def test_norm_impls_load_torch_norm_weights(impl, base):

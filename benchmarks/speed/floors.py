@@ -173,14 +173,14 @@ def copy_gb_per_s(device, cuda: bool, mib: int) -> float:
 
 
 def model_differences(profiled: dict, model) -> list[str]:
-    """The overrides that make `model` the profiled one, as key=value (norm_impl aside: it changes no compute call
-    and the normalization's floor is counted from the sites' shapes)."""
+    """The overrides that make `model` the profiled one, as key=value (norm_impl and norm_plan aside: they change no
+    compute call and the normalization's floor is counted from the sites' shapes)."""
     import dataclasses
 
     mine = dataclasses.asdict(model)
     norm = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731  (JSON has lists)
     return [f"model.{k}={tuple(v) if isinstance(v, list) else v}".replace(" ", "") for k, v in profiled.items()
-            if k in mine and k != "norm_impl" and norm(mine[k]) != v]
+            if k in mine and k not in ("norm_impl", "norm_plan") and norm(mine[k]) != v]
 
 
 def profile_classes(folder: Path) -> tuple[dict, dict]:
@@ -208,7 +208,7 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     x, t, y = _inputs(cfg.model, RECORD_BATCH, device)
     inputs = (x.contiguous(memory_format=layout), t, *([y] if y is not None else []))
     calls, _ = record(model.train(), inputs)
-    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch")).to(device, memory_format=layout)
+    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch", norm_plan="")).to(device, memory_format=layout)
     _, norms = record(ref.train(), inputs)
     del model, ref
 

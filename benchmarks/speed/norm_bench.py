@@ -2,7 +2,7 @@
 
     python -m benchmarks.speed.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
-    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 32 kernel plans per site
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 40 kernel plans per site
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
@@ -31,11 +31,13 @@ from ffcv_ddpm.config import load_config
 SITES = ((128, 32, 32, True, True), (384, 32, 32, False, False), (256, 16, 16, True, True))
 DEFAULTS = ("data.batch_size=1024",)  # before the command's overrides
 IMPLS = ("torch", "scale-shift", "fused")
-# The fused kernels' plans swept: (elements per tile, elements per reduction program, num_warps). "default": the four
-# of fused v2's call; "grid": every combination below, since those four spread 2.7-5.9 ms at one site (H200, 384
-# channels at 32x32) and the best differed between sites.
+# The fused kernels' plans swept: (elements per tile, elements per reduction program, num_warps), each passed to the
+# layer as model.norm_plan passes it. "default": the four of fused v2's call; "grid": every combination below, since
+# those four spread 2.7-5.9 ms at one site (H200, 384 channels at 32x32) and the best differed between sites. Chunks
+# go to 131072 because the fastest plan at every site was at the former edge, 65536 (H200, 57db305:
+# benchmarks/results/h200/norm-plans-57db305).
 FUSED_PLANS = {"default": ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), (2048, 32768, 4)),
-               "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536)
+               "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536, 131072)
                              for w in (4, 8))}
 
 
@@ -91,12 +93,13 @@ class Site:
         self.dout = torch.randn_like(self.x)
         self.layers = {}
 
-    def layer(self, impl: str):
-        """The implementation's forward at this site, bf16 out as the next convolution takes it."""
+    def layer(self, impl: str, plan: tuple | None):
+        """The implementation's forward at this site (the fused one with `plan`, None: its default), bf16 out as the
+        next convolution takes it."""
         from ffcv_ddpm.norm import GroupNormAct
 
         _, c, _, _, p, _, groups = self.shape
-        m = GroupNormAct(groups, c, impl, dropout=p).cuda()
+        m = GroupNormAct(groups, c, impl, dropout=p, plan=plan).cuda()
 
         def fwd(x, e):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -106,13 +109,9 @@ class Site:
         return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
 
     def measure(self, impl: str, plan: tuple | None, timing: str, iters: int, warmup: int) -> dict:
-        from ffcv_ddpm import norm
-
-        if plan:
-            norm.TILE_ELEMENTS, norm.CHUNK_ELEMENTS, norm.NUM_WARPS = plan
-        if impl not in self.layers:
-            self.layers[impl] = self.layer(impl)
-        fwd, x, e = self.layers[impl], self.x, self.e
+        if (impl, plan) not in self.layers:
+            self.layers[(impl, plan)] = self.layer(impl, plan)
+        fwd, x, e = self.layers[(impl, plan)], self.x, self.e
 
         def step():
             x.grad = None  # no gradient accumulation kernel in the timing
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=option(int, at_least(0)), default=5, help="calls before timing")
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
-                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 32 per site)")
+                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 40 per site)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")
