@@ -45,7 +45,7 @@ class TrainConfig:
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
-    deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality
+    deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     noise_seed: int = -1                 # seeds noise, timesteps and dropout alone (rank r: + r); -1 = train.seed
     device: str = "auto"                 # auto (cuda if available) | cuda | cuda:N | cpu
@@ -124,6 +124,8 @@ RULES = {
     "model.conv_groups": at_least(1),
     "model.attn_impl": one_of(("sdpa", "math")),
     "model.norm_impl": one_of(lambda: tuple(unet.NORM_IMPLS)),
+    # model.norm_plan (text "TILE,CHUNK,WARPS"): no rule here; ModelConfig.validate (norm.parse_plan) checks it with
+    # a message naming the part that is wrong, and that it goes with norm_impl=fused.
     "model.num_classes": at_least(0),
     "model.stem_kernel": at_least(1),
     "model.upsample": one_of(lambda: tuple(unet.UPSAMPLES)),
@@ -215,6 +217,10 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
             raise BadValue(f"{' and '.join(bucket)} set{'s' if len(bucket) == 1 else ''} DDP's gradient buckets; "
                            "train.ddp_reduce=flat (the default) has none (one all-reduce after the backward): add "
                            "train.ddp_reduce=ddp")
+    if cfg.train.deterministic and cfg.train.cudnn_benchmark:  # the search would pick by timing, run by run
+        raise BadValue("train.deterministic=True with train.cudnn_benchmark=True (the default): cuDNN's search picks "
+                       "each convolution's algorithm by timing, so two runs can pick different ones; add "
+                       "train.cudnn_benchmark=False")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")

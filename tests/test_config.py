@@ -34,6 +34,8 @@ from ffcv_ddpm.config import _SECTIONS, RULES, RunConfig, field_types, load_conf
     ("diffusion.timesteps=0", "diffusion.timesteps=0: expected an integer >= 1"),
     ("diffusion.beta_start=0.5", "diffusion.beta_start=0.5: expected at most diffusion.beta_end=0.02"),
     ("train.ddp_reduce=nccl", "train.ddp_reduce=nccl: expected one of ddp, flat"),
+    ("model.norm_plan=2048,65536,4", "model.norm_plan='2048,65536,4' is the fused GroupNorm kernels' plan, "
+     "but norm_impl='scale-shift' runs no such kernels; set norm_impl=fused or norm_plan=''"),
 ])
 def test_bad_values_are_one_clear_line(override, message):
     with pytest.raises(BadValue) as e:
@@ -52,6 +54,15 @@ def test_bucket_settings_need_ddp_buckets(overrides, named):
         load_config("tiny", overrides)
     cfg = load_config("tiny", [*overrides, "train.ddp_reduce=ddp"])
     assert cfg.train.ddp_reduce == "ddp" and load_config("tiny", []).train.ddp_reduce == "flat"
+
+
+def test_deterministic_needs_cudnn_search_off():
+    """A deterministic run whose convolution algorithms are picked by timing is not reproducible (NOTES item 16)."""
+    with pytest.raises(BadValue, match=r"train.deterministic=True with train.cudnn_benchmark=True .* add "
+                                       r"train.cudnn_benchmark=False"):
+        load_config("tiny", ["train.deterministic=True"])
+    cfg = load_config("tiny", ["train.deterministic=True", "train.cudnn_benchmark=False"])
+    assert cfg.train.deterministic and not cfg.train.cudnn_benchmark
 
 
 def test_depthwise_separable_needs_dense_conv_groups():
@@ -88,3 +99,31 @@ def test_every_number_tuple_and_choice_field_has_a_rule():
     assert missing == [], f"add these to ffcv_ddpm.config.RULES: {missing}"
     assert all(key.split(".")[1] in {f.name for f in dataclasses.fields(_SECTIONS[key.split(".")[0]])}
                for key in RULES), "RULES names a field that does not exist"
+
+
+@pytest.mark.parametrize("plan,message", [
+    ("2048,65536", "model.norm_plan='2048,65536': expected three comma-separated integers TILE,CHUNK,WARPS, e.g. "
+                   "'2048,65536,4', or '' for the default 1024,16384,4"),
+    ("(2048,65536,4)", "model.norm_plan='(2048,65536,4)': expected three comma-separated integers"),
+    ("2048,65536,6", "model.norm_plan='2048,65536,6': WARPS=6 is not one of 1, 2, 4, 8, 16; write TILE,CHUNK,WARPS"),
+    ("2048,1024,4", "model.norm_plan='2048,1024,4': CHUNK=1024 is below TILE=2048"),
+    ("3000,65536,4", "model.norm_plan='3000,65536,4': TILE=3000 is not a power of two"),
+])
+def test_a_bad_norm_plan_is_one_clear_line(plan, message):
+    with pytest.raises(BadValue) as e:
+        load_config("tiny", ["model.norm_impl=fused", f"model.norm_plan={plan}"])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_norm_plan_is_a_recorded_setting():
+    """model.norm_plan=TILE,CHUNK,WARPS from the command line lands in the config that bench rows and checkpoints
+    record (to_dict), and comes back from it; a config saved before the field existed loads with the default plan."""
+    cfg = load_config("ddpm-cifar10", ["model.norm_plan=2048,65536,4"])
+    assert cfg.model.norm_plan == "2048,65536,4" and cfg.model.fused_norm_plan() == (2048, 65536, 4)
+    saved = json.loads(json.dumps(cfg.to_dict()))
+    assert saved["model"]["norm_plan"] == "2048,65536,4"
+    assert RunConfig.from_dict(saved).model.norm_plan == "2048,65536,4"
+    del saved["model"]["norm_plan"]  # a run or checkpoint written before model.norm_plan
+    old = RunConfig.from_dict(saved)
+    assert old.model.norm_plan == "" and old.model.fused_norm_plan() is None
+    assert load_config("ddpm-cifar10").model.norm_plan == ""

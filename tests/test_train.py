@@ -238,7 +238,8 @@ def test_deterministic_sets_every_switch(monkeypatch):
         cfg = load_config("tiny", ["train.device=cpu", "train.compile=False"])
         step_mod.build(cfg, torch.device("cpu"))
         assert not torch.are_deterministic_algorithms_enabled()  # off by default
-        cfg = load_config("tiny", ["train.device=cpu", "train.compile=False", "train.deterministic=True"])
+        cfg = load_config("tiny", ["train.device=cpu", "train.compile=False", "train.deterministic=True",
+                                   "train.cudnn_benchmark=False"])
         step_mod.build(cfg, torch.device("cpu"))
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.deterministic and inductor_config.deterministic
