@@ -255,3 +255,129 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_
                          SILU, DROPOUT)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
     tl.store(dx_ptr + offs_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+# ---- one program per (sample, groups): the "rows" plan (model.norm_plan with CHUNK 0) ---------------------------
+# Each program owns a few whole groups of one sample and walks all of its rows twice: once for the statistics, once
+# to write. No partials, no finalize launch, and the second read of its slice (HW x ~32 channels, 64 KB at 32x32 in
+# bf16) is meant to come from L2 rather than memory: 2 memory passes forward and 3 backward instead of 3 and 5
+# (benchmarks/NOTES.md, item 23). Whether the slices of the programs in flight stay in L2 is what a GPU run decides.
+# HW is a constexpr here (a kernel per image size; the UNet has four): the loops run to it, and Triton's interpreter
+# cannot loop to a runtime bound.
+
+
+@triton.jit
+def _group_total(vals, grp, BLOCK_GP: tl.constexpr):
+    """For each lane (a channel of the program), the sum of `vals` over the lanes of its group; grp: each lane's
+    group within the program. A one-hot [lanes, groups] reduction: any channels per group, no reshape."""
+    onehot = grp[:, None] == tl.arange(0, BLOCK_GP)[None, :]
+    per_group = tl.sum(tl.where(onehot, vals[:, None], 0.0), axis=0)
+    return tl.sum(tl.where(onehot, per_group[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _rows_lanes(C, CPG, GPP, BLOCK_C: tl.constexpr):
+    """(n, channel index, valid, group within the program) of this program's lanes: GPP groups from group
+    program_id(1) * GPP on."""
+    lane = tl.arange(0, BLOCK_C)
+    cols = tl.program_id(1) * GPP * CPG + lane
+    return tl.program_id(0), cols, (lane < GPP * CPG) & (cols < C), lane // CPG
+
+
+@triton.jit
+def _rows_fwd_kernel(x_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
+                     C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, s_an, s_ac, s_en, s_ec, eps, thr24,
+                     inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GP: tl.constexpr,
+                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+    """mean, rstd of GPP groups of sample n over all rows, then out = dropout(silu(x * scale + bias)) for them."""
+    n, cols, cmask, grp = _rows_lanes(C, CPG, GPP, BLOCK_C)
+    base = x_ptr + n * s_xn
+    shift = tl.load(base + cols * s_xc, mask=cmask, other=0.0).to(tl.float32)  # row 0: shifted sums stay stable
+    acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, HW, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        m = (r < HW)[:, None] & cmask[None, :]
+        x = tl.load(base + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        d = tl.where(m, x - shift[None, :], 0.0)
+        acc1 += d
+        acc2 += d * d
+    s1 = tl.sum(acc1, axis=0)
+    mean_c = tl.where(cmask, shift + s1 / HW, 0.0)
+    m2_c = tl.where(cmask, tl.sum(acc2, axis=0) - s1 * s1 / HW, 0.0)
+    if HAS_ADD:
+        e = tl.load(e_ptr + n * s_en + cols * s_ec, mask=cmask, other=0.0)
+        mean_c += e
+    # Per group, as _finalize_kernel: the mean of its channels' means; M2 = within- plus between-channel parts.
+    mean_g = _group_total(mean_c, grp, BLOCK_GP) / CPG
+    dev = tl.where(cmask, mean_c - mean_g, 0.0)
+    rstd_g = 1.0 / tl.sqrt(_group_total(m2_c + HW * dev * dev, grp, BLOCK_GP) / (CPG * HW) + eps)
+    first = cmask & (cols % CPG == 0)  # one lane per group writes its statistics
+    tl.store(mean_ptr + n * G + cols // CPG, mean_g, mask=first)
+    tl.store(rstd_ptr + n * G + cols // CPG, rstd_g, mask=first)
+    a = tl.load(a_ptr + n * s_an + cols * s_ac, mask=cmask, other=0.0)
+    b = tl.load(b_ptr + n * s_an + cols * s_ac, mask=cmask, other=0.0)
+    scale = a * rstd_g
+    bias = b - mean_g * scale
+    if HAS_ADD:
+        bias += e * scale
+    seed = _mix_seed(seed_ptr)
+    for r0 in range(0, HW, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        m = (r < HW)[:, None] & cmask[None, :]
+        offs = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
+        y = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
+        if SILU:
+            y = y * tl.sigmoid(y)
+        if DROPOUT:
+            y = tl.where(_keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24), y * inv_keep, 0.0)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _rows_bwd_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, da_ptr, db_ptr,
+                     de_ptr, C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec,
+                     thr24, inv_keep,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GP: tl.constexpr,
+                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+    """_bwd_reduce_kernel's sums over all rows of GPP groups of sample n, _bwd_finalize_kernel's outputs and
+    coefficients from them, then _bwd_dx_kernel's dx over the same rows."""
+    n, cols, cmask, grp = _rows_lanes(C, CPG, GPP, BLOCK_C)
+    u, v, a, b = _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_an, s_ac, s_en, s_ec,
+                              HAS_ADD)
+    seed = _mix_seed(seed_ptr)
+    acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for r0 in range(0, HW, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        m = (r < HW)[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
+                       other=0.0).to(tl.float32)
+        xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
+                             (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+        acc1 += dy
+        acc2 += dy * xhat
+        acc3 += tl.where(m, xhat, 0.0)
+    s1 = tl.where(cmask, tl.sum(acc1, axis=0), 0.0)  # sum dy
+    s2 = tl.where(cmask, tl.sum(acc2, axis=0), 0.0)  # sum dy * xhat
+    tl.store(da_ptr + n * C + cols, s2, mask=cmask)
+    tl.store(db_ptr + n * C + cols, s1, mask=cmask)
+    inv_m = 1.0 / (CPG * HW)
+    alpha = u * a
+    beta = -u * _group_total(a * s2, grp, BLOCK_GP) * inv_m
+    gamma = -u * _group_total(a * s1, grp, BLOCK_GP) * inv_m
+    if HAS_ADD:
+        tl.store(de_ptr + n * C + cols, alpha * s1 + beta * tl.sum(acc3, axis=0) + gamma * HW, mask=cmask)
+    for r0 in range(0, HW, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        m = (r < HW)[:, None] & cmask[None, :]
+        offs_x = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
+        x = tl.load(x_ptr + offs_x, mask=m, other=0.0).to(tl.float32)
+        dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
+                       other=0.0).to(tl.float32)
+        xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
+                             (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+        dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
+        tl.store(dx_ptr + offs_x, dx.to(dx_ptr.dtype.element_ty), mask=m)

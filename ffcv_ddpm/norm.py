@@ -28,8 +28,11 @@ from torch import Tensor, nn
 NORM_IMPLS = ("torch", "scale-shift", "fused")
 
 # The fused kernels' plan: (elements per tile of the elementwise kernels, elements per program of the reductions,
-# num_warps), what an empty model.norm_plan means. benchmarks.speed.norm_bench sweeps others.
+# num_warps), what an empty model.norm_plan means. benchmarks.speed.norm_bench sweeps others. CHUNK 0 is the "rows"
+# plan: one program per (sample, ROWS_CHANNELS channels' worth of whole groups) over all rows, one launch each way
+# (gn_kernels._rows_fwd_kernel, _rows_bwd_kernel), its second read of the slice meant to hit L2.
 DEFAULT_PLAN = (1024, 16384, 4)
+ROWS_CHANNELS = 32  # a rows program's channels (whole groups): 64 contiguous bytes of a bf16 channels_last row
 PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
 PLAN_HELP = "TILE,CHUNK,WARPS, e.g. '2048,65536,4', or '' for the default {}".format(",".join(map(str, DEFAULT_PLAN)))
 
@@ -39,12 +42,12 @@ def plan_problem(tile: int, chunk: int, warps: int) -> str | None:
 
     Why these rules: tiles and chunks are tl.arange extents (powers of two), a reduction program covers whole tiles,
     and num_warps is a power of two up to what every GPU runs."""
-    if min(tile, chunk, warps) < 1:
-        return "every part must be a positive integer"
+    if min(tile, warps) < 1 or chunk < 0:
+        return "every part must be a positive integer (CHUNK may also be 0: the rows plan)"
     for name, v in (("TILE", tile), ("CHUNK", chunk)):
         if v & (v - 1):
             return f"{name}={v} is not a power of two"
-    if chunk < tile:
+    if 0 < chunk < tile:
         return f"CHUNK={chunk} is below TILE={tile} (a reduction program covers whole tiles)"
     if warps not in PLAN_WARPS:
         return f"WARPS={warps} is not one of {', '.join(map(str, PLAN_WARPS))}"
@@ -265,6 +268,12 @@ def _plan(x: Tensor, groups: int, tile: int, chunk: int) -> dict:
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
     if block_g * block_cpg > 8192:
         raise ValueError(f"the fused GroupNorm handles up to 8192 channels, got {c}; use model.norm_impl=scale-shift")
+    if chunk == 0:  # the rows plan: whole groups per program, all rows
+        gpp = max(1, min(groups, ROWS_CHANNELS // cpg))  # groups per program
+        block_c = triton.next_power_of_2(gpp * cpg)
+        return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, GPP=gpp, PROGRAMS=triton.cdiv(groups, gpp), BLOCK_C=block_c,
+                    BLOCK_R=max(1, min(triton.next_power_of_2(hw), tile // block_c)),
+                    BLOCK_GP=triton.next_power_of_2(gpp))
     block_r = max(1, min(triton.next_power_of_2(hw), tile // block_c))
     sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
     k = triton.cdiv(hw, max(block_r, chunk // block_c))
@@ -296,16 +305,23 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps):
     from ffcv_ddpm import gn_kernels as K
 
     pl = _plan(x, groups, tile, chunk)
-    n, c, hw, k = pl["N"], pl["C"], pl["HW"], pl["K"]
+    n, c, hw = pl["N"], pl["C"], pl["HW"]
     out = torch.empty_like(x)
     if out.stride() != x.stride():
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
-    part = x.new_empty((n, k, 2, c), dtype=torch.float32)
-    coef = x.new_empty((n, 2, c), dtype=torch.float32)
     mean = x.new_empty((n, groups), dtype=torch.float32)
     rstd = torch.empty_like(mean)
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
     xs = _nchw_strides(x)
+    if chunk == 0:
+        K._rows_fwd_kernel[(n, pl["PROGRAMS"])](
+            x, out, a, b, e_, seed, mean, rstd, c, hw, groups, pl["CPG"], pl["GPP"], *xs, a.stride(0), a.stride(1),
+            e_.stride(0), e_.stride(1), eps, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
+            BLOCK_GP=pl["BLOCK_GP"], HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=warps)
+        return out, mean, rstd
+    k = pl["K"]
+    part = x.new_empty((n, k, 2, c), dtype=torch.float32)
+    coef = x.new_empty((n, 2, c), dtype=torch.float32)
     K._stats_kernel[(n, k)](x, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
                             BLOCK_C=pl["BLOCK_C"], num_warps=warps)
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
@@ -325,16 +341,23 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     from ffcv_ddpm import gn_kernels as K
 
     pl = _plan(x, groups, tile, chunk)
-    n, c, hw, k = pl["N"], pl["C"], pl["HW"], pl["K"]
+    n, c, hw = pl["N"], pl["C"], pl["HW"]
     dx = torch.empty_like(x)
-    part = x.new_empty((n, k, 3, c), dtype=torch.float32)
-    coef = x.new_empty((n, 3, c), dtype=torch.float32)
     da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
     de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
     e_ = a if e is None else e
     xs, ds = _nchw_strides(x), _nchw_strides(dout)
     common = (c, hw, groups, pl["CPG"])
     flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=warps)
+    if chunk == 0:
+        K._rows_bwd_kernel[(n, pl["PROGRAMS"])](
+            dout, x, dx, a, b, e_, seed, mean, rstd, da, db, de if e is not None else da, *common, pl["GPP"], *xs, *ds,
+            a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"],
+            BLOCK_C=pl["BLOCK_C"], BLOCK_GP=pl["BLOCK_GP"], **flags)
+        return dx, da, db, de
+    k = pl["K"]
+    part = x.new_empty((n, k, 3, c), dtype=torch.float32)
+    coef = x.new_empty((n, 3, c), dtype=torch.float32)
     K._bwd_reduce_kernel[(n, k)](dout, x, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)

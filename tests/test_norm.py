@@ -164,6 +164,24 @@ def test_triton_kernels_under_the_swept_plans(plan, cases):
         check_kernels(CASES[i], plan)
 
 
+# The rows plan (CHUNK 0: one program per sample and whole groups, all rows): several programs per sample, the
+# last one short (96 channels in groups of 4: 8 groups a program, 3 programs), and groups of 12 channels, 2 a
+# program, 5 programs of 24 channels in 32 lanes.
+ROWS_CASES = [(2, 96, 4, 4, 24, True, 0.2, True, True, torch.float32),
+              (2, 120, 3, 3, 10, False, 0.0, True, False, torch.float32)]
+
+
+@pytest.mark.parametrize("plan", [(2048, 0, 4), (16, 0, 1)], ids=["rows", "rows-a-row-per-tile"])
+def test_triton_kernels_under_the_rows_plan(plan):
+    """The one-launch-each-way kernels compute what the default plan does: every case above and the rows plan's own
+    (groups split over programs, padded lanes), with a tile of one row (many iterations) and of whole samples."""
+    needs_triton()
+    pl = N._plan(torch.empty(2, 120, 3, 3, device="cuda" if torch.cuda.is_available() else "cpu"), 10, 2048, 0)
+    assert (pl["GPP"], pl["PROGRAMS"], pl["BLOCK_C"], pl["BLOCK_GP"]) == (2, 5, 32, 2)
+    for case in [*CASES, *ROWS_CASES]:
+        check_kernels(case, plan)
+
+
 def test_keep_mask_is_a_fair_coin_per_element():
     """The hash mask: about 1 - p kept, independent of position (rows, channels) and different per seed."""
     shape = (8, 16, 16, 16)
@@ -174,8 +192,9 @@ def test_keep_mask_is_a_fair_coin_per_element():
     assert 0.5 < (k1 == k2).double().mean() < 0.7  # two seeds agree only by chance (0.75^2 + 0.25^2 = 0.625)
 
 
-@pytest.mark.parametrize("n", [16, 2], ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile"])
-def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, monkeypatch):
+@pytest.mark.parametrize("n,plan", [(16, N.DEFAULT_PLAN), (2, N.DEFAULT_PLAN), (16, (2048, 0, 4))],
+                         ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile", "rows-plan"])
+def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, monkeypatch):
     """GroupNormAct("fused") as the UNet calls it (time-embedding add, FiLM, SiLU, dropout, channels_last, training
     mode), with the custom op routed to its Triton kernels (interpreted without a GPU): forward and every gradient
     against nn.GroupNorm + autograd in fp64 with the same dropout mask. 3 channels per group (not a power of 2:
@@ -184,12 +203,12 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, monkeypatc
     monkeypatch.setattr(N, "_on_triton", lambda x: True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     c, groups, p = 24, 8, 0.2
-    plan = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *N.DEFAULT_PLAN[:2])
-    assert plan["CPG"] == 3 and plan["CHUNK"] // plan["BLOCK_R"] == (8 if n == 16 else 1)
+    pl = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *plan[:2])
+    assert pl["CPG"] == 3 and (pl["GPP"] == 8 if plan[1] == 0 else pl["CHUNK"] // pl["BLOCK_R"] == (8 if n == 16 else 1))
     g = torch.Generator().manual_seed(3)
     x = spread_input((n, c, 16, 16), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
     temb, scale, shift = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
-    m = GroupNormAct(groups, c, "fused", dropout=p).to(dev).train()
+    m = GroupNormAct(groups, c, "fused", dropout=p, plan=plan).to(dev).train()
     with torch.no_grad():
         m.weight.copy_(torch.rand(c, generator=g) + 0.5)
         m.bias.copy_(torch.randn(c, generator=g))
@@ -238,6 +257,7 @@ def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
 def test_a_plan_parses_to_its_three_integers():
     assert N.parse_plan("") == N.DEFAULT_PLAN == (1024, 16384, 4)
     assert N.parse_plan("2048,65536,4") == (2048, 65536, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
+    assert N.parse_plan("2048,0,4") == (2048, 0, 4)  # the rows plan
 
 
 def test_group_norm_act_takes_a_plan_only_for_the_fused_kernels():

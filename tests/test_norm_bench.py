@@ -9,6 +9,8 @@ def test_the_grid_sweeps_every_tile_chunk_and_warp_combination():
     grid = norm_bench.FUSED_PLANS["grid"]
     assert len(grid) == len(set(grid)) == 40  # 4 tiles x 5 chunks x 2 warps: the docstring and --help say 40
     assert "40 kernel plans per site" in norm_bench.__doc__
+    rows = norm_bench.FUSED_PLANS["rows"]  # the one-launch plans, with the default and the H200's fastest beside them
+    assert sum(c == 0 for _, c, _ in rows) == 6 and {(1024, 16384, 4), (2048, 65536, 4)} <= set(rows)
     assert set(norm_bench.FUSED_PLANS["default"]) <= set(grid)
     assert max(chunk for _, chunk, _ in grid) == 131072  # past 65536, where the H200 sweep found every site's best
     for plans in norm_bench.FUSED_PLANS.values():  # every plan one that model.norm_plan accepts

@@ -38,7 +38,11 @@ IMPLS = ("torch", "scale-shift", "fused")
 # benchmarks/results/h200/norm-plans-57db305).
 FUSED_PLANS = {"default": ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), (2048, 32768, 4)),
                "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536, 131072)
-                             for w in (4, 8))}
+                             for w in (4, 8)),
+               # The rows plans (chunk 0: one launch each way, whole groups per program; ffcv_ddpm.norm), beside the
+               # default and the H200 grid's fastest: a set of its own, so that a first GPU run of these kernels
+               # cannot cost the grid.
+               "rows": ((1024, 16384, 4), (2048, 65536, 4), *((t, 0, w) for t in (1024, 2048, 4096) for w in (4, 8)))}
 
 
 def time_ms(fn, iters: int, warmup: int, device: str = "cuda") -> float:
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=option(int, at_least(0)), default=5, help="calls before timing")
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
-                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 40 per site)")
+                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 40 per site; rows: the rows plans beside the default and the H200's fastest)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")
