@@ -259,8 +259,8 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_
 
 # ---- one program per (sample, groups): the "rows" plan (model.norm_plan with CHUNK 0) ---------------------------
 # Each program owns a few whole groups of one sample and walks all of its rows twice: once for the statistics, once
-# to write. No partials, no finalize launch, and the second read of its slice (HW x ~32 channels, 64 KB at 32x32 in
-# bf16) is meant to come from L2 rather than memory: 2 memory passes forward and 3 backward instead of 3 and 5
+# to write. No partials, no finalize launch, and the second read of its slice (HW x ~16 channels, 32 KB at 32x32 in
+# bf16; norm.ROWS_CHANNELS) is meant to come from L2 rather than memory: 2 memory passes forward and 3 backward instead of 3 and 5
 # (benchmarks/NOTES.md, item 23). Whether the slices of the programs in flight stay in L2 is what a GPU run decides.
 # HW is a constexpr here (a kernel per image size; the UNet has four): the loops run to it, and Triton's interpreter
 # cannot loop to a runtime bound.

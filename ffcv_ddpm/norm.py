@@ -32,7 +32,10 @@ NORM_IMPLS = ("torch", "scale-shift", "fused")
 # plan: one program per (sample, ROWS_CHANNELS channels' worth of whole groups) over all rows, one launch each way
 # (gn_kernels._rows_fwd_kernel, _rows_bwd_kernel), its second read of the slice meant to hit L2.
 DEFAULT_PLAN = (1024, 16384, 4)
-ROWS_CHANNELS = 32  # a rows program's channels (whole groups): 64 contiguous bytes of a bf16 channels_last row
+# A rows program's channels (whole groups, at least one): 16 are 32 contiguous bytes of a bf16 channels_last row (one
+# memory sector), and a 32-KB slice at 32x32, so that the slices of the programs in flight (132 SMs x ~8) can stay
+# within the 50 MB of an H100's or H200's L2 until their second read.
+ROWS_CHANNELS = 16
 PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
 PLAN_HELP = "TILE,CHUNK,WARPS, e.g. '2048,65536,4', or '' for the default {}".format(",".join(map(str, DEFAULT_PLAN)))
 

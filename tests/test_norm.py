@@ -164,9 +164,9 @@ def test_triton_kernels_under_the_swept_plans(plan, cases):
         check_kernels(CASES[i], plan)
 
 
-# The rows plan (CHUNK 0: one program per sample and whole groups, all rows): several programs per sample, the
-# last one short (96 channels in groups of 4: 8 groups a program, 3 programs), and groups of 12 channels, 2 a
-# program, 5 programs of 24 channels in 32 lanes.
+# The rows plan (CHUNK 0: one program per sample and whole groups, all rows; norm.ROWS_CHANNELS = 16): several
+# programs per sample (96 channels in groups of 4: 4 groups a program, 6 programs), and groups of 12 channels, one a
+# program, 10 programs of 12 channels in 16 lanes.
 ROWS_CASES = [(2, 96, 4, 4, 24, True, 0.2, True, True, torch.float32),
               (2, 120, 3, 3, 10, False, 0.0, True, False, torch.float32)]
 
@@ -177,7 +177,7 @@ def test_triton_kernels_under_the_rows_plan(plan):
     (groups split over programs, padded lanes), with a tile of one row (many iterations) and of whole samples."""
     needs_triton()
     pl = N._plan(torch.empty(2, 120, 3, 3, device="cuda" if torch.cuda.is_available() else "cpu"), 10, 2048, 0)
-    assert (pl["GPP"], pl["PROGRAMS"], pl["BLOCK_C"], pl["BLOCK_GP"]) == (2, 5, 32, 2)
+    assert (pl["GPP"], pl["PROGRAMS"], pl["BLOCK_C"], pl["BLOCK_GP"]) == (1, 10, 16, 1)
     for case in [*CASES, *ROWS_CASES]:
         check_kernels(case, plan)
 
@@ -204,7 +204,7 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, monk
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     c, groups, p = 24, 8, 0.2
     pl = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *plan[:2])
-    assert pl["CPG"] == 3 and (pl["GPP"] == 8 if plan[1] == 0 else pl["CHUNK"] // pl["BLOCK_R"] == (8 if n == 16 else 1))
+    assert pl["CPG"] == 3 and ((pl["GPP"], pl["PROGRAMS"]) == (5, 2) if plan[1] == 0 else pl["CHUNK"] // pl["BLOCK_R"] == (8 if n == 16 else 1))
     g = torch.Generator().manual_seed(3)
     x = spread_input((n, c, 16, 16), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
     temb, scale, shift = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
