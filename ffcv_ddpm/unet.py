@@ -65,6 +65,10 @@ class ModelConfig:
     upsample: str = "nearest"  # "nearest" (F.interpolate), "expand" (broadcast copy) or "transposed" (folded into the conv)
     pad_image_channels: int = 0  # stem input and output-conv output zero-padded to this many channels; 0 = as is
     attn_linear: bool = False  # attention's 1x1 qkv and output convs as matmuls on the NHWC view (bias in the GEMM)
+    # "ddpm" res blocks: conv1's bias joins the time embedding in norm2's add (a pass over conv1's output fewer where
+    # nothing can fuse the bias add: norm_impl=fused). Exact like the four above, but not yet measured on a GPU, so
+    # not in REFERENCE_COMPUTATION's set (the bench's reformulations row and ddpm-cifar10 turn those four on).
+    conv_bias_in_norm: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -125,6 +129,9 @@ class ModelConfig:
         if self.concat_free and self.arch != "ddpm":
             raise ValueError("concat_free=True is built for arch='ddpm' (the annotated block convolves the raw "
                              "concatenation first); set concat_free=False")
+        if self.conv_bias_in_norm and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
+            raise ValueError("conv_bias_in_norm=True is built for arch='ddpm' res blocks with plain 3x3 convs "
+                             "(weight_standardize=False, depthwise_separable=False); set conv_bias_in_norm=False")
         if self.pad_image_channels and self.pad_image_channels < self.in_channels:
             raise ValueError(f"pad_image_channels={self.pad_image_channels} is below in_channels={self.in_channels}; "
                              "use 0 (no padding) or at least in_channels")
@@ -364,11 +371,20 @@ class DDPMResBlock(nn.Module):
                                   plan=cfg.fused_norm_plan())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+        self.bias_in_norm = cfg.conv_bias_in_norm  # conv1's bias added with the time embedding, inside norm2
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], temb: torch.Tensor) -> torch.Tensor:
         """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path)."""
-        h = self.conv1(self.norm1(x))  # norm1 returns the normalised concatenation
-        h = self.conv2(self.norm2(h, add=self.temb(F.silu(temb))))  # the (B, cout) time embedding added to h first
+        h = self.norm1(x)  # the normalised concatenation
+        add = self.temb(F.silu(temb))  # the (B, cout) time embedding, added to conv1's output before norm2
+        c = self.conv1
+        if self.bias_in_norm and not c._forward_pre_hooks:  # a pre-hook (torch's pruning) makes the weight: call c
+            # conv1's output is read only by norm2, which adds a per-(sample, channel) vector anyway: the bias goes
+            # there. Inductor cannot fuse a bias add into the fused GroupNorm op, so it would cost a pass of its own.
+            h, add = F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups), add + c.bias
+        else:
+            h = c(h)
+        h = self.conv2(self.norm2(h, add=add))
         if isinstance(x, torch.Tensor):
             return self.skip(x) + h
         if isinstance(self.skip, nn.Identity):

@@ -1,6 +1,6 @@
-"""The model.* computation switches (concat_free, upsample, pad_image_channels, attn_linear): the reference network's
-function (fp64, forward and gradients) and state_dict, what each removes from the step, and FLOP counts that stay
-the model's."""
+"""The model.* computation switches (concat_free, upsample, pad_image_channels, attn_linear, conv_bias_in_norm): the
+reference network's function (fp64, forward and gradients) and state_dict, what each removes from the step, and FLOP
+counts that stay the model's."""
 
 import dataclasses
 
@@ -15,14 +15,17 @@ from benchmarks.speed.rows import Row
 from benchmarks.speed.runner import flops_of
 from ffcv_ddpm.checks import BadValue
 from ffcv_ddpm.config import load_config
-from ffcv_ddpm.unet import PRESETS, REFERENCE_COMPUTATION, Upsample, build_model, nearest_2x, reference_config
+from ffcv_ddpm.unet import (PRESETS, REFERENCE_COMPUTATION, DDPMResBlock, Upsample, build_model, nearest_2x,
+                            reference_config)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ALL = dict(concat_free=True, upsample="transposed", pad_image_channels=8, attn_linear=True)
 SWITCHES = {"concat_free": dict(concat_free=True), "expand": dict(upsample="expand"),
             "transposed": dict(upsample="transposed"), "pad": dict(pad_image_channels=8),
-            "attn_linear": dict(attn_linear=True), "all": ALL}
+            "attn_linear": dict(attn_linear=True), "all": ALL,
+            # not (yet) one of REFERENCE_COMPUTATION's: exact all the same, alone and with the others
+            "conv_bias_in_norm": dict(conv_bias_in_norm=True), "all+bias": dict(ALL, conv_bias_in_norm=True)}
 # Base 12, 4 groups: the up path concatenates 24 + 12 channels in groups of 9, so a group straddles h and the skip
 # (test_groups_straddle_the_concatenation checks it). Dropout on, to check that the masks line up too.
 STRADDLE = dataclasses.replace(PRESETS["tiny"], base_channels=12, norm_groups=4, dropout=0.1)
@@ -206,6 +209,8 @@ def test_flops_count_the_reference_network():
         diff = f["executed_fwd_bwd"] - ref["fwd_bwd"]
         assert {"more": diff > 0, "less": diff < 0, "same": diff == 0}[executed], (switch, diff)
     assert set(REFERENCE_COMPUTATION) <= {f.name for f in dataclasses.fields(base)}
+    bias = train_flops_per_image(dataclasses.replace(base, conv_bias_in_norm=True))  # the same convolutions
+    assert bias["fwd_bwd"] == bias["executed_fwd_bwd"] == ref["fwd_bwd"]
     # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
     row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
     padded = flops_of(row("model.pad_image_channels=8"), [])
@@ -218,10 +223,14 @@ def test_flops_count_the_reference_network():
     ("model.upsample=bilinear", "model.upsample=bilinear: expected one of nearest, expand, transposed"),
     ("model.pad_image_channels=2", "model.pad_image_channels=2 is below in_channels=3"),
     ("model.pad_image_channels=-1", "model.pad_image_channels=-1: expected an integer >= 0"),
+    ("model.conv_bias_in_norm=True model.weight_standardize=True", "model.conv_bias_in_norm=True is built for "
+     "arch='ddpm' res blocks with plain 3x3 convs"),
 ])
 def test_bad_switch_values_are_one_line(override, message):
     with pytest.raises(BadValue, match=message):
-        load_config("ddpm-cifar10", [override])
+        load_config("ddpm-cifar10", override.split())
+    with pytest.raises(BadValue, match="conv_bias_in_norm=True is built for arch='ddpm'"):
+        load_config("annotated-small", ["model.conv_bias_in_norm=True"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU code generation needs CUDA")
@@ -270,3 +279,36 @@ def test_bench_rows_of_the_switches():
         assert {s: got[s] for s in ("train", "data")} == {s: switched[s] for s in ("train", "data")}, row.name
     small_cfg = load_config("annotated-small", list(next(r for r in small if r.name == SWITCHES_ROW).overrides))
     assert not small_cfg.model.concat_free and small_cfg.model.upsample == "transposed"
+
+
+class ConvBiases(TorchDispatchMode):
+    """How many convolutions run without a bias of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.no_bias = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.convolution.default and args[2] is None:
+            self.no_bias += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_conv_bias_in_norm_takes_every_res_blocks_first_bias_into_the_norm():
+    """With the switch each res block's conv1 runs bias-free (its bias rides in norm2's add), and nothing else
+    changes; a pruned conv1 (a forward pre-hook makes its weight) is still called as a module."""
+    ref, new = pair(STRADDLE, SWITCHES["conv_bias_in_norm"], channels_last=False)
+    x, t = torch.randn(1, 3, 32, 32, dtype=torch.float64), torch.tensor([5])
+    counts = []
+    for model in (ref, new):
+        with ConvBiases() as rec:
+            model(x, t)
+        counts.append(rec.no_bias)
+    blocks = [m for m in new.modules() if isinstance(m, DDPMResBlock)]
+    assert counts == [0, len(blocks)] and blocks
+    from torch.nn.utils import prune
+
+    prune.l1_unstructured(blocks[0].conv1, "weight", amount=0.5)
+    with ConvBiases() as rec:
+        new(x, t)
+    assert rec.no_bias == len(blocks) - 1
