@@ -3,6 +3,7 @@
     python -m benchmarks.speed.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 40 kernel plans per site
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans rows   # the one-launch rows plans
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=option(int, at_least(0)), default=5, help="calls before timing")
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
-                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 40 per site; rows: the rows plans beside the default and the H200's fastest)")
+                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 40 per site; rows: the rows "
+                        "plans beside the default and the H200's fastest)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")
