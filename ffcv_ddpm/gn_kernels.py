@@ -259,11 +259,11 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_
 
 # ---- one program per (sample, groups): the "rows" plan (model.norm_plan with CHUNK 0) ---------------------------
 # Each program owns a few whole groups of one sample and walks all of its rows twice: once for the statistics, once
-# to write. No partials, no finalize launch, and the second read of its slice (HW x ~16 channels, 32 KB at 32x32 in
-# bf16; norm.ROWS_CHANNELS) is meant to come from L2 rather than memory: 2 memory passes forward and 3 backward instead of 3 and 5
-# (benchmarks/NOTES.md, item 23). Whether the slices of the programs in flight stay in L2 is what a GPU run decides.
-# HW is a constexpr here (a kernel per image size; the UNet has four): the loops run to it, and Triton's interpreter
-# cannot loop to a runtime bound.
+# to write. No partials, no finalize launch, and the second read of its slice (HW x ~16 channels, 32 KB at 32x32
+# in bf16; norm.ROWS_CHANNELS) is meant to come from L2 rather than memory: 2 memory passes forward and 3 backward
+# instead of 3 and 5 (benchmarks/NOTES.md, item 23). Whether the slices of the programs in flight stay in L2 is
+# what a GPU run decides. HW is a constexpr here (a kernel per image size; the UNet has four): the loops run to
+# it, and Triton's interpreter cannot loop to a runtime bound.
 
 
 @triton.jit
@@ -336,8 +336,8 @@ def _rows_fwd_kernel(x_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rs
 
 @triton.jit
 def _rows_bwd_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, da_ptr, db_ptr,
-                     de_ptr, C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec,
-                     thr24, inv_keep,
+                     de_ptr, C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac,
+                     s_en, s_ec, thr24, inv_keep,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GP: tl.constexpr,
                      HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
     """_bwd_reduce_kernel's sums over all rows of GPP groups of sample n, _bwd_finalize_kernel's outputs and
