@@ -62,22 +62,49 @@ def _act_grad(x, u, v, a, b, dout, offs, seed, thr24, inv_keep, SILU: tl.constex
 
 
 @triton.jit
-def _stats_kernel(x_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw,
-                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO: tl.constexpr):
+    """x[n, cols, rows] as an fp32 [rows, cols] tile. With TWO, x is two tensors, the parts of a channel
+    concatenation (the up path's (h, skip): model.fused_parts): channels from C1 on are read from the second."""
+    if TWO:
+        lo = (cols < C1)[None, :]
+        x = tl.load(x_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, mask=m & lo, other=0.0)
+        x2 = tl.load(x2_ptr + n * s_2n + rows[:, None] * s_2hw + (cols - C1)[None, :] * s_2c,
+                     mask=m & (cols >= C1)[None, :], other=0.0)
+        return x.to(tl.float32) + x2.to(tl.float32)
+    return tl.load(x_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO: tl.constexpr):
+    """dx into the input's layout: with TWO, channels from C1 on into the second part's gradient."""
+    if TWO:
+        tl.store(dx_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, dx.to(dx_ptr.dtype.element_ty),
+                 mask=m & (cols < C1)[None, :])
+        tl.store(dx2_ptr + n * s_2n + rows[:, None] * s_2hw + (cols - C1)[None, :] * s_2c,
+                 dx.to(dx2_ptr.dtype.element_ty), mask=m & (cols >= C1)[None, :])
+    else:
+        tl.store(dx_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, dx.to(dx_ptr.dtype.element_ty),
+                 mask=m)
+
+
+@triton.jit
+def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
+                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr):
     """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     r0 = k * CHUNK
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
-    base = x_ptr + n * s_xn
-    shift = tl.load(base + r0 * s_xhw + cols * s_xc, mask=cmask, other=0.0).to(tl.float32)
+    first = r0 + tl.arange(0, 1)  # the chunk's first row
+    shift = tl.sum(_load_x(x_ptr, x2_ptr, n, first, cols, cmask[None, :], s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
+                           TWO), axis=0)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for i in range(0, CHUNK, BLOCK_R):
         r = r0 + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = tl.load(base + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
         d = tl.where(m, x - shift[None, :], 0.0)
         acc1 += d
         acc2 += d * d
@@ -129,8 +156,9 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
 
 
 @triton.jit
-def _apply_kernel(x_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc, s_xhw, thr24, inv_keep,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
+                  s_on, s_oc, s_ohw, thr24, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
     """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -138,15 +166,15 @@ def _apply_kernel(x_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc, s_xhw, 
     m = (r < HW)[:, None] & (cols < C)[None, :]
     scale = tl.load(coef_ptr + n * 2 * C + cols, mask=cols < C, other=0.0)
     bias = tl.load(coef_ptr + n * 2 * C + C + cols, mask=cols < C, other=0.0)
-    offs = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
-    y = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
+    x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+    y = x * scale[None, :] + bias[None, :]
     if SILU:
         y = y * tl.sigmoid(y)
     if DROPOUT:
         # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
         keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
         y = tl.where(keep, y * inv_keep, 0.0)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -165,11 +193,11 @@ def _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_
 
 
 @triton.jit
-def _bwd_reduce_kernel(dout_ptr, x_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr,
-                       C, HW, G, CPG, K, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec,
-                       thr24, inv_keep,
+def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr,
+                       C, HW, G, CPG, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
+                       s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                       HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+                       HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy)."""
     n = tl.program_id(0)
     k = tl.program_id(1)
@@ -183,7 +211,7 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr,
     for i in range(0, CHUNK, BLOCK_R):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
-        x = tl.load(x_ptr + n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
         dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
                        other=0.0).to(tl.float32)
         xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
@@ -232,10 +260,11 @@ def _bwd_finalize_kernel(part_ptr, a_ptr, rstd_ptr, da_ptr, db_ptr, de_ptr, coef
 
 
 @triton.jit
-def _bwd_dx_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, coef_ptr,
-                   C, HW, G, CPG, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec, thr24, inv_keep,
+def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
+                   coef_ptr, C, HW, G, CPG, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
+                   s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                   HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+                   HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
     """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -247,14 +276,13 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_
     alpha = tl.load(coef_ptr + n * 3 * C + cols, mask=cmask, other=0.0)
     beta = tl.load(coef_ptr + n * 3 * C + C + cols, mask=cmask, other=0.0)
     gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
-    offs_x = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
-    x = tl.load(x_ptr + offs_x, mask=m, other=0.0).to(tl.float32)
+    x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
     dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
     xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
                          (n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24, inv_keep,
                          SILU, DROPOUT)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
-    tl.store(dx_ptr + offs_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
 
 
 # ---- one program per (sample, groups): the "rows" plan (model.norm_plan with CHUNK 0) ---------------------------
@@ -285,20 +313,21 @@ def _rows_lanes(C, CPG, GPP, BLOCK_C: tl.constexpr):
 
 
 @triton.jit
-def _rows_fwd_kernel(x_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
-                     C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, s_an, s_ac, s_en, s_ec, eps, thr24,
-                     inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GP: tl.constexpr,
-                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+def _rows_fwd_kernel(x_ptr, x2_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
+                     C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_on, s_oc, s_ohw,
+                     s_an, s_ac, s_en, s_ec, eps, thr24, inv_keep,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GP: tl.constexpr,
+                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
     """mean, rstd of GPP groups of sample n over all rows, then out = dropout(silu(x * scale + bias)) for them."""
     n, cols, cmask, grp = _rows_lanes(C, CPG, GPP, BLOCK_C)
-    base = x_ptr + n * s_xn
-    shift = tl.load(base + cols * s_xc, mask=cmask, other=0.0).to(tl.float32)  # row 0: shifted sums stay stable
+    shift = tl.sum(_load_x(x_ptr, x2_ptr, n, tl.arange(0, 1), cols, cmask[None, :], s_xn, s_xc, s_xhw, C1, s_2n,
+                           s_2c, s_2hw, TWO), axis=0)  # row 0: shifted sums stay stable
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for r0 in range(0, HW, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = tl.load(base + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
         d = tl.where(m, x - shift[None, :], 0.0)
         acc1 += d
         acc2 += d * d
@@ -325,21 +354,22 @@ def _rows_fwd_kernel(x_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rs
     for r0 in range(0, HW, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        offs = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
-        y = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32) * scale[None, :] + bias[None, :]
+        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+        y = x * scale[None, :] + bias[None, :]
         if SILU:
             y = y * tl.sigmoid(y)
         if DROPOUT:
             y = tl.where(_keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24), y * inv_keep, 0.0)
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty),
+                 mask=m)
 
 
 @triton.jit
-def _rows_bwd_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, da_ptr, db_ptr,
-                     de_ptr, C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, s_dn, s_dc, s_dhw, s_an, s_ac,
-                     s_en, s_ec, thr24, inv_keep,
+def _rows_bwd_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
+                     da_ptr, db_ptr, de_ptr, C, HW: tl.constexpr, G, CPG, GPP, s_xn, s_xc, s_xhw, C1, s_2n, s_2c,
+                     s_2hw, s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GP: tl.constexpr,
-                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
     """_bwd_reduce_kernel's sums over all rows of GPP groups of sample n, _bwd_finalize_kernel's outputs and
     coefficients from them, then _bwd_dx_kernel's dx over the same rows."""
     n, cols, cmask, grp = _rows_lanes(C, CPG, GPP, BLOCK_C)
@@ -352,7 +382,7 @@ def _rows_bwd_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mea
     for r0 in range(0, HW, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = tl.load(x_ptr + n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
         dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
                        other=0.0).to(tl.float32)
         xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
@@ -373,11 +403,10 @@ def _rows_bwd_kernel(dout_ptr, x_ptr, dx_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mea
     for r0 in range(0, HW, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        offs_x = n * s_xn + r[:, None] * s_xhw + cols[None, :] * s_xc
-        x = tl.load(x_ptr + offs_x, mask=m, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
         dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
                        other=0.0).to(tl.float32)
         xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
                              (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
         dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
-        tl.store(dx_ptr + offs_x, dx.to(dx_ptr.dtype.element_ty), mask=m)
+        _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)

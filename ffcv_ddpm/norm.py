@@ -128,7 +128,8 @@ class GroupNormAct(nn.GroupNorm):
     """
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
-                 dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, int, int] | None = None):
+                 dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, int, int] | None = None,
+                 parts: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -136,11 +137,14 @@ class GroupNormAct(nn.GroupNorm):
             raise ValueError(f"plan={plan} is the fused kernels' plan; norm_impl={impl!r} has none: pass plan=None")
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
+        if parts and impl != "fused":
+            raise ValueError(f"parts=True is the fused kernels' two-part read; norm_impl={impl!r} has none")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
         # The fused kernels' (tile, chunk, warps), DEFAULT_PLAN unless given; None for the other implementations.
         self.plan = (tuple(plan) if plan is not None else DEFAULT_PLAN) if impl == "fused" else None
+        self.parts = parts  # fused: two parts of a concatenation read where they are, not concatenated first
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
@@ -149,9 +153,12 @@ class GroupNormAct(nn.GroupNorm):
     def forward(self, x: Tensor | Sequence[Tensor], add: Tensor | None = None,
                 film: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor.
-        Only "scale-shift" normalises the parts as they are; the others concatenate them first."""
-        if not isinstance(x, Tensor) and (self.impl != "scale-shift" or len(x) == 1):
-            x = x[0] if len(x) == 1 else torch.cat(tuple(x), 1)
+        "scale-shift" normalises the parts as they are, "fused" two parts with `parts` (model.fused_parts); the
+        others concatenate them first."""
+        if not isinstance(x, Tensor):
+            as_parts = self.impl == "scale-shift" or (self.parts and len(x) == 2)
+            if len(x) == 1 or not as_parts:
+                x = x[0] if len(x) == 1 else torch.cat(tuple(x), 1)
         if self.impl == "fused":
             return self._fused(x, add, film)
         if add is not None:
@@ -164,7 +171,8 @@ class GroupNormAct(nn.GroupNorm):
             y = F.silu(y)
         return F.dropout(y, self.p, self.training) if self.p else y
 
-    def _fused(self, x: Tensor, add: Tensor | None, film: tuple[Tensor, Tensor] | None) -> Tensor:
+    def _fused(self, x: Tensor | Sequence[Tensor], add: Tensor | None, film: tuple[Tensor, Tensor] | None) -> Tensor:
+        x, x2 = (x, None) if isinstance(x, Tensor) else x
         n = x.shape[0]
         dt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
         # The affine after normalisation, per (sample, channel): y = xhat * a + b.
@@ -178,7 +186,8 @@ class GroupNormAct(nn.GroupNorm):
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
         out, _, _ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
                                                        None if add is None else add.to(dt).contiguous(),
-                                                       seed, self.num_groups, self.eps, self.silu, p, *self.plan)
+                                                       seed, self.num_groups, self.eps, self.silu, p, *self.plan,
+                                                       x2)
         return out
 
 
@@ -205,44 +214,66 @@ def _on_triton(x: Tensor) -> bool:
 # work, not what they compute: the plain-torch path (reference_*) has nothing to split and leaves it unused.
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
-                   silu: bool, p: float, tile: int, chunk: int, warps: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward."""
+                   silu: bool, p: float, tile: int, chunk: int, warps: int, x2: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward. x2: None,
+    or the second part of a channel concatenation [x, x2] that is never materialised (model.fused_parts)."""
     if _on_triton(x):
-        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps)
-    return reference_forward(x, a, b, e, seed, groups, eps, silu, p)
+        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2)
+    out, mean, rstd = reference_forward(_joined(x, x2), a, b, e, seed, groups, eps, silu, p)
+    return out, mean, rstd
 
 
 @group_norm_act.register_fake
-def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps):
+def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
-    return torch.empty_like(x), stats, stats.clone()
+    return _output_like(x, x2), stats, stats.clone()
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
-                            chunk: int, warps: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dx, da, db, de): de is empty when there was no add."""
+                            chunk: int, warps: int, x2: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part."""
     if _on_triton(x):
-        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps)
-    return reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p)
+        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, x2)
+    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p)
+    if x2 is None:
+        return dx, da, db, de, dx.new_empty(0)
+    dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
+    return (dx.contiguous(memory_format=_format(x)), da, db, de, dx2.contiguous(memory_format=_format(x2)))
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps):
-    return torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0)
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, x2):
+    return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
+            torch.empty_like(x2) if x2 is not None else x.new_empty(0))
+
+
+def _joined(x: Tensor, x2: Tensor | None) -> Tensor:
+    """The concatenation the two parts stand for (the plain-torch path computes on it)."""
+    return x if x2 is None else torch.cat((x, x2), 1).contiguous(memory_format=_format(x))
+
+
+def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
+    """An empty output of the concatenation's shape, in x's layout."""
+    if x2 is None:
+        return torch.empty_like(x)
+    shape = (x.shape[0], x.shape[1] + x2.shape[1], *x.shape[2:])
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_format(x))
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args = inputs
-    ctx.save_for_backward(x, a, b, e, seed, output[1], output[2])
+    x, a, b, e, seed, *args, x2 = inputs
+    ctx.save_for_backward(x, a, b, e, seed, output[1], output[2], x2)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps
 
 
 def _backward(ctx, dout, _dmean, _drstd):
-    x, a, b, e, seed, mean, rstd = ctx.saved_tensors
-    dx, da, db, de = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args)
-    return dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args)  # seed, the non-tensors
+    x, a, b, e, seed, mean, rstd, x2 = ctx.saved_tensors
+    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2)
+    return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
+            dx2 if x2 is not None else None)
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -251,9 +282,10 @@ group_norm_act.register_autograd(_backward, setup_context=_setup_context)
 # ---------------------------------------------------------------------------------------------------- Triton
 
 
-def _plan(x: Tensor, groups: int, tile: int, chunk: int) -> dict:
+def _plan(x: Tensor, groups: int, tile: int, chunk: int, channels: int | None = None) -> dict:
     """Tile sizes, and the split of each sample's rows into K chunks for the reductions (ffcv_ddpm.gn_kernels):
-    about `tile` elements per tile of the elementwise kernels and `chunk` per program of the reductions."""
+    about `tile` elements per tile of the elementwise kernels and `chunk` per program of the reductions. `channels`:
+    the concatenation's when x is its first part."""
     import triton
 
     if problem := plan_problem(tile, chunk, 1):
@@ -261,11 +293,11 @@ def _plan(x: Tensor, groups: int, tile: int, chunk: int) -> dict:
     if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise RuntimeError("the fused GroupNorm's Triton kernels run on CUDA tensors, or on CPU tensors under "
                            "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
-    if x.numel() >= 2**31:
-        raise ValueError(f"the fused GroupNorm indexes with 32-bit integers: {tuple(x.shape)} has too many "
-                         "elements; use a smaller batch or model.norm_impl=scale-shift")
-    n, c = x.shape[:2]
+    n, c = x.shape[0], channels or x.shape[1]
     hw = x[0, 0].numel()
+    if n * c * hw >= 2**31:
+        raise ValueError(f"the fused GroupNorm indexes with 32-bit integers: {(n, c, *x.shape[2:])} has too many "
+                         "elements; use a smaller batch or model.norm_impl=scale-shift")
     cpg = c // groups
     block_c = triton.next_power_of_2(c)
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
@@ -301,76 +333,95 @@ def _dropout_args(p: float) -> tuple[int, float]:
     return int(round(p * (1 << 24))), 1.0 / (1.0 - p)
 
 
-def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps):
-    """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps)."""
+def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, int, int], bool]:
+    """(the second part's tensor, C1, its (n, c, hw) strides, TWO) as the kernels take them: without a second part,
+    x again (never read: TWO is off), C1 = all of x's channels."""
+    if x2 is None:
+        return x, x.shape[1], (0, 0, 0), False
+    if x2.shape[0] != x.shape[0] or x2.shape[2:] != x.shape[2:] or x2.dtype != x.dtype:
+        raise ValueError(f"fused GroupNorm: the parts {tuple(x.shape)} {x.dtype} and {tuple(x2.shape)} {x2.dtype} "
+                         "differ in more than their channels")
+    return x2, x.shape[1], _nchw_strides(x2), True
+
+
+def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2=None):
+    """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps); x2: the second part
+    of a channel concatenation (None: x is all of it)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
 
-    pl = _plan(x, groups, tile, chunk)
+    x2_, c1, x2s, two = _second_part(x, x2)
+    pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
-    out = torch.empty_like(x)
-    if out.stride() != x.stride():
+    out = _output_like(x, x2)
+    if out.stride() != x.stride() and not two:
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
     mean = x.new_empty((n, groups), dtype=torch.float32)
     rstd = torch.empty_like(mean)
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
-    xs = _nchw_strides(x)
+    xs = (*_nchw_strides(x), c1, *x2s)  # the input's strides, then where and how the second part is read
+    os = _nchw_strides(out)
     if chunk == 0:
         K._rows_fwd_kernel[(n, pl["PROGRAMS"])](
-            x, out, a, b, e_, seed, mean, rstd, c, hw, groups, pl["CPG"], pl["GPP"], *xs, a.stride(0), a.stride(1),
-            e_.stride(0), e_.stride(1), eps, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-            BLOCK_GP=pl["BLOCK_GP"], HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=warps)
+            x, x2_, out, a, b, e_, seed, mean, rstd, c, hw, groups, pl["CPG"], pl["GPP"], *xs, *os, a.stride(0),
+            a.stride(1), e_.stride(0), e_.stride(1), eps, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"],
+            BLOCK_C=pl["BLOCK_C"], BLOCK_GP=pl["BLOCK_GP"], HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0,
+            TWO=two, num_warps=warps)
         return out, mean, rstd
     k = pl["K"]
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
-    K._stats_kernel[(n, k)](x, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], num_warps=warps)
+    K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
+                            BLOCK_C=pl["BLOCK_C"], TWO=two, num_warps=warps)
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
                              num_warps=warps)
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        x, out, coef, seed, c, hw, *xs, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu,
-        DROPOUT=p > 0, num_warps=warps)
+        x, x2_, out, coef, seed, c, hw, *xs, *os, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
+        SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
     return out, mean, rstd
 
 
-def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps):
-    """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps)."""
+def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, x2=None):
+    """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps):
+    (dx, da, db, de, dx2), dx2 empty without a second part."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
 
-    pl = _plan(x, groups, tile, chunk)
+    x2_, c1, x2s, two = _second_part(x, x2)
+    pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
     dx = torch.empty_like(x)
+    dx2 = torch.empty_like(x2) if two else x.new_empty(0)
     da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
     de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
     e_ = a if e is None else e
-    xs, ds = _nchw_strides(x), _nchw_strides(dout)
+    xs, ds = (*_nchw_strides(x), c1, *x2s), _nchw_strides(dout)
     common = (c, hw, groups, pl["CPG"])
-    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, num_warps=warps)
+    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
+    dx2_ = dx2 if two else dx  # never written when TWO is off
     if chunk == 0:
         K._rows_bwd_kernel[(n, pl["PROGRAMS"])](
-            dout, x, dx, a, b, e_, seed, mean, rstd, da, db, de if e is not None else da, *common, pl["GPP"], *xs, *ds,
-            a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"],
-            BLOCK_C=pl["BLOCK_C"], BLOCK_GP=pl["BLOCK_GP"], **flags)
-        return dx, da, db, de
+            dout, x, x2_, dx, dx2_, a, b, e_, seed, mean, rstd, da, db, de if e is not None else da, *common,
+            pl["GPP"], *xs, *ds, a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
+            BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], BLOCK_GP=pl["BLOCK_GP"], **flags)
+        return dx, da, db, de, dx2
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
     coef = x.new_empty((n, 3, c), dtype=torch.float32)
-    K._bwd_reduce_kernel[(n, k)](dout, x, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
+    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
     K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
                                  BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=warps)
     K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        dout, x, dx, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1), e_.stride(0),
-        e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
-    return dx, da, db, de
+        dout, x, x2_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1),
+        e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
+    return dx, da, db, de, dx2
 
 
 # ---------------------------------------------------------------------------------------------------- reference

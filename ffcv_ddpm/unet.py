@@ -69,6 +69,9 @@ class ModelConfig:
     # nothing can fuse the bias add: norm_impl=fused). Exact like the four above, but not yet measured on a GPU, so
     # not in REFERENCE_COMPUTATION's set (the bench's reformulations row and ddpm-cifar10 turn those four on).
     conv_bias_in_norm: bool = False
+    # norm_impl=fused with concat_free: the up blocks' first GroupNorm reads (h, skip) where they lie instead of
+    # concatenating them first (a cat per block, and dx as slices of one tensor); exact, not yet measured (as above).
+    fused_parts: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -132,6 +135,10 @@ class ModelConfig:
         if self.conv_bias_in_norm and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("conv_bias_in_norm=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set conv_bias_in_norm=False")
+        if self.fused_parts and not (self.norm_impl == "fused" and self.concat_free):
+            raise ValueError(f"fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
+                             f"needs norm_impl='fused' and concat_free=True (got {self.norm_impl!r}, "
+                             f"{self.concat_free}); set fused_parts=False")
         if self.pad_image_channels and self.pad_image_channels < self.in_channels:
             raise ValueError(f"pad_image_channels={self.pad_image_channels} is below in_channels={self.in_channels}; "
                              "use 0 (no padding) or at least in_channels")
@@ -364,7 +371,8 @@ class DDPMResBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
         super().__init__()
-        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, plan=cfg.fused_norm_plan())  # GroupNorm + SiLU
+        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, plan=cfg.fused_norm_plan(),  # GroupNorm + SiLU
+                                  parts=cfg.fused_parts)
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout

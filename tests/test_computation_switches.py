@@ -312,3 +312,33 @@ def test_conv_bias_in_norm_takes_every_res_blocks_first_bias_into_the_norm():
     with ConvBiases() as rec:
         new(x, t)
     assert rec.no_bias == len(blocks) - 1
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
+def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
+    """model.fused_parts: the up blocks' first fused GroupNorm reads (h, skip) as two tensors (no cat; a group
+    straddles them in STRADDLE): the concatenating network's function and gradients, through the op's plain-torch
+    path and through its Triton kernels (interpreted without a GPU)."""
+    from ffcv_ddpm import norm
+
+    if kernels:
+        import triton
+
+        if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+        monkeypatch.setattr(norm, "_on_triton", lambda x: True)
+    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, base_channels=8, norm_groups=4,
+                              channel_mult=(1, 2), attn_resolutions=(16,))
+    ref, new = pair(cfg, dict(fused_parts=True), channels_last=True)
+    ref, new = (m.float() for m in (ref, new)) if kernels else (ref, new)  # the kernels take fp32, not fp64
+    dtype = torch.float32 if kernels else torch.float64
+    x = torch.randn(2, 3, 32, 32, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([3, 700])
+    (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
+    tol = 1e-5 if kernels else 1e-12
+    assert rel_max(out_n, out_r) < tol
+    names = ["input"] + [n for n, _ in ref.named_parameters()]
+    for name, a, b in zip(names, grads_n, grads_r):
+        assert rel_max(a, b) < 10 * tol, name
+    with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs norm_impl='fused'"):
+        load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift"])

@@ -147,7 +147,8 @@ def check_kernels(case, plan):
     assert out.stride() == x.stride()
 
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
-    dx, da, db, de = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan)
+    dx, da, db, de, dx2 = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan)
+    assert dx2.numel() == 0  # one part
     _, *ref_grads = grads(fn, leaves, dout.double())
     for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
         assert rel(got, want) < tol, name
@@ -180,6 +181,48 @@ def test_triton_kernels_under_the_rows_plan(plan):
     assert (pl["GPP"], pl["PROGRAMS"], pl["BLOCK_C"], pl["BLOCK_GP"]) == (1, 10, 16, 1)
     for case in [*CASES, *ROWS_CASES]:
         check_kernels(case, plan)
+
+
+@pytest.mark.parametrize("plan", [N.DEFAULT_PLAN, (2048, 0, 4)], ids=["chunked", "rows"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], ROWS_CASES[1]], ids=lambda c: f"c{c[1]}-g{c[4]}")
+def test_two_parts_compute_what_their_concatenation_does(case, plan):
+    """model.fused_parts: the kernels read the parts of a channel concatenation where they lie (the up path's
+    (h, skip), a group straddling both) and write dx as two tensors: the same numbers as the concatenated tensor,
+    forward, statistics and every gradient, under both plans."""
+    needs_triton()
+    n, c, h, w, groups, silu, p, add, cl, dtype = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    x = (spread_input((n, c, h, w), g) + 3).to(dtype).to(dev)
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    c1 = c // 3 + 1  # not on a group boundary
+    x1, x2 = (t.contiguous(memory_format=fmt) for t in x.split([c1, c - c1], 1))
+    x = x.contiguous(memory_format=fmt)
+    a, b = (torch.randn(n, c, generator=g).to(dev) for _ in range(2))
+    e = torch.randn(n, c, generator=g).to(dev) if add else None
+    seed = torch.tensor([99], device=dev)
+    whole = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan)
+    split = N.triton_forward(x1, a, b, e, seed, groups, 1e-5, silu, p, *plan, x2=x2)
+    for name, got, want in zip(("out", "mean", "rstd"), split, whole):
+        assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6), name
+    assert split[0].stride() == whole[0].stride()
+    dout = torch.randn(x.shape, generator=g).to(dtype).to(dev).contiguous(memory_format=fmt)
+    dx, da, db, de, empty = N.triton_backward(dout, x, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan)
+    dx1, da1, db1, de1, dx2 = N.triton_backward(dout, x1, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan,
+                                                x2=x2)
+    assert empty.numel() == 0 and dx1.stride() == x1.stride() and dx2.stride() == x2.stride()
+    for name, got, want in zip(("dx", "da", "db", "de"), (torch.cat((dx1, dx2), 1), da1, db1, de1), (dx, da, db, de)):
+        assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6), name
+
+
+def test_parts_that_differ_in_more_than_channels_are_refused():
+    needs_triton()
+    x1, x2 = torch.randn(2, 8, 4, 4), torch.randn(2, 8, 4, 2)
+    with pytest.raises(ValueError, match="differ in more than their channels"):
+        N.triton_forward(x1, torch.ones(2, 16), torch.zeros(2, 16), None, torch.tensor([0]), 4, 1e-5, True, 0.0,
+                         *N.DEFAULT_PLAN, x2=x2)
+    with pytest.raises(ValueError, match="parts=True is the fused kernels' two-part read"):
+        GroupNormAct(4, 16, "scale-shift", parts=True)
 
 
 def test_keep_mask_is_a_fair_coin_per_element():
@@ -363,8 +406,31 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     y.sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    assert len(calls) == 1 and calls[0].args[-3:] == (2048, 65536, 8)
+    assert len(calls) == 1 and calls[0].args[-4:] == (2048, 65536, 8, None)  # the plan, then no second part
     ref = GroupNormAct(2, 8, "fused")
     x2 = x.detach().clone().requires_grad_()
     ref(x2).sum().backward()
     assert torch.allclose(x.grad, x2.grad)
+
+
+def test_two_parts_compile_as_one_call_of_the_op():
+    """torch.compile (fullgraph) of a fused GroupNormAct with parts=True: one op call taking both parts (the fake
+    implementation gives the concatenation's shape and the first part's layout), the numbers of the eager call."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    m = GroupNormAct(4, 12, "fused", parts=True)
+    backend = EagerAndRecordGraphs()
+    x1 = torch.randn(2, 5, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    x2 = torch.randn(2, 7, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = torch.compile(m, backend=backend, fullgraph=True)((x1, x2))
+    y.square().sum().backward()
+    calls = [node for graph in backend.graphs for node in graph.graph.nodes
+             if node.op == "call_function" and "group_norm_act" in str(node.target)]
+    assert len(calls) == 1 and calls[0].args[-1] is not None  # the second part goes in as it is
+    assert y.shape == (2, 12, 4, 4) and y.is_contiguous(memory_format=torch.channels_last)
+    ref = GroupNormAct(4, 12, "fused")  # concatenates first
+    r1, r2 = (t.detach().clone().requires_grad_() for t in (x1, x2))
+    want = ref((r1, r2))
+    want.square().sum().backward()
+    assert torch.allclose(y, want) and torch.allclose(x1.grad, r1.grad) and torch.allclose(x2.grad, r2.grad)
