@@ -88,6 +88,30 @@ def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n
 
 
 @triton.jit
+def _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,
+               s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
+               SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
+    """(xhat, dy) of rows r of sample n: x (from either part) and dout read, _act_grad on them."""
+    x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+    dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
+    return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
+                     (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+
+
+@triton.jit
+def _store_out(out_ptr, x, scale, bias, n, r, cols, m, seed, thr24, inv_keep, C, HW, s_on, s_oc, s_ohw,
+               SILU: tl.constexpr, DROPOUT: tl.constexpr):
+    """out = dropout(silu(x * scale + bias)) for rows r of sample n, stored in out's layout."""
+    y = x * scale[None, :] + bias[None, :]
+    if SILU:
+        y = y * tl.sigmoid(y)
+    if DROPOUT:
+        # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
+        y = tl.where(_keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24), y * inv_keep, 0.0)
+    tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr):
     """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]."""
@@ -167,14 +191,8 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc,
     scale = tl.load(coef_ptr + n * 2 * C + cols, mask=cols < C, other=0.0)
     bias = tl.load(coef_ptr + n * 2 * C + C + cols, mask=cols < C, other=0.0)
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-    y = x * scale[None, :] + bias[None, :]
-    if SILU:
-        y = y * tl.sigmoid(y)
-    if DROPOUT:
-        # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
-        keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
-        y = tl.where(keep, y * inv_keep, 0.0)
-    tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
+    _store_out(out_ptr, x, scale, bias, n, r, cols, m, _mix_seed(seed_ptr), thr24, inv_keep, C, HW, s_on, s_oc, s_ohw,
+               SILU, DROPOUT)
 
 
 @triton.jit
@@ -211,11 +229,8 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
     for i in range(0, CHUNK, BLOCK_R):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
-        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-        dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
-                       other=0.0).to(tl.float32)
-        xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
-                             (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,
+                              s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
         acc1 += dy
         acc2 += dy * xhat
         acc3 += tl.where(m, xhat, 0.0)
@@ -276,11 +291,8 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr
     alpha = tl.load(coef_ptr + n * 3 * C + cols, mask=cmask, other=0.0)
     beta = tl.load(coef_ptr + n * 3 * C + C + cols, mask=cmask, other=0.0)
     gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
-    x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-    dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
-    xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
-                         (n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24, inv_keep,
-                         SILU, DROPOUT)
+    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr24, inv_keep,
+                          C, HW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
     _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
 
@@ -355,13 +367,8 @@ def _rows_fwd_kernel(x_ptr, x2_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
         x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-        y = x * scale[None, :] + bias[None, :]
-        if SILU:
-            y = y * tl.sigmoid(y)
-        if DROPOUT:
-            y = tl.where(_keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24), y * inv_keep, 0.0)
-        tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty),
-                 mask=m)
+        _store_out(out_ptr, x, scale, bias, n, r, cols, m, seed, thr24, inv_keep, C, HW, s_on, s_oc, s_ohw, SILU,
+                   DROPOUT)
 
 
 @triton.jit
@@ -382,11 +389,8 @@ def _rows_bwd_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_p
     for r0 in range(0, HW, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-        dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
-                       other=0.0).to(tl.float32)
-        xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
-                             (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,
+                              s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
         acc1 += dy
         acc2 += dy * xhat
         acc3 += tl.where(m, xhat, 0.0)
@@ -403,10 +407,7 @@ def _rows_bwd_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_p
     for r0 in range(0, HW, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-        dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m,
-                       other=0.0).to(tl.float32)
-        xhat, dy = _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
-                             (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,
+                              s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
         dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
         _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
