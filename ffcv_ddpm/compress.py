@@ -321,7 +321,8 @@ def reference_computation(model: nn.Module) -> nn.Module:
     """Switches a built network to the paper's computation (unet.REFERENCE_COMPUTATION) in place: the same function
     and weights. The faster forms compute with the weight itself, which torchao's int8 tensors cannot: the image
     convs pad it (constant_pad_nd), the linear attention projections flatten it (view), the concat-free skips slice
-    it, the transposed upsample folds it (ddpm-cifar10's int8 rows failed on an H100 at 26cefa3 on the view)."""
+    it, the transposed upsample folds it (ddpm-cifar10's int8 rows failed on an H100 at 26cefa3 on the view); the
+    res blocks' conv1 runs with its own bias again."""
     for m in model.modules():
         if isinstance(m, ImageConv2d):
             m.pad_to = 0
@@ -331,6 +332,8 @@ def reference_computation(model: nn.Module) -> nn.Module:
             m.impl = "nearest"
         elif isinstance(m, DDPMUNet):
             m.concat_free = False
+        elif isinstance(m, DDPMResBlock):
+            m.bias_in_norm = False
     return model
 
 

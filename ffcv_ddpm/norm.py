@@ -28,16 +28,12 @@ from torch import Tensor, nn
 NORM_IMPLS = ("torch", "scale-shift", "fused")
 
 # The fused kernels' plan: (elements per tile of the elementwise kernels, elements per program of the reductions,
-# num_warps), what an empty model.norm_plan means. benchmarks.speed.norm_bench sweeps others. CHUNK 0 is the "rows"
-# plan: one program per (sample, ROWS_CHANNELS channels' worth of whole groups) over all rows, one launch each way
-# (gn_kernels._rows_fwd_kernel, _rows_bwd_kernel), its second read of the slice meant to hit L2.
-DEFAULT_PLAN = (1024, 16384, 4)
-# A rows program's channels (whole groups, at least one): 16 are 32 contiguous bytes of a bf16 channels_last row (one
-# memory sector), and a 32-KB slice at 32x32, so that the slices of the programs in flight (132 SMs x ~8) can stay
-# within the 50 MB of an H100's or H200's L2 until their second read.
-ROWS_CHANNELS = 16
+# num_warps), what an empty model.norm_plan means. benchmarks.speed.norm_bench --plans grid sweeps others: this one
+# was the fastest at every site of ddpm-cifar10 on an H200, 16.5-24.7% faster than the first default (1024, 16384, 4),
+# and 5.1-5.6% in the step (benchmarks/results/h200/norm-plans-57db305, norm-plan-step-8d99035).
+DEFAULT_PLAN = (2048, 65536, 4)
 PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
-PLAN_HELP = "TILE,CHUNK,WARPS, e.g. '2048,65536,4', or '' for the default {}".format(",".join(map(str, DEFAULT_PLAN)))
+PLAN_HELP = "TILE,CHUNK,WARPS, e.g. '1024,16384,4', or '' for the default {}".format(",".join(map(str, DEFAULT_PLAN)))
 
 
 def plan_problem(tile: int, chunk: int, warps: int) -> str | None:
@@ -45,12 +41,12 @@ def plan_problem(tile: int, chunk: int, warps: int) -> str | None:
 
     Why these rules: tiles and chunks are tl.arange extents (powers of two), a reduction program covers whole tiles,
     and num_warps is a power of two up to what every GPU runs."""
-    if min(tile, warps) < 1 or chunk < 0:
-        return "every part must be a positive integer (CHUNK may also be 0: the rows plan)"
+    if min(tile, chunk, warps) < 1:
+        return "every part must be a positive integer"
     for name, v in (("TILE", tile), ("CHUNK", chunk)):
         if v & (v - 1):
             return f"{name}={v} is not a power of two"
-    if 0 < chunk < tile:
+    if chunk < tile:
         return f"CHUNK={chunk} is below TILE={tile} (a reduction program covers whole tiles)"
     if warps not in PLAN_WARPS:
         return f"WARPS={warps} is not one of {', '.join(map(str, PLAN_WARPS))}"
@@ -303,12 +299,6 @@ def _plan(x: Tensor, groups: int, tile: int, chunk: int, channels: int | None = 
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
     if block_g * block_cpg > 8192:
         raise ValueError(f"the fused GroupNorm handles up to 8192 channels, got {c}; use model.norm_impl=scale-shift")
-    if chunk == 0:  # the rows plan: whole groups per program, all rows
-        gpp = max(1, min(groups, ROWS_CHANNELS // cpg))  # groups per program
-        block_c = triton.next_power_of_2(gpp * cpg)
-        return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, GPP=gpp, PROGRAMS=triton.cdiv(groups, gpp), BLOCK_C=block_c,
-                    BLOCK_R=max(1, min(triton.next_power_of_2(hw), tile // block_c)),
-                    BLOCK_GP=triton.next_power_of_2(gpp))
     block_r = max(1, min(triton.next_power_of_2(hw), tile // block_c))
     sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
     k = triton.cdiv(hw, max(block_r, chunk // block_c))
@@ -362,13 +352,6 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
     xs = (*_nchw_strides(x), c1, *x2s)  # the input's strides, then where and how the second part is read
     os = _nchw_strides(out)
-    if chunk == 0:
-        K._rows_fwd_kernel[(n, pl["PROGRAMS"])](
-            x, x2_, out, a, b, e_, seed, mean, rstd, c, hw, groups, pl["CPG"], pl["GPP"], *xs, *os, a.stride(0),
-            a.stride(1), e_.stride(0), e_.stride(1), eps, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"],
-            BLOCK_C=pl["BLOCK_C"], BLOCK_GP=pl["BLOCK_GP"], HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0,
-            TWO=two, num_warps=warps)
-        return out, mean, rstd
     k = pl["K"]
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
@@ -403,12 +386,6 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     common = (c, hw, groups, pl["CPG"])
     flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
     dx2_ = dx2 if two else dx  # never written when TWO is off
-    if chunk == 0:
-        K._rows_bwd_kernel[(n, pl["PROGRAMS"])](
-            dout, x, x2_, dx, dx2_, a, b, e_, seed, mean, rstd, da, db, de if e is not None else da, *common,
-            pl["GPP"], *xs, *ds, a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
-            BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], BLOCK_GP=pl["BLOCK_GP"], **flags)
-        return dx, da, db, de, dx2
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
     coef = x.new_empty((n, 3, c), dtype=torch.float32)

@@ -55,7 +55,7 @@ class ModelConfig:
     depthwise_separable: bool = False  # res-block 3x3 convs as depthwise 3x3 + pointwise 1x1 (MobileNet); needs conv_groups=1
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
     norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
-    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS" (e.g. "2048,65536,4"; CHUNK 0: the rows plan; norm_bench --plans); "" = norm.DEFAULT_PLAN
+    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS" (e.g. "1024,16384,4"; norm_bench --plans); "" = norm.DEFAULT_PLAN
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
@@ -66,11 +66,11 @@ class ModelConfig:
     pad_image_channels: int = 0  # stem input and output-conv output zero-padded to this many channels; 0 = as is
     attn_linear: bool = False  # attention's 1x1 qkv and output convs as matmuls on the NHWC view (bias in the GEMM)
     # "ddpm" res blocks: conv1's bias joins the time embedding in norm2's add (a pass over conv1's output fewer where
-    # nothing can fuse the bias add: norm_impl=fused). Exact like the four above, but not yet measured on a GPU, so
-    # not in REFERENCE_COMPUTATION's set (the bench's reformulations row and ddpm-cifar10 turn those four on).
+    # nothing can fuse the bias add: norm_impl=fused; +1.3-1.6% in the step on an H200, NOTES item 24).
     conv_bias_in_norm: bool = False
     # norm_impl=fused with concat_free: the up blocks' first GroupNorm reads (h, skip) where they lie instead of
-    # concatenating them first (a cat per block, and dx as slices of one tensor); exact, not yet measured (as above).
+    # concatenating them first (a cat per block, and dx as slices of one tensor); exact, not yet measured in the step,
+    # so not in REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
 
     @classmethod
@@ -149,12 +149,14 @@ UPSAMPLES = ("nearest", "expand", "transposed")
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
 # FLOPs of this network, so a switch that does extra work (zero padding) or less (the folded upsample) does not
 # change the model FLOPs that MFU divides by.
-REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image_channels": 0, "attn_linear": False}
+REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image_channels": 0, "attn_linear": False,
+                         "conv_bias_in_norm": False}
 
 
 def reference_config(cfg: ModelConfig) -> ModelConfig:
-    """The same network with every computation switch at its reference value."""
-    return replace(cfg, **REFERENCE_COMPUTATION)
+    """The same network with every computation switch at its reference value (fused_parts reads concat_free's parts:
+    it goes off with concat_free, else the reference network would be refused)."""
+    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -162,9 +164,11 @@ PRESETS: dict[str, ModelConfig] = {
     # 126.2 ms per step of 1024 on an H100); REFERENCE_COMPUTATION gives the paper's own computation back. The fused
     # GroupNorm kernels with CUDA graphs (train.compile_mode) and cuDNN's search: 9,029 img/s against scale-shift's
     # 8,598 with the same two, one H100, one call (benchmarks/results/h100/defaults-26cefa3); bf16 vs fp32 within
-    # tolerance at 2,000 steps (numerics-fused-2000). On CPU tensors the op runs plain torch (ffcv_ddpm.norm).
+    # tolerance at 2,000 steps (numerics-fused-2000). On CPU tensors the op runs plain torch (ffcv_ddpm.norm). Then
+    # conv1's bias in norm2's add and the kernels' (2048, 65536, 4) plan (norm.DEFAULT_PLAN): 10,524-10,557 img/s
+    # against 9,846-9,864, one H200, same GPU and calls (benchmarks/results/h200/norm-plan-step-8d99035).
     "ddpm-cifar10": ModelConfig(concat_free=True, upsample="transposed", pad_image_channels=8, attn_linear=True,
-                                norm_impl="fused"),
+                                conv_bias_in_norm=True, norm_impl="fused"),
     "annotated-small": ModelConfig(
         arch="annotated",
         base_channels=32,

@@ -216,7 +216,7 @@ def test_int8_output_stays_close_to_float(mode, tolerance, switches):
     from torchao.utils import TorchAOBaseTensor
 
     assert DDPM_SWITCHES == {"concat_free": True, "upsample": "transposed", "pad_image_channels": 8,
-                             "attn_linear": True}
+                             "attn_linear": True, "conv_bias_in_norm": True}
     dense = model_of(dataclasses.replace(TINY, **switches))
     x, t, y = inputs()
     with torch.no_grad():
@@ -230,6 +230,20 @@ def test_int8_output_stays_close_to_float(mode, tolerance, switches):
     assert 0 < err < tolerance, f"{mode}: relative RMS error {err:.4f}"
     if mode != "dynamic-linear":  # int8 codes + per-channel scales: well under the fp32 checkpoint
         assert compress.checkpoint_mb(q) < 0.7 * compress.checkpoint_mb(dense)
+
+
+def test_reference_computation_switches_a_built_network_back():
+    """quantize_int8's first step: every switch of a built ddpm-cifar10-style network back to the value a network
+    built with REFERENCE_COMPUTATION has."""
+    names = ("pad_to", "linear", "impl", "concat_free", "bias_in_norm")
+
+    def flags(model):
+        return [(type(m).__name__, a, getattr(m, a)) for m in model.modules() for a in names if hasattr(m, a)]
+
+    switched = model_of(dataclasses.replace(TINY, **DDPM_SWITCHES))
+    reference = model_of(dataclasses.replace(TINY, **REFERENCE_COMPUTATION))
+    assert flags(switched) != flags(reference)
+    assert flags(compress.reference_computation(switched)) == flags(reference)
 
 
 def test_int8_refuses_unknown_mode():

@@ -103,7 +103,7 @@ def test_every_number_tuple_and_choice_field_has_a_rule():
 
 @pytest.mark.parametrize("plan,message", [
     ("2048,65536", "model.norm_plan='2048,65536': expected three comma-separated integers TILE,CHUNK,WARPS, e.g. "
-                   "'2048,65536,4', or '' for the default 1024,16384,4"),
+                   "'1024,16384,4', or '' for the default 2048,65536,4"),
     ("(2048,65536,4)", "model.norm_plan='(2048,65536,4)': expected three comma-separated integers"),
     ("2048,65536,6", "model.norm_plan='2048,65536,6': WARPS=6 is not one of 1, 2, 4, 8, 16; write TILE,CHUNK,WARPS"),
     ("2048,1024,4", "model.norm_plan='2048,1024,4': CHUNK=1024 is below TILE=2048"),
@@ -118,11 +118,11 @@ def test_a_bad_norm_plan_is_one_clear_line(plan, message):
 def test_the_norm_plan_is_a_recorded_setting():
     """model.norm_plan=TILE,CHUNK,WARPS from the command line lands in the config that bench rows and checkpoints
     record (to_dict), and comes back from it; a config saved before the field existed loads with the default plan."""
-    cfg = load_config("ddpm-cifar10", ["model.norm_plan=2048,65536,4"])
-    assert cfg.model.norm_plan == "2048,65536,4" and cfg.model.fused_norm_plan() == (2048, 65536, 4)
+    cfg = load_config("ddpm-cifar10", ["model.norm_plan=1024,16384,4"])
+    assert cfg.model.norm_plan == "1024,16384,4" and cfg.model.fused_norm_plan() == (1024, 16384, 4)
     saved = json.loads(json.dumps(cfg.to_dict()))
-    assert saved["model"]["norm_plan"] == "2048,65536,4"
-    assert RunConfig.from_dict(saved).model.norm_plan == "2048,65536,4"
+    assert saved["model"]["norm_plan"] == "1024,16384,4"
+    assert RunConfig.from_dict(saved).model.norm_plan == "1024,16384,4"
     del saved["model"]["norm_plan"]  # a run or checkpoint written before model.norm_plan
     old = RunConfig.from_dict(saved)
     assert old.model.norm_plan == "" and old.model.fused_norm_plan() is None

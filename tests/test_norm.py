@@ -102,6 +102,11 @@ CASES = [  # (n, c, h, w, groups, silu, p, add, channels_last, dtype); n >= 8 ta
 ]
 
 
+# The first default plan: at these tests' small shapes it splits a sample's reductions over several programs (the
+# default's 65536-element chunks hold a whole test sample).
+FIRST_PLAN = (1024, 16384, 4)
+
+
 def needs_triton():
     import triton
 
@@ -165,30 +170,18 @@ def test_triton_kernels_under_the_swept_plans(plan, cases):
         check_kernels(CASES[i], plan)
 
 
-# The rows plan (CHUNK 0: one program per sample and whole groups, all rows; norm.ROWS_CHANNELS = 16): several
-# programs per sample (96 channels in groups of 4: 4 groups a program, 6 programs), and groups of 12 channels, one a
-# program, 10 programs of 12 channels in 16 lanes.
-ROWS_CASES = [(2, 96, 4, 4, 24, True, 0.2, True, True, torch.float32),
-              (2, 120, 3, 3, 10, False, 0.0, True, False, torch.float32)]
+# 120 channels in groups of 12, NCHW, 3x3 pixels: a group straddles the two parts' boundary (c1 = 41).
+WIDE_CASE = (2, 120, 3, 3, 10, False, 0.0, True, False, torch.float32)
 
 
-@pytest.mark.parametrize("plan", [(2048, 0, 4), (16, 0, 1)], ids=["rows", "rows-a-row-per-tile"])
-def test_triton_kernels_under_the_rows_plan(plan):
-    """The one-launch-each-way kernels compute what the default plan does: every case above and the rows plan's own
-    (groups split over programs, padded lanes), with a tile of one row (many iterations) and of whole samples."""
-    needs_triton()
-    pl = N._plan(torch.empty(2, 120, 3, 3, device="cuda" if torch.cuda.is_available() else "cpu"), 10, 2048, 0)
-    assert (pl["GPP"], pl["PROGRAMS"], pl["BLOCK_C"], pl["BLOCK_GP"]) == (1, 10, 16, 1)
-    for case in [*CASES, *ROWS_CASES]:
-        check_kernels(case, plan)
-
-
-@pytest.mark.parametrize("plan", [N.DEFAULT_PLAN, (2048, 0, 4)], ids=["chunked", "rows"])
-@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], ROWS_CASES[1]], ids=lambda c: f"c{c[1]}-g{c[4]}")
+@pytest.mark.parametrize("plan", [N.DEFAULT_PLAN, FIRST_PLAN], ids=["default-plan", "first-plan"])
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], WIDE_CASE], ids=lambda c: f"c{c[1]}-g{c[4]}")
 def test_two_parts_compute_what_their_concatenation_does(case, plan):
     """model.fused_parts: the kernels read the parts of a channel concatenation where they lie (the up path's
     (h, skip), a group straddling both) and write dx as two tensors: the same numbers as the concatenated tensor,
-    forward, statistics and every gradient, under both plans."""
+    forward, statistics and every gradient, under both plans. Equal to fp32 rounding: the GPU's code for the two
+    reads may contract or order the arithmetic differently (a bf16 output then differs by one bf16 step in a few
+    elements: H200, 8d99035); a part read from the wrong place would differ everywhere by O(1)."""
     needs_triton()
     n, c, h, w, groups, silu, p, add, cl, dtype = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,16 +196,18 @@ def test_two_parts_compute_what_their_concatenation_does(case, plan):
     seed = torch.tensor([99], device=dev)
     whole = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan)
     split = N.triton_forward(x1, a, b, e, seed, groups, 1e-5, silu, p, *plan, x2=x2)
-    for name, got, want in zip(("out", "mean", "rstd"), split, whole):
-        assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6), name
+    step = 1e-6 if dtype == torch.float32 else 2**-7  # fp32 rounding; one bf16 step (8 significant bits)
+    for name, got, want, rtol in zip(("out", "mean", "rstd"), split, whole, (step, 1e-5, 1e-5)):
+        assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=1e-6), name
     assert split[0].stride() == whole[0].stride()
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev).contiguous(memory_format=fmt)
     dx, da, db, de, empty = N.triton_backward(dout, x, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan)
     dx1, da1, db1, de1, dx2 = N.triton_backward(dout, x1, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan,
                                                 x2=x2)
     assert empty.numel() == 0 and dx1.stride() == x1.stride() and dx2.stride() == x2.stride()
-    for name, got, want in zip(("dx", "da", "db", "de"), (torch.cat((dx1, dx2), 1), da1, db1, de1), (dx, da, db, de)):
-        assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-6), name
+    for name, got, want, rtol in zip(("dx", "da", "db", "de"), (torch.cat((dx1, dx2), 1), da1, db1, de1),
+                                     (dx, da, db, de), (step, 1e-5, 1e-5, 1e-5)):
+        assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=1e-6), name
 
 
 def test_parts_that_differ_in_more_than_channels_are_refused():
@@ -235,20 +230,21 @@ def test_keep_mask_is_a_fair_coin_per_element():
     assert 0.5 < (k1 == k2).double().mean() < 0.7  # two seeds agree only by chance (0.75^2 + 0.25^2 = 0.625)
 
 
-@pytest.mark.parametrize("n,plan", [(16, N.DEFAULT_PLAN), (2, N.DEFAULT_PLAN), (16, (2048, 0, 4))],
-                         ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile", "rows-plan"])
-def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, monkeypatch):
+@pytest.mark.parametrize("n,plan,tiles", [(16, FIRST_PLAN, 8), (2, FIRST_PLAN, 1), (16, N.DEFAULT_PLAN, 4)],
+                         ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile", "default-plan"])
+def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, tiles, monkeypatch):
     """GroupNormAct("fused") as the UNet calls it (time-embedding add, FiLM, SiLU, dropout, channels_last, training
     mode), with the custom op routed to its Triton kernels (interpreted without a GPU): forward and every gradient
     against nn.GroupNorm + autograd in fp64 with the same dropout mask. 3 channels per group (not a power of 2:
-    padded tiles); 16x16 pixels make one chunk of 8 row tiles per sample at n=16, 8 one-tile chunks at n=2."""
+    padded tiles); under the interpreter 16x16 pixels make one chunk of 8 row tiles per sample at n=16 and 8
+    one-tile chunks at n=2 with the first plan, and one chunk of 4 tiles with the default (a GPU's SM count splits
+    small batches further)."""
     needs_triton()
     monkeypatch.setattr(N, "_on_triton", lambda x: True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     c, groups, p = 24, 8, 0.2
     pl = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *plan[:2])
-    rows_split = (pl.get("GPP"), pl.get("PROGRAMS")) == (5, 2)  # the rows plan: 5 groups a program, the last short
-    assert pl["CPG"] == 3 and (rows_split if plan[1] == 0 else pl["CHUNK"] // pl["BLOCK_R"] == (8 if n == 16 else 1))
+    assert pl["CPG"] == 3 and (dev == "cuda" or pl["CHUNK"] // pl["BLOCK_R"] == tiles)
     g = torch.Generator().manual_seed(3)
     x = spread_input((n, c, 16, 16), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
     temb, scale, shift = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
@@ -285,6 +281,7 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, monk
     ("2048;65536;4", "expected three comma-separated integers"),
     ("0,65536,4", "every part must be a positive integer"),
     ("2048,65536,-4", "every part must be a positive integer"),
+    ("2048,0,4", "every part must be a positive integer"),  # CHUNK 0 was the rows plan, removed (slower: NOTES 23)
     ("1000,65536,4", "TILE=1000 is not a power of two"),
     ("2048,60000,4", "CHUNK=60000 is not a power of two"),
     ("4096,2048,4", "CHUNK=2048 is below TILE=4096"),
@@ -295,13 +292,12 @@ def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
     with pytest.raises(ValueError) as e:
         N.parse_plan(text)
     assert str(e.value).startswith(f"norm_plan={text!r}: ") and message in str(e.value)
-    assert "e.g. '2048,65536,4', or '' for the default 1024,16384,4" in str(e.value)
+    assert "e.g. '1024,16384,4', or '' for the default 2048,65536,4" in str(e.value)
 
 
 def test_a_plan_parses_to_its_three_integers():
-    assert N.parse_plan("") == N.DEFAULT_PLAN == (1024, 16384, 4)
-    assert N.parse_plan("2048,65536,4") == (2048, 65536, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
-    assert N.parse_plan("2048,0,4") == (2048, 0, 4)  # the rows plan
+    assert N.parse_plan("") == N.DEFAULT_PLAN == (2048, 65536, 4)
+    assert N.parse_plan("1024,16384,4") == (1024, 16384, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
 
 
 def test_group_norm_act_takes_a_plan_only_for_the_fused_kernels():
@@ -367,7 +363,7 @@ def test_two_plans_compute_the_same_and_reach_the_kernels(monkeypatch):
     n, c = 8, 24
     x = spread_input((n, c, 8, 8), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
     temb, dout = torch.randn(n, c, generator=g).to(dev), torch.randn(x.shape, generator=g).to(dev)
-    plans = (N.DEFAULT_PLAN, (128, 512, 2))
+    plans = (FIRST_PLAN, (128, 512, 2))
     ks = [N._plan(x, 8, *plan[:2])["K"] for plan in plans]
     assert ks == [2, 4]  # two reduction programs per sample, then four: the plans really split differently
 

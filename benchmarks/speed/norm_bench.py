@@ -3,7 +3,6 @@
     python -m benchmarks.speed.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 40 kernel plans per site
-    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans rows   # the one-launch rows plans
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
@@ -33,17 +32,13 @@ SITES = ((128, 32, 32, True, True), (384, 32, 32, False, False), (256, 16, 16, T
 DEFAULTS = ("data.batch_size=1024",)  # before the command's overrides
 IMPLS = ("torch", "scale-shift", "fused")
 # The fused kernels' plans swept: (elements per tile, elements per reduction program, num_warps), each passed to the
-# layer as model.norm_plan passes it. "default": the four of fused v2's call; "grid": every combination below, since
-# those four spread 2.7-5.9 ms at one site (H200, 384 channels at 32x32) and the best differed between sites. Chunks
-# go to 131072 because the fastest plan at every site was at the former edge, 65536 (H200, 57db305:
-# benchmarks/results/h200/norm-plans-57db305).
-FUSED_PLANS = {"default": ((1024, 16384, 4), (2048, 16384, 8), (1024, 8192, 4), (2048, 32768, 4)),
+# layer as model.norm_plan passes it. "grid": every combination below, since fused v2's four plans spread 2.7-5.9 ms
+# at one site (H200, 384 channels at 32x32) and the best differed between sites. Chunks go to 131072 because the
+# fastest plan at every site was at the former edge, 65536 (H200, 57db305: benchmarks/results/h200/norm-plans-57db305).
+# "default": norm.DEFAULT_PLAN (that grid's fastest), the first default, and the grid's two runners-up.
+FUSED_PLANS = {"default": ((2048, 65536, 4), (1024, 16384, 4), (2048, 32768, 4), (4096, 65536, 4)),
                "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536, 131072)
-                             for w in (4, 8)),
-               # The rows plans (chunk 0: one launch each way, whole groups per program; ffcv_ddpm.norm), beside the
-               # default and the H200 grid's fastest: a set of its own, so that a first GPU run of these kernels
-               # cannot cost the grid.
-               "rows": ((1024, 16384, 4), (2048, 65536, 4), *((t, 0, w) for t in (1024, 2048, 4096) for w in (4, 8)))}
+                             for w in (4, 8))}
 
 
 def time_ms(fn, iters: int, warmup: int, device: str = "cuda") -> float:
@@ -147,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=option(int, at_least(0)), default=5, help="calls before timing")
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
-                   help="the fused kernels' tile/chunk/warp plans to sweep (grid: 40 per site; rows: the rows "
-                        "plans beside the default and the H200's fastest)")
+                   help="the fused kernels' tile/chunk/warp plans to sweep (default: 4, the default plan first; "
+                        "grid: 40 per site)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")

@@ -44,9 +44,11 @@ BASELINE = (
     "train.compile_mode=default",  # plain torch.compile once compiled; CUDA graphs are rows of their own below
 )
 
-# The computation switches every network takes (model.concat_free only the DDPM one: table_rows).
+# The computation switches every network takes, and those built for the DDPM one only (table_rows drops them).
 ALL_SWITCHES = ("model.upsample=transposed", "model.pad_image_channels=8", "model.attn_linear=True")
-SWITCHES_ROW = "+ exact reformulations (no skip concat, folded upsample, padded image convs, linear attention projections)"
+DDPM_SWITCHES = ("model.concat_free=True", "model.conv_bias_in_norm=True")
+SWITCHES_ROW = ("+ exact reformulations (no skip concat, folded upsample, padded image convs, linear attention "
+                "projections, conv bias in the norm's add)")
 
 # Each step adds its overrides to everything above it: (name, added overrides, batch rule).
 STACK = (
@@ -63,15 +65,15 @@ STACK = (
     ("+ GroupNorm that keeps channels_last", ("model.norm_impl=scale-shift",), "prev"),
     # The same network computed differently (issue 25, NOTES item 11): no skip concatenation, the upsample folded
     # into its conv, the 3-channel convs padded to 8, the attention projections as matmuls. MFU keeps the
-    # reference network's FLOPs. model.concat_free is built for the DDPM network only (the small UNet skips it).
-    (SWITCHES_ROW, (*ALL_SWITCHES, "model.concat_free=True"), "prev"),
+    # reference network's FLOPs. DDPM_SWITCHES are built for the DDPM network only (the small UNet skips them).
+    (SWITCHES_ROW, (*ALL_SWITCHES, *DDPM_SWITCHES), "prev"),
     # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels).
     ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused",), "prev"),
 )
 
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
 # overrides on top of that row[, the presets they apply to]). They run at that row's batch.
-DDPM_ONLY = ("ddpm-cifar10",)  # model.concat_free is built for the DDPM network only
+DDPM_ONLY = ("ddpm-cifar10",)  # DDPM_SWITCHES are built for the DDPM network only
 VARIANTS = (
     # On the fused-AdamW row: with the foreach AdamW, GradScaler reads found_inf on the host every step (the bf16
     # rows have no such sync); the fused one takes it on the device.
@@ -138,7 +140,7 @@ def table_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
     rows, acc = [], merge(BASELINE, baseline_loader)
     for i, (name, added, batch) in enumerate(STACK):
         if PRESETS[preset].arch != "ddpm":
-            added = tuple(o for o in added if not o.startswith("model.concat_free"))
+            added = tuple(o for o in added if o not in DDPM_SWITCHES)
         acc = merge(acc, added)
         rows.append(Row(name, preset, acc, rows[-1].name if batch == "prev" else batch, baseline=i == 0))
     last: dict[str, str] = {}  # parent -> the row a new variant goes after (the parent, then its earlier variants)
