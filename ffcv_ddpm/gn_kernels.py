@@ -99,19 +99,6 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, 
 
 
 @triton.jit
-def _store_out(out_ptr, x, scale, bias, n, r, cols, m, seed, thr24, inv_keep, C, HW, s_on, s_oc, s_ohw,
-               SILU: tl.constexpr, DROPOUT: tl.constexpr):
-    """out = dropout(silu(x * scale + bias)) for rows r of sample n, stored in out's layout."""
-    y = x * scale[None, :] + bias[None, :]
-    if SILU:
-        y = y * tl.sigmoid(y)
-    if DROPOUT:
-        # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
-        y = tl.where(_keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24), y * inv_keep, 0.0)
-    tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
 def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr):
     """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]."""
@@ -191,8 +178,14 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc,
     scale = tl.load(coef_ptr + n * 2 * C + cols, mask=cols < C, other=0.0)
     bias = tl.load(coef_ptr + n * 2 * C + C + cols, mask=cols < C, other=0.0)
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-    _store_out(out_ptr, x, scale, bias, n, r, cols, m, _mix_seed(seed_ptr), thr24, inv_keep, C, HW, s_on, s_oc, s_ohw,
-               SILU, DROPOUT)
+    y = x * scale[None, :] + bias[None, :]
+    if SILU:
+        y = y * tl.sigmoid(y)
+    if DROPOUT:
+        # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
+        keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
+        y = tl.where(keep, y * inv_keep, 0.0)
+    tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
