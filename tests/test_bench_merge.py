@@ -126,3 +126,28 @@ def test_rows_from_later_calls_go_in_their_table_place(tmp_path):
     out = tmp_path / "m.json"
     assert merge.main([str(out), str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
     assert [r["name"] for r in json.loads(out.read_text())["rows"]] == [*names, names[1] + " [train.cudnn_benchmark=True]"]
+
+
+def test_a_row_renamed_since_its_call_keeps_the_place_its_plan_gave_it(tmp_path):
+    # The reformulations row was renamed at af0278d: a part of an older commit planned "renamed" between the table's
+    # rows 1 and 3 (here its first row, anchored on the row after it), another "late" after row 3; a later part
+    # measured row 2. Merged: 1, 2, renamed, 3, late - not the renamed rows at the end.
+    from benchmarks.speed.rows import TABLES
+    g = "annotated-small"
+    names = [row.name for row in TABLES["small"](())][:3]
+    a, b, c = (json.loads(_part(tmp_path, n, n, ["base"]).read_text()) for n in ("a", "b", "c"))
+    base = a["rows"][0]
+    a["rows"] = [{**base, "name": names[0]}]
+    a["planned"] = [[g, names[0]]]
+    b["rows"] = [{**base, "name": n} for n in ("renamed", names[2], "late")]
+    b["planned"] = [[g, "renamed"], [g, names[2]], [g, "late"]]
+    c["rows"] = [{**base, "name": names[1]}]
+    c["planned"] = [[g, names[1]]]
+    for name, result in (("a", a), ("b", b), ("c", c)):
+        result["table"] = "small"
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    out = tmp_path / "m.json"
+    assert merge.main([str(out), *(str(tmp_path / f"{n}.json") for n in "abc")]) == 0
+    got = json.loads(out.read_text())
+    assert [r["name"] for r in got["rows"]] == [names[0], names[1], "renamed", names[2], "late"]
+    assert got["complete"]

@@ -313,9 +313,13 @@ def test_group_norm_act_takes_a_plan_only_for_the_fused_kernels():
 
 def test_the_plan_sets_the_reductions_split():
     """_plan's K (programs per sample) and CHUNK (rows per program) follow the plan's chunk, and BLOCK_R (rows per
-    tile) its tile: 16 samples of 32 channels at 64x64, 4096 rows of 32 channels each."""
+    tile) its tile: samples of 32 channels at 64x64, 4096 rows of 32 channels each. 4 samples per SM (4 SMs under
+    the interpreter), so that the batch fills the GPU with any K: fewer samples take the small-batch split instead
+    (16 samples on an H200 at b1e09eb got K=32)."""
     needs_triton()
-    x = torch.empty(16, 32, 64, 64, device="cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 4
+    x = torch.empty(4 * sms, 32, 64, 64, device=device)
     default = N._plan(x, 8, 1024, 16384)
     assert (default["BLOCK_R"], default["K"], default["CHUNK"]) == (32, 8, 512)  # 1024 / 32, 16384 / 32 rows
     wide = N._plan(x, 8, 2048, 65536)

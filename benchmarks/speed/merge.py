@@ -86,22 +86,33 @@ def merge(parts: list[tuple[Path, dict]], prefer_later: bool = False) -> dict:
             if ok or merged[kind][index].get("status", "ok") != "ok":
                 merged[kind][index] = entry  # an ok row replaces a failed one; --prefer-later: the later one
                 where[(kind, key)] = (index, path.name)
-    merged["rows"] = in_table_order(merged["rows"], merged["table"])
+    merged["rows"] = in_table_order(merged["rows"], merged["table"], [r.get("planned", []) for _, r in parts])
     merged["complete"] = is_complete([r for _, r in parts], merged["rows"])
     # Every part's planned rows (the first part's alone would name a sixth of a table split four ways).
     merged["planned"] = [list(k) for k in dict.fromkeys(tuple(row) for _, r in parts for row in r.get("planned", []))]
     return merged
 
 
-def in_table_order(rows: list[dict], table: str) -> list[dict]:
+def in_table_order(rows: list[dict], table: str, plans: list[list] = ()) -> list[dict]:
     """The rows as their table lists them: a row measured by a later call (row 4 after rows 1-24) goes in its place,
-    not at the end. Rows the table does not name (a row run with extra overrides) follow, in the order merged."""
+    not at the end. A row today's table no longer names (renamed since its call: the reformulations row at af0278d)
+    keeps the place its own part's plan gave it, after the row planned before it (or before the row planned after
+    it). Rows named nowhere (a row run with extra overrides) follow, in the order merged."""
     from benchmarks.speed.rows import TABLES
 
-    order: dict[tuple, int] = {}
+    order: dict[tuple, float] = {}
     for name in table.split("+"):
         for row in TABLES[name](()) if name in TABLES else []:
             order.setdefault((row.preset, row.name), len(order))
+    for plan in plans:
+        plan = [tuple(key) for key in plan]
+        known = [i for i, key in enumerate(plan) if key in order]
+        for i, key in enumerate(plan):
+            if key in order or not known:
+                continue
+            before = [j for j in known if j < i]
+            anchor, side = (before[-1], 1) if before else (next(j for j in known if j > i), -1)
+            order[key] = order[plan[anchor]] + side * (1 - 1 / (abs(i - anchor) + 1)) / 2  # between it and the next
     return sorted(rows, key=lambda r: order.get((r["group"], r["name"]), len(order)))  # stable: ties keep order
 
 
