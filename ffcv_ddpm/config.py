@@ -124,8 +124,8 @@ RULES = {
     "model.conv_groups": at_least(1),
     "model.attn_impl": one_of(("sdpa", "math")),
     "model.norm_impl": one_of(lambda: tuple(unet.NORM_IMPLS)),
-    # model.norm_plan (text "TILE,CHUNK,WARPS"): no rule here; ModelConfig.validate (norm.parse_plan) checks it with
-    # a message naming the part that is wrong, and that it goes with norm_impl=fused.
+    # model.norm_plan (text "TILE,CHUNK,WARPS[,STAGES]"): no rule here; ModelConfig.validate (norm.parse_plan) checks
+    # it with a message naming the part that is wrong, and that it goes with norm_impl=fused.
     "model.num_classes": at_least(0),
     "model.stem_kernel": at_least(1),
     "model.upsample": one_of(lambda: tuple(unet.UPSAMPLES)),

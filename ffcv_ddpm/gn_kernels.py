@@ -100,8 +100,10 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, 
 
 @triton.jit
 def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
-                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr):
-    """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]."""
+                  CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]. STAGES: the plan's (norm.PLAN_STAGES), None for
+    the loop as written."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     r0 = k * CHUNK
@@ -112,7 +114,7 @@ def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n
                            TWO), axis=0)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for i in range(0, CHUNK, BLOCK_R):
+    for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = r0 + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
         x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
@@ -208,8 +210,10 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
                        C, HW, G, CPG, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
                        s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                       HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
-    """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy)."""
+                       HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
+                       STAGES: tl.constexpr):
+    """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy). STAGES as in
+    _stats_kernel."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
@@ -219,7 +223,7 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for i in range(0, CHUNK, BLOCK_R):
+    for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
         xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,

@@ -28,19 +28,25 @@ from torch import Tensor, nn
 NORM_IMPLS = ("torch", "scale-shift", "fused")
 
 # The fused kernels' plan: (elements per tile of the elementwise kernels, elements per program of the reductions,
-# num_warps), what an empty model.norm_plan means. benchmarks.speed.norm_bench --plans grid sweeps others: this one
+# num_warps[, stages]), what an empty model.norm_plan means. benchmarks.speed.norm_bench --plans grid sweeps others: this one
 # was the fastest at every site of ddpm-cifar10 on an H200, 16.5-24.7% faster than the first default (1024, 16384, 4),
 # and 5.1-5.6% in the step (benchmarks/results/h200/norm-plans-57db305, norm-plan-step-8d99035).
 DEFAULT_PLAN = (2048, 65536, 4)
 PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
-PLAN_HELP = "TILE,CHUNK,WARPS, e.g. '1024,16384,4', or '' for the default {}".format(",".join(map(str, DEFAULT_PLAN)))
+# The optional fourth part, STAGES: 0 (a plan of three parts) runs the reductions' loops over their chunk as written,
+# one tile's loads in flight per program; 2-4 annotates those loops with tl.range(num_stages=STAGES), so that
+# Triton's pipeliner keeps that many tiles' loads in flight. Why: the two reduction kernels move bytes at 1.7-2.1
+# TB/s where the elementwise ones reach 2.9-3.2 on the same tensors (H200, b1e09eb: NOTES item 25).
+PLAN_STAGES = (0, 2, 3, 4)
+PLAN_HELP = "TILE,CHUNK,WARPS[,STAGES], e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default {}".format(
+    ",".join(map(str, DEFAULT_PLAN)))
 
 
-def plan_problem(tile: int, chunk: int, warps: int) -> str | None:
-    """What makes (tile, chunk, warps) no plan for the kernels, in words; None if it is one.
+def plan_problem(tile: int, chunk: int, warps: int, stages: int = 0) -> str | None:
+    """What makes (tile, chunk, warps[, stages]) no plan for the kernels, in words; None if it is one.
 
     Why these rules: tiles and chunks are tl.arange extents (powers of two), a reduction program covers whole tiles,
-    and num_warps is a power of two up to what every GPU runs."""
+    num_warps is a power of two up to what every GPU runs, and stages is PLAN_STAGES' (see there)."""
     if min(tile, chunk, warps) < 1:
         return "every part must be a positive integer"
     for name, v in (("TILE", tile), ("CHUNK", chunk)):
@@ -50,11 +56,18 @@ def plan_problem(tile: int, chunk: int, warps: int) -> str | None:
         return f"CHUNK={chunk} is below TILE={tile} (a reduction program covers whole tiles)"
     if warps not in PLAN_WARPS:
         return f"WARPS={warps} is not one of {', '.join(map(str, PLAN_WARPS))}"
+    if stages not in PLAN_STAGES:
+        return f"STAGES={stages} is not one of {', '.join(map(str, PLAN_STAGES))}"
     return None
 
 
-def parse_plan(text: str) -> tuple[int, int, int]:
-    """model.norm_plan's text as (tile, chunk, warps); "" is DEFAULT_PLAN. ValueError('norm_plan=...: ...') saying
+def plan_args(plan: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A plan of three or four parts as the ops take it: (tile, chunk, warps, stages), stages 0 when not given."""
+    return (*plan, 0) if len(plan) == 3 else tuple(plan)
+
+
+def parse_plan(text: str) -> tuple[int, ...]:
+    """model.norm_plan's text as (tile, chunk, warps[, stages]); "" is DEFAULT_PLAN. ValueError('norm_plan=...: ...') saying
     what is wrong and what to write instead."""
     if text == "":
         return DEFAULT_PLAN
@@ -62,8 +75,8 @@ def parse_plan(text: str) -> tuple[int, int, int]:
         plan = tuple(int(part) for part in text.split(",")) if isinstance(text, str) else ()
     except ValueError:
         plan = ()
-    if len(plan) != 3:
-        raise ValueError(f"norm_plan={text!r}: expected three comma-separated integers {PLAN_HELP}")
+    if len(plan) not in (3, 4):
+        raise ValueError(f"norm_plan={text!r}: expected three or four comma-separated integers {PLAN_HELP}")
     problem = plan_problem(*plan)
     if problem:
         raise ValueError(f"norm_plan={text!r}: {problem}; write {PLAN_HELP}")
@@ -124,7 +137,7 @@ class GroupNormAct(nn.GroupNorm):
     """
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
-                 dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, int, int] | None = None,
+                 dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
                  parts: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
@@ -138,7 +151,7 @@ class GroupNormAct(nn.GroupNorm):
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
-        # The fused kernels' (tile, chunk, warps), DEFAULT_PLAN unless given; None for the other implementations.
+        # The fused kernels' (tile, chunk, warps[, stages]), DEFAULT_PLAN unless given; None for the other ones.
         self.plan = (tuple(plan) if plan is not None else DEFAULT_PLAN) if impl == "fused" else None
         self.parts = parts  # fused: two parts of a concatenation read where they are, not concatenated first
 
@@ -182,8 +195,8 @@ class GroupNormAct(nn.GroupNorm):
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
         out, _, _ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
                                                        None if add is None else add.to(dt).contiguous(),
-                                                       seed, self.num_groups, self.eps, self.silu, p, *self.plan,
-                                                       x2)
+                                                       seed, self.num_groups, self.eps, self.silu, p,
+                                                       *plan_args(self.plan), x2)
         return out
 
 
@@ -205,22 +218,22 @@ def _on_triton(x: Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-# The plan (tile, chunk, warps) is three int arguments of both ops, so torch.compile sees it as constants of the
+# The plan (tile, chunk, warps, stages) is four int arguments of both ops, so torch.compile sees it as constants of the
 # call and two models with different plans can run in one process. It decides how the Triton kernels split the
 # work, not what they compute: the plain-torch path (reference_*) has nothing to split and leaves it unused.
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
-                   silu: bool, p: float, tile: int, chunk: int, warps: int, x2: Tensor | None
+                   silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward. x2: None,
     or the second part of a channel concatenation [x, x2] that is never materialised (model.fused_parts)."""
     if _on_triton(x):
-        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2)
+        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2)
     return reference_forward(_joined(x, x2), a, b, e, seed, groups, eps, silu, p)
 
 
 @group_norm_act.register_fake
-def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2):
+def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     return _output_like(x, x2), stats, stats.clone()
 
@@ -228,10 +241,11 @@ def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2):
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
-                            chunk: int, warps: int, x2: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            chunk: int, warps: int, stages: int, x2: Tensor | None
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part."""
     if _on_triton(x):
-        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, x2)
+        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2)
     dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p)
     if x2 is None:
         return dx, da, db, de, dx.new_empty(0)
@@ -240,7 +254,7 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, x2):
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0))
 
@@ -261,7 +275,7 @@ def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
 def _setup_context(ctx, inputs, output):
     x, a, b, e, seed, *args, x2 = inputs
     ctx.save_for_backward(x, a, b, e, seed, output[1], output[2], x2)
-    ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps
+    ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
 
 
 def _backward(ctx, dout, _dmean, _drstd):
@@ -333,9 +347,9 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
     return x2, x.shape[1], _nchw_strides(x2), True
 
 
-def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x2=None):
-    """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps); x2: the second part
-    of a channel concatenation (None: x is all of it)."""
+def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None):
+    """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
+    second part of a channel concatenation (None: x is all of it)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -355,7 +369,7 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
     K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], TWO=two, num_warps=warps)
+                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps)
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
@@ -366,8 +380,8 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, x
     return out, mean, rstd
 
 
-def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, x2=None):
-    """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps):
+def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None):
+    """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
     (dx, da, db, de, dx2), dx2 empty without a second part."""
     import triton
 
@@ -390,7 +404,8 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     coef = x.new_empty((n, 3, c), dtype=torch.float32)
     K._bwd_reduce_kernel[(n, k)](dout, x, x2_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
-                                 CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
+                                 CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
+                                 STAGES=stages or None, **flags)
     K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
                                  BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=warps)

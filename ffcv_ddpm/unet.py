@@ -55,7 +55,7 @@ class ModelConfig:
     depthwise_separable: bool = False  # res-block 3x3 convs as depthwise 3x3 + pointwise 1x1 (MobileNet); needs conv_groups=1
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
     norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
-    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS" (e.g. "1024,16384,4"; norm_bench --plans); "" = norm.DEFAULT_PLAN
+    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS[,STAGES]" (e.g. "1024,16384,4"; norm_bench --plans); "" = norm.DEFAULT_PLAN
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)
@@ -85,8 +85,8 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def fused_norm_plan(self) -> tuple[int, int, int] | None:
-        """norm_plan as GroupNormAct takes it: (tile, chunk, warps), or None for the default plan."""
+    def fused_norm_plan(self) -> tuple[int, ...] | None:
+        """norm_plan as GroupNormAct takes it: (tile, chunk, warps[, stages]), or None for the default plan."""
         return parse_plan(self.norm_plan) if self.norm_plan else None
 
     def validate(self) -> None:
@@ -300,7 +300,7 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
-                 norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, int, int] | None = None):
+                 norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, ...] | None = None):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head

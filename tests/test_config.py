@@ -102,10 +102,13 @@ def test_every_number_tuple_and_choice_field_has_a_rule():
 
 
 @pytest.mark.parametrize("plan,message", [
-    ("2048,65536", "model.norm_plan='2048,65536': expected three comma-separated integers TILE,CHUNK,WARPS, e.g. "
-                   "'1024,16384,4', or '' for the default 2048,65536,4"),
-    ("(2048,65536,4)", "model.norm_plan='(2048,65536,4)': expected three comma-separated integers"),
+    ("2048,65536", "model.norm_plan='2048,65536': expected three or four comma-separated integers "
+                   "TILE,CHUNK,WARPS[,STAGES], e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default "
+                   "2048,65536,4"),
+    ("(2048,65536,4)", "model.norm_plan='(2048,65536,4)': expected three or four comma-separated integers"),
     ("2048,65536,6", "model.norm_plan='2048,65536,6': WARPS=6 is not one of 1, 2, 4, 8, 16; write TILE,CHUNK,WARPS"),
+    ("2048,65536,4,5", "model.norm_plan='2048,65536,4,5': STAGES=5 is not one of 0, 2, 3, 4; write "
+                       "TILE,CHUNK,WARPS[,STAGES]"),
     ("2048,1024,4", "model.norm_plan='2048,1024,4': CHUNK=1024 is below TILE=2048"),
     ("3000,65536,4", "model.norm_plan='3000,65536,4': TILE=3000 is not a power of two"),
 ])

@@ -123,7 +123,8 @@ def test_triton_kernels_against_reference(case):
 
 
 def check_kernels(case, plan):
-    """test_triton_kernels_against_reference's checks, the kernels launched with `plan` (tile, chunk, warps)."""
+    """test_triton_kernels_against_reference's checks, the kernels launched with `plan` (tile, chunk, warps[,
+    stages])."""
     needs_triton()
     n, c, h, w, groups, silu, p, add, cl, dtype = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,12 +161,15 @@ def check_kernels(case, plan):
     assert dx.stride() == x.stride()
 
 
-@pytest.mark.parametrize("plan,cases", [((1024, 8192, 4), (2, 5)), ((8192, 131072, 8), (2, 5)), ((16, 16, 1), (2,))],
-                         ids=["grid-smallest", "grid-largest", "a-row-per-tile"])
+@pytest.mark.parametrize("plan,cases", [((1024, 8192, 4), (2, 5)), ((8192, 131072, 8), (2, 5)), ((16, 16, 1), (2,)),
+                                        ((1024, 16384, 4, 3), (2, 5)), ((16, 16, 1, 4), (2,))],
+                         ids=["grid-smallest", "grid-largest", "a-row-per-tile", "stages-3", "stages-4-row-per-tile"])
 def test_triton_kernels_under_the_swept_plans(plan, cases):
     """benchmarks.speed.norm_bench --plans grid times the kernels under other tile, chunk and warp plans: the
     extremes of its grid, and the least plan model.norm_plan allows (a tile of fewer elements than a row has
-    channels: one row per tile), compute the same as the default plan (padded tiles, dropout, add, bf16)."""
+    channels: one row per tile), compute the same as the default plan (padded tiles, dropout, add, bf16); --plans
+    stages the reductions' loops pipelined (the interpreter runs them as plain loops: on a GPU this checks what
+    Triton's pipeliner makes of them)."""
     for i in cases:
         check_kernels(CASES[i], plan)
 
@@ -276,9 +280,9 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, tile
 
 
 @pytest.mark.parametrize("text,message", [
-    ("2048,65536", "expected three comma-separated integers TILE,CHUNK,WARPS"),
-    ("a,b,c", "expected three comma-separated integers"),
-    ("2048;65536;4", "expected three comma-separated integers"),
+    ("2048,65536", "expected three or four comma-separated integers TILE,CHUNK,WARPS[,STAGES]"),
+    ("a,b,c", "expected three or four comma-separated integers"),
+    ("2048;65536;4", "expected three or four comma-separated integers"),
     ("0,65536,4", "every part must be a positive integer"),
     ("2048,65536,-4", "every part must be a positive integer"),
     ("2048,0,4", "every part must be a positive integer"),  # CHUNK 0 was the rows plan, removed (slower: NOTES 23)
@@ -287,17 +291,24 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, tile
     ("4096,2048,4", "CHUNK=2048 is below TILE=4096"),
     ("2048,65536,3", "WARPS=3 is not one of 1, 2, 4, 8, 16"),
     ("2048,65536,32", "WARPS=32 is not one of"),
+    ("2048,65536,4,1", "STAGES=1 is not one of 0, 2, 3, 4"),
+    ("2048,65536,4,8", "STAGES=8 is not one of"),
+    ("2048,65536,4,3,1", "expected three or four comma-separated integers"),
 ])
 def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
     with pytest.raises(ValueError) as e:
         N.parse_plan(text)
     assert str(e.value).startswith(f"norm_plan={text!r}: ") and message in str(e.value)
-    assert "e.g. '1024,16384,4', or '' for the default 2048,65536,4" in str(e.value)
+    assert "e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default 2048,65536,4" in str(e.value)
 
 
-def test_a_plan_parses_to_its_three_integers():
+def test_a_plan_parses_to_its_three_or_four_integers():
     assert N.parse_plan("") == N.DEFAULT_PLAN == (2048, 65536, 4)
     assert N.parse_plan("1024,16384,4") == (1024, 16384, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
+    assert N.parse_plan("2048,65536,4,3") == (2048, 65536, 4, 3) and N.parse_plan("2048,65536,4,0") == (2048, 65536, 4, 0)
+    # The ops take four: a plan of three runs the reductions' loops as written (stages 0).
+    assert N.plan_args((2048, 65536, 4)) == N.plan_args((2048, 65536, 4, 0)) == (2048, 65536, 4, 0)
+    assert N.plan_args((2048, 65536, 4, 3)) == (2048, 65536, 4, 3)
 
 
 def test_group_norm_act_takes_a_plan_only_for_the_fused_kernels():
@@ -396,8 +407,9 @@ def test_two_plans_compute_the_same_and_reach_the_kernels(monkeypatch):
 
 def test_the_plan_is_an_argument_of_the_compiled_op():
     """torch.compile (fullgraph) keeps the plan as the op's constant arguments: the traced graph calls
-    ffcv_ddpm::group_norm_act with the module's tile, chunk and warps; forward and backward run through the fake
-    implementations and the autograd registration with them (on CPU: the plain-torch path, as without a plan)."""
+    ffcv_ddpm::group_norm_act with the module's tile, chunk, warps and stages (0 for a plan of three); forward and
+    backward run through the fake implementations and the autograd registration with them (on CPU: the plain-torch
+    path, as without a plan)."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     torch._dynamo.reset()
@@ -408,7 +420,12 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     y.sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    assert len(calls) == 1 and calls[0].args[-4:] == (2048, 65536, 8, None)  # the plan, then no second part
+    assert len(calls) == 1 and calls[0].args[-5:] == (2048, 65536, 8, 0, None)  # the plan, then no second part
+    torch._dynamo.reset()
+    staged, backend = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8, 3)), EagerAndRecordGraphs()
+    torch.compile(staged, backend=backend, fullgraph=True)(x)
+    assert [node.args[-5:] for graph in backend.graphs for node in graph.graph.nodes
+            if node.op == "call_function" and "group_norm_act" in str(node.target)] == [(2048, 65536, 8, 3, None)]
     ref = GroupNormAct(2, 8, "fused")
     x2 = x.detach().clone().requires_grad_()
     ref(x2).sum().backward()

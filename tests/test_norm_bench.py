@@ -13,6 +13,9 @@ def test_the_grid_sweeps_every_tile_chunk_and_warp_combination():
     assert max(chunk for _, chunk, _ in grid) == 131072  # past 65536, where the H200 sweep found every site's best
     for plans in norm_bench.FUSED_PLANS.values():  # every plan one that model.norm_plan accepts
         assert [plan_problem(*plan) for plan in plans] == [None] * len(plans)
+    stages = norm_bench.FUSED_PLANS["stages"]  # the default plan first, as written, then pipelined
+    assert stages[0] == DEFAULT_PLAN and {plan[:3] for plan in stages[1:4]} == {DEFAULT_PLAN}
+    assert [plan[3] for plan in stages[1:]] == [2, 3, 4, 3] and "--plans stages" in norm_bench.__doc__
 
 
 def test_the_fused_layer_is_built_with_the_plan_given(monkeypatch):

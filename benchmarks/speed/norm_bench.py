@@ -3,6 +3,7 @@
     python -m benchmarks.speed.norm_bench --out benchmarks/results/h200       # CUDA; bf16 channels_last inputs
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 40 kernel plans per site
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans stages # the reductions pipelined
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
@@ -36,9 +37,13 @@ IMPLS = ("torch", "scale-shift", "fused")
 # at one site (H200, 384 channels at 32x32) and the best differed between sites. Chunks go to 131072 because the
 # fastest plan at every site was at the former edge, 65536 (H200, 57db305: benchmarks/results/h200/norm-plans-57db305).
 # "default": norm.DEFAULT_PLAN (that grid's fastest), the first default, and the grid's two runners-up.
+# "stages": the default plan with its reductions' loops pipelined 2, 3 and 4 tiles deep (norm.PLAN_STAGES), and a
+# half chunk at 3 (more programs, each with fewer tiles to pipeline).
 FUSED_PLANS = {"default": ((2048, 65536, 4), (1024, 16384, 4), (2048, 32768, 4), (4096, 65536, 4)),
                "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536, 131072)
-                             for w in (4, 8))}
+                             for w in (4, 8)),
+               "stages": ((2048, 65536, 4), (2048, 65536, 4, 2), (2048, 65536, 4, 3), (2048, 65536, 4, 4),
+                          (2048, 32768, 4, 3))}
 
 
 def time_ms(fn, iters: int, warmup: int, device: str = "cuda") -> float:
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
                    help="the fused kernels' tile/chunk/warp plans to sweep (default: 4, the default plan first; "
-                        "grid: 40 per site)")
+                        "grid: 40 per site; stages: the default plan with its reductions' loops pipelined)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")
