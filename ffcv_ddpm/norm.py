@@ -28,9 +28,9 @@ from torch import Tensor, nn
 NORM_IMPLS = ("torch", "scale-shift", "fused")
 
 # The fused kernels' plan: (elements per tile of the elementwise kernels, elements per program of the reductions,
-# num_warps[, stages]), what an empty model.norm_plan means. benchmarks.speed.norm_bench --plans grid sweeps others: this one
-# was the fastest at every site of ddpm-cifar10 on an H200, 16.5-24.7% faster than the first default (1024, 16384, 4),
-# and 5.1-5.6% in the step (benchmarks/results/h200/norm-plans-57db305, norm-plan-step-8d99035).
+# num_warps[, stages]), what an empty model.norm_plan means. benchmarks.speed.norm_bench --plans grid sweeps others:
+# this one was the fastest at every site of ddpm-cifar10 on an H200, 16.5-24.7% faster than the first default
+# (1024, 16384, 4), and 5.1-5.6% in the step (benchmarks/results/h200/norm-plans-57db305, norm-plan-step-8d99035).
 DEFAULT_PLAN = (2048, 65536, 4)
 PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
 # The optional fourth part, STAGES: 0 (a plan of three parts) runs the reductions' loops over their chunk as written,
@@ -67,8 +67,8 @@ def plan_args(plan: tuple[int, ...]) -> tuple[int, int, int, int]:
 
 
 def parse_plan(text: str) -> tuple[int, ...]:
-    """model.norm_plan's text as (tile, chunk, warps[, stages]); "" is DEFAULT_PLAN. ValueError('norm_plan=...: ...') saying
-    what is wrong and what to write instead."""
+    """model.norm_plan's text as (tile, chunk, warps[, stages]); "" is DEFAULT_PLAN. ValueError('norm_plan=...: ...')
+    saying what is wrong and what to write instead."""
     if text == "":
         return DEFAULT_PLAN
     try:

@@ -55,7 +55,7 @@ class ModelConfig:
     depthwise_separable: bool = False  # res-block 3x3 convs as depthwise 3x3 + pointwise 1x1 (MobileNet); needs conv_groups=1
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
     norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
-    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS[,STAGES]" (e.g. "1024,16384,4"; norm_bench --plans); "" = norm.DEFAULT_PLAN
+    norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS[,STAGES]" (e.g. "1024,16384,4"; norm_bench --plans); "" = the default
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
     weight_standardize: bool = False  # weight-standardized res-block 3x3 convs (the "annotated" network uses them)
     stem_kernel: int = 3  # kernel of the first conv (3 for "ddpm"; the annotated net uses 1)

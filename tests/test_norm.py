@@ -305,7 +305,8 @@ def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
 def test_a_plan_parses_to_its_three_or_four_integers():
     assert N.parse_plan("") == N.DEFAULT_PLAN == (2048, 65536, 4)
     assert N.parse_plan("1024,16384,4") == (1024, 16384, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
-    assert N.parse_plan("2048,65536,4,3") == (2048, 65536, 4, 3) and N.parse_plan("2048,65536,4,0") == (2048, 65536, 4, 0)
+    assert N.parse_plan("2048,65536,4,3") == (2048, 65536, 4, 3)
+    assert N.parse_plan("2048,65536,4,0") == (2048, 65536, 4, 0)
     # The ops take four: a plan of three runs the reductions' loops as written (stages 0).
     assert N.plan_args((2048, 65536, 4)) == N.plan_args((2048, 65536, 4, 0)) == (2048, 65536, 4, 0)
     assert N.plan_args((2048, 65536, 4, 3)) == (2048, 65536, 4, 3)
