@@ -212,8 +212,8 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                        STAGES: tl.constexpr):
-    """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy). STAGES as in
-    _stats_kernel."""
+    """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
+    with HAS_ADD: dL/de alone needs it). STAGES as in _stats_kernel."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
@@ -222,7 +222,7 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
     seed = _mix_seed(seed_ptr)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # without HAS_ADD never updated: compiled away
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
@@ -230,11 +230,13 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
                               s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
         acc1 += dy
         acc2 += dy * xhat
-        acc3 += tl.where(m, xhat, 0.0)
+        if HAS_ADD:
+            acc3 += tl.where(m, xhat, 0.0)
     out = part_ptr + (n * K + k) * 3 * C + cols
     tl.store(out, tl.sum(acc1, axis=0), mask=cols < C)
     tl.store(out + C, tl.sum(acc2, axis=0), mask=cols < C)
-    tl.store(out + 2 * C, tl.sum(acc3, axis=0), mask=cols < C)
+    if HAS_ADD:
+        tl.store(out + 2 * C, tl.sum(acc3, axis=0), mask=cols < C)
 
 
 @triton.jit
@@ -253,7 +255,6 @@ def _bwd_finalize_kernel(part_ptr, a_ptr, rstd_ptr, da_ptr, db_ptr, de_ptr, coef
     part = part_ptr + n * K * 3 * C + ks * 3 * C + ch[None, :, :]
     s1 = tl.sum(tl.load(part, mask=km, other=0.0), axis=0)  # sum dy
     s2 = tl.sum(tl.load(part + C, mask=km, other=0.0), axis=0)  # sum dy * xhat
-    s3 = tl.sum(tl.load(part + 2 * C, mask=km, other=0.0), axis=0)  # sum xhat
     tl.store(da_ptr + n * C + ch, s2, mask=cmask)
     tl.store(db_ptr + n * C + ch, s1, mask=cmask)
     a = tl.load(a_ptr + n * s_an + ch * s_ac, mask=cmask, other=0.0)
@@ -268,6 +269,7 @@ def _bwd_finalize_kernel(part_ptr, a_ptr, rstd_ptr, da_ptr, db_ptr, de_ptr, coef
     tl.store(coef_ptr + n * 3 * C + C + ch, beta, mask=cmask)
     tl.store(coef_ptr + n * 3 * C + 2 * C + ch, gamma, mask=cmask)
     if HAS_ADD:
+        s3 = tl.sum(tl.load(part + 2 * C, mask=km, other=0.0), axis=0)  # sum xhat
         tl.store(de_ptr + n * C + ch, alpha * s1 + beta * s3 + gamma * HW, mask=cmask)
 
 
