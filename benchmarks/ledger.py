@@ -197,13 +197,18 @@ def compress(path: Path, d: dict) -> str:
 
 
 def norm_bench(path: Path, d: dict) -> str:
-    """benchmarks.speed.norm_bench: per shape, the fastest implementation's forward+backward."""
+    """benchmarks.speed.norm_bench: per shape, the fastest implementation's forward+backward (and how many failed)."""
     parts = []
     for shape in dict.fromkeys(_shape(r["shape"]) for r in d["rows"]):
-        rows = [r for r in d["rows"] if _shape(r["shape"]) == shape]
+        rows = [r for r in d["rows"] if _shape(r["shape"]) == shape and "error" not in r]
+        failed = sum(_shape(r["shape"]) == shape and "error" in r for r in d["rows"])
+        if not rows:
+            parts.append(f"{shape}: every one of {failed} failed")
+            continue
         r = min(rows, key=lambda r: r["fwd_bwd_ms"])
         plan = f" {tuple(r['plan'])}" if r.get("plan") else ""
-        parts.append(f"{shape}: {r['impl']}{plan} {r['fwd_bwd_ms']:.2f} ms fwd+bwd ({len(rows)} timed)")
+        parts.append(f"{shape}: {r['impl']}{plan} {r['fwd_bwd_ms']:.2f} ms fwd+bwd ({len(rows)} timed"
+                     + (f", {failed} failed)" if failed else ")"))
     return "; ".join(parts)
 
 
@@ -276,7 +281,7 @@ READERS = (
     Reader("compression study", lambda p, d: {"dense", "rows", "model"} <= d.keys(), compress),
     Reader("GroupNorm layer", lambda p, d: {"environment", "device_name", "rows"} <= d.keys()
            <= {"environment", "device_name", "rows", "settings"}  # settings: since the plan grid's graph timing
-           and all("fwd_bwd_ms" in r for r in d["rows"]), norm_bench),
+           and all("fwd_bwd_ms" in r or "error" in r for r in d["rows"]), norm_bench),
     Reader("trainer run", lambda p, d: p.name == "environment.json" and "world_size" in d, trainer_run,
            stamp=lambda p, d: d),
     Reader("trainer telemetry", lambda p, d: p.name == "telemetry-summary.json", telemetry, stamp=_run_environment),

@@ -132,3 +132,16 @@ def test_a_numerics_line_names_the_control_and_the_verdict_when_the_file_has_the
     assert older.endswith("largest deviation 10.75% (step 1980), tolerance 5.0%: OUTSIDE")
     d.update(noise_floor={"control": 0.0947}, verdict={"ok": True, "bound": 0.14205, "by": "noise floor"})
     assert ledger.numerics(None, d) == older + "; the fp32 control strays 9.47%; verdict pass (bound 14.21%, the noise floor)"
+
+
+def test_a_norm_bench_line_leaves_failed_plans_out_and_counts_them():
+    """A plan that failed to compile is a row with an error (norm_bench.sweep): the file is still a GroupNorm layer
+    result, its headline names the fastest plan that ran and how many failed."""
+    ok = {"impl": "fused", "shape": [1024, 128, 32, 32, 0.1, True], "fwd_ms": 1.0}
+    d = {"environment": ENV, "device_name": "NVIDIA H200", "settings": {"plans": "stages"},
+         "rows": [{**ok, "plan": [2048, 65536, 4], "fwd_bwd_ms": 3.5}, {**ok, "plan": [2048, 65536, 4, 3],
+                                                                      "fwd_bwd_ms": 2.75},
+                  {"impl": "fused", "plan": [2048, 65536, 4, 4], "shape": ok["shape"], "error": "RuntimeError: x"}]}
+    [reader] = [r for r in ledger.READERS if r.matches(ledger.Path("norm_bench.json"), d)]
+    assert reader.kind == "GroupNorm layer"
+    assert reader.headline(None, d).endswith("fused (2048, 65536, 4, 3) 2.75 ms fwd+bwd (2 timed, 1 failed)")

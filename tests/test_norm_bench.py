@@ -73,3 +73,25 @@ def test_graph_timing_captures_every_implementation_on_a_gpu():
         events = site.measure(impl, None, "events", 10, 2)
         assert 0 < graph["fwd_ms"] < graph["fwd_bwd_ms"], (impl, graph)
         assert graph["fwd_bwd_ms"] <= 1.5 * events["fwd_bwd_ms"], (impl, graph, events)
+
+
+def test_a_plan_that_fails_is_one_failed_row_and_the_sweep_goes_on():
+    """A staged plan Triton cannot compile raises in its first round: it is measured no more, its error is kept, the
+    other runs get every round (interleaved), and best_plans passes over the failed row."""
+    calls = []
+
+    def measure(impl, plan):
+        calls.append(plan)
+        if plan == (2048, 65536, 4, 4):
+            raise RuntimeError("PassManager::run failed\nmore compiler output")
+        return {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0 if plan == (2048, 65536, 4) else 2.0}
+
+    runs = [("fused", (2048, 65536, 4)), ("fused", (2048, 65536, 4, 4)), ("fused", (2048, 65536, 4, 3))]
+    got, failed = norm_bench.sweep(measure, runs, rounds=2)
+    assert calls == [(2048, 65536, 4), (2048, 65536, 4, 4), (2048, 65536, 4, 3), (2048, 65536, 4), (2048, 65536, 4, 3)]
+    assert failed == {runs[1]: "RuntimeError: PassManager::run failed"}
+    assert [len(got[r]) for r in runs] == [2, 0, 2]
+    rows = [norm_bench.summarize(*runs[0], (8, 128, 4, 4, 0.0, False, 2), got[runs[0]]),
+            {"impl": "fused", "plan": runs[1][1], "shape": [8, 128, 4, 4, 0.0, False], "error": failed[runs[1]]},
+            norm_bench.summarize(*runs[2], (8, 128, 4, 4, 0.0, False, 2), got[runs[2]])]
+    assert norm_bench.best_plans(rows)["[8, 128, 4, 4, 0.0, False]"]["plan"] == (2048, 65536, 4, 3)

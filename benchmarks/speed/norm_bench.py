@@ -126,6 +126,23 @@ class Site:
         return {"fwd_ms": clock(lambda: fwd(x, e), iters, warmup), "fwd_bwd_ms": clock(step, iters, warmup)}
 
 
+def sweep(measure, runs: list[tuple], rounds: int) -> tuple[dict, dict]:
+    """Each (impl, plan) of `runs` measured `rounds` times, interleaved (a clock or neighbour that drifts during the
+    sweep lands on every plan alike): ({run: [round, ...]}, {run: error}). A run that raises is left out of later
+    rounds and reported with its error, the others go on: a plan Triton cannot compile (a pipelined loop,
+    norm.PLAN_STAGES) is one failed row, not a lost sweep."""
+    got, failed = {run: [] for run in runs}, {}
+    for _ in range(rounds):
+        for run in runs:
+            if run in failed:
+                continue
+            try:
+                got[run].append(measure(*run))
+            except Exception as e:  # whatever the compiler or the launch raised, named in the row
+                failed[run] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    return got, failed
+
+
 def summarize(impl: str, plan: tuple | None, shape: tuple, rounds: list[dict]) -> dict:
     """A row from its rounds: the median round's times, every round's, and GB/s at the fewest bytes."""
     fwd = sorted(r["fwd_ms"] for r in rounds)
@@ -174,12 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         site = Site(shape)
         runs = [(impl, plan) for impl in args.impls.split(",")
                 for plan in (FUSED_PLANS[args.plans] if impl == "fused" else (None,))]
-        # Interleaved rounds: a clock or neighbour that drifts during the sweep lands on every plan alike.
-        got = {run: [] for run in runs}
-        for _ in range(args.rounds):
-            for run in runs:
-                got[run].append(site.measure(*run, args.timing, args.iters, args.warmup))
+        got, failed = sweep(lambda impl, plan: site.measure(impl, plan, args.timing, args.iters, args.warmup),
+                            runs, args.rounds)
         for impl, plan in runs:
+            if (impl, plan) in failed:
+                result["rows"].append({"impl": impl, "plan": plan, "shape": list(shape[:6]),
+                                       "error": failed[(impl, plan)]})
+                print(f"norm_bench: {impl:12s} {str(plan or ''):12s} {str(shape[:6]):32s} FAILED: "
+                      f"{failed[(impl, plan)]}", flush=True)
+                continue
             row = summarize(impl, plan, shape, got[(impl, plan)])
             result["rows"].append(row)
             spread = max(r["fwd_bwd_ms"] for r in row["rounds"]) / min(r["fwd_bwd_ms"] for r in row["rounds"])
@@ -195,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def best_plans(rows: list[dict]) -> dict[str, dict]:
-    """The fused row with the shortest forward + backward at each site (shape)."""
+    """The fused row with the shortest forward + backward at each site (shape); failed rows are not candidates."""
     best = {}
     for r in rows:
         key = str(r["shape"])
+        if "error" in r:
+            continue
         if r["impl"] == "fused" and (key not in best or r["fwd_bwd_ms"] < best[key]["fwd_bwd_ms"]):
             best[key] = r
     return best
