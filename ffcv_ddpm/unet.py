@@ -69,8 +69,9 @@ class ModelConfig:
     # nothing can fuse the bias add: norm_impl=fused; +1.3-1.6% in the step on an H200, NOTES item 24).
     conv_bias_in_norm: bool = False
     # norm_impl=fused with concat_free: the up blocks' first GroupNorm reads (h, skip) where they lie instead of
-    # concatenating them first (a cat per block, and dx as slices of one tensor); exact, not yet measured in the step,
-    # so not in REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
+    # concatenating them first (a cat per block, and dx as slices of one tensor); exact; +0.4/+0.8% in one pair of
+    # rows on an H200, within the run-to-run spread (NOTES item 24), so off in the preset until more pairings decide.
+    # Not in REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
 
     @classmethod
