@@ -29,9 +29,11 @@ NORM_IMPLS = ("torch", "scale-shift", "fused")
 
 # The fused kernels' plan: (elements per tile of the elementwise kernels, elements per program of the reductions,
 # num_warps[, stages]), what an empty model.norm_plan means. benchmarks.speed.norm_bench --plans grid sweeps others:
-# this one was the fastest at every site of ddpm-cifar10 on an H200, 16.5-24.7% faster than the first default
+# (2048, 65536, 4) was the fastest at every site of ddpm-cifar10 on an H200, 16.5-24.7% faster than the first default
 # (1024, 16384, 4), and 5.1-5.6% in the step (benchmarks/results/h200/norm-plans-57db305, norm-plan-step-8d99035).
-DEFAULT_PLAN = (2048, 65536, 4)
+# STAGES 4 (below): the fastest of --plans stages at every site on an H100 (-6.6% over three sites), and with
+# model.fused_parts +3.1% in the step there, +1.4-1.5% on an H200 (benchmarks/results/h100/step-5f421de).
+DEFAULT_PLAN = (2048, 65536, 4, 4)
 PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU the kernels run on
 # The optional fourth part, STAGES: 0 (a plan of three parts) runs the reductions' loops over their chunk as written,
 # one tile's loads in flight per program; 2-4 annotates those loops with tl.range(num_stages=STAGES), so that

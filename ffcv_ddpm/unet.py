@@ -69,9 +69,9 @@ class ModelConfig:
     # nothing can fuse the bias add: norm_impl=fused; +1.3-1.6% in the step on an H200, NOTES item 24).
     conv_bias_in_norm: bool = False
     # norm_impl=fused with concat_free: the up blocks' first GroupNorm reads (h, skip) where they lie instead of
-    # concatenating them first (a cat per block, and dx as slices of one tensor); exact; +0.4/+0.8% in one pair of
-    # rows on an H200, within the run-to-run spread (NOTES item 24), so off in the preset until more pairings decide.
-    # Not in REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
+    # concatenating them first (a cat per block, and dx as slices of one tensor); exact; +1.3-1.8% in the step and
+    # 2.7 GiB less peak memory on an H100, within the spread on an H200 (NOTES items 24, 26). Not in
+    # REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
 
     @classmethod
@@ -166,10 +166,14 @@ PRESETS: dict[str, ModelConfig] = {
     # GroupNorm kernels with CUDA graphs (train.compile_mode) and cuDNN's search: 9,029 img/s against scale-shift's
     # 8,598 with the same two, one H100, one call (benchmarks/results/h100/defaults-26cefa3); bf16 vs fp32 within
     # tolerance at 2,000 steps (numerics-fused-2000). On CPU tensors the op runs plain torch (ffcv_ddpm.norm). Then
-    # conv1's bias in norm2's add and the kernels' (2048, 65536, 4) plan (norm.DEFAULT_PLAN): 10,524-10,557 img/s
-    # against 9,846-9,864, one H200, same GPU and calls (benchmarks/results/h200/norm-plan-step-8d99035).
+    # conv1's bias in norm2's add and the kernels' (2048, 65536, 4) plan: 10,524-10,557 img/s against 9,846-9,864,
+    # one H200, same GPU and calls (benchmarks/results/h200/norm-plan-step-8d99035). Then the plan's reductions
+    # pipelined (STAGES 4, norm.DEFAULT_PLAN) with fused_parts: 9,931-9,933 img/s against 9,633 on an H100 and
+    # 10,823-10,907 against 10,672-10,742 on an H200 (benchmarks/results/h100/step-5f421de, h200/step-5f421de);
+    # bf16 vs fp32 at 2,000 steps within the noise floor (h200/numerics-5f421de). A norm_impl other than fused, or
+    # concat_free=False, needs model.fused_parts=False with it (ModelConfig.validate says so).
     "ddpm-cifar10": ModelConfig(concat_free=True, upsample="transposed", pad_image_channels=8, attn_linear=True,
-                                conv_bias_in_norm=True, norm_impl="fused"),
+                                conv_bias_in_norm=True, norm_impl="fused", fused_parts=True),
     "annotated-small": ModelConfig(
         arch="annotated",
         base_channels=32,

@@ -282,6 +282,12 @@ def test_bench_rows_of_the_switches():
     small_cfg = load_config("annotated-small", list(next(r for r in small if r.name == SWITCHES_ROW).overrides))
     assert not small_cfg.model.concat_free and not small_cfg.model.conv_bias_in_norm
     assert small_cfg.model.upsample == "transposed"
+    # fused_parts (the fused kernels' read of concat_free's parts) comes with the fused row, on the DDPM network only,
+    # so the table's last row (fused + cuDNN search + CUDA graphs) computes the preset's model: the defaults.
+    fused = names.index("+ fused GroupNorm/SiLU/dropout kernels")
+    assert [cfg[n].model.fused_parts for n in names] == [i >= fused for i in range(len(names))]
+    assert cfg[names[-1]].model == load_config("ddpm-cifar10").model
+    assert not any(load_config(r.preset, list(r.overrides)).model.fused_parts for r in small)
 
 
 class ConvBiases(TorchDispatchMode):

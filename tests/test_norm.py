@@ -299,11 +299,11 @@ def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
     with pytest.raises(ValueError) as e:
         N.parse_plan(text)
     assert str(e.value).startswith(f"norm_plan={text!r}: ") and message in str(e.value)
-    assert "e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default 2048,65536,4" in str(e.value)
+    assert "e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default 2048,65536,4,4" in str(e.value)
 
 
 def test_a_plan_parses_to_its_three_or_four_integers():
-    assert N.parse_plan("") == N.DEFAULT_PLAN == (2048, 65536, 4)
+    assert N.parse_plan("") == N.DEFAULT_PLAN == (2048, 65536, 4, 4)
     assert N.parse_plan("1024,16384,4") == (1024, 16384, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
     assert N.parse_plan("2048,65536,4,3") == (2048, 65536, 4, 3)
     assert N.parse_plan("2048,65536,4,0") == (2048, 65536, 4, 0)

@@ -9,12 +9,14 @@ def test_the_grid_sweeps_every_tile_chunk_and_warp_combination():
     grid = norm_bench.FUSED_PLANS["grid"]
     assert len(grid) == len(set(grid)) == 40  # 4 tiles x 5 chunks x 2 warps: the docstring and --help say 40
     assert "40 kernel plans per site" in norm_bench.__doc__
-    assert set(norm_bench.FUSED_PLANS["default"]) <= set(grid) and norm_bench.FUSED_PLANS["default"][0] == DEFAULT_PLAN
+    default = norm_bench.FUSED_PLANS["default"]  # DEFAULT_PLAN first, then grid plans (loops as written)
+    assert default[0] == DEFAULT_PLAN and set(default[1:]) <= set(grid) and DEFAULT_PLAN[:3] == default[1]
     assert max(chunk for _, chunk, _ in grid) == 131072  # past 65536, where the H200 sweep found every site's best
     for plans in norm_bench.FUSED_PLANS.values():  # every plan one that model.norm_plan accepts
         assert [plan_problem(*plan) for plan in plans] == [None] * len(plans)
-    stages = norm_bench.FUSED_PLANS["stages"]  # the default plan first, as written, then pipelined
-    assert stages[0] == DEFAULT_PLAN and {plan[:3] for plan in stages[1:4]} == {DEFAULT_PLAN}
+    stages = norm_bench.FUSED_PLANS["stages"]  # the default's plan first with its loops as written, then pipelined
+    assert stages[0] == DEFAULT_PLAN[:3] and {plan[:3] for plan in stages[1:4]} == {DEFAULT_PLAN[:3]}
+    assert DEFAULT_PLAN in stages
     assert [plan[3] for plan in stages[1:]] == [2, 3, 4, 3] and "--plans stages" in norm_bench.__doc__
 
 

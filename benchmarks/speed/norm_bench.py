@@ -36,10 +36,10 @@ IMPLS = ("torch", "scale-shift", "fused")
 # layer as model.norm_plan passes it. "grid": every combination below, since fused v2's four plans spread 2.7-5.9 ms
 # at one site (H200, 384 channels at 32x32) and the best differed between sites. Chunks go to 131072 because the
 # fastest plan at every site was at the former edge, 65536 (H200, 57db305: benchmarks/results/h200/norm-plans-57db305).
-# "default": norm.DEFAULT_PLAN (that grid's fastest), the first default, and the grid's two runners-up.
-# "stages": the default plan with its reductions' loops pipelined 2, 3 and 4 tiles deep (norm.PLAN_STAGES), and a
-# half chunk at 3 (more programs, each with fewer tiles to pipeline).
-FUSED_PLANS = {"default": ((2048, 65536, 4), (1024, 16384, 4), (2048, 32768, 4), (4096, 65536, 4)),
+# "default": norm.DEFAULT_PLAN, then the grid's fastest (its loops as written), the first default, and the grid's two
+# runners-up. "stages": the grid's fastest with its reductions' loops as written, then pipelined 2, 3 and 4 tiles
+# deep (norm.PLAN_STAGES; 4 is DEFAULT_PLAN), and a half chunk at 3 (more programs, each with fewer tiles to pipeline).
+FUSED_PLANS = {"default": ((2048, 65536, 4, 4), (2048, 65536, 4), (1024, 16384, 4), (2048, 32768, 4), (4096, 65536, 4)),
                "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536, 131072)
                              for w in (4, 8)),
                "stages": ((2048, 65536, 4), (2048, 65536, 4, 2), (2048, 65536, 4, 3), (2048, 65536, 4, 4),

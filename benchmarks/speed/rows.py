@@ -34,6 +34,7 @@ class Row:
 BASELINE = (
     *(f"model.{k}={v}" for k, v in REFERENCE_COMPUTATION.items()),  # the network computed as the paper wrote it
     "model.norm_impl=torch",
+    "model.fused_parts=False",  # the fused kernels' read of concat_free's parts: the fused row turns it on (DDPM_FUSED)
     "train.precision=fp32",
     "train.compile=False",
     "model.attn_impl=math",
@@ -47,6 +48,7 @@ BASELINE = (
 # The computation switches every network takes, and those built for the DDPM one only (table_rows drops them).
 ALL_SWITCHES = ("model.upsample=transposed", "model.pad_image_channels=8", "model.attn_linear=True")
 DDPM_SWITCHES = ("model.concat_free=True", "model.conv_bias_in_norm=True")
+DDPM_FUSED = ("model.fused_parts=True",)  # with the fused kernels, DDPM network only (reads concat_free's parts)
 SWITCHES_ROW = ("+ exact reformulations (no skip concat, folded upsample, padded image convs, linear attention "
                 "projections, conv bias in the norm's add)")
 
@@ -67,8 +69,10 @@ STACK = (
     # into its conv, the 3-channel convs padded to 8, the attention projections as matmuls. MFU keeps the
     # reference network's FLOPs. DDPM_SWITCHES are built for the DDPM network only (the small UNet skips them).
     (SWITCHES_ROW, (*ALL_SWITCHES, *DDPM_SWITCHES), "prev"),
-    # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels).
-    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused",), "prev"),
+    # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels); on
+    # the DDPM network the up blocks' first ones read (h, skip) where they lie (model.fused_parts, the preset's since
+    # the 5f421de measurements: the rows of tables measured before leave it off, their JSON says so).
+    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused", *DDPM_FUSED), "prev"),
 )
 
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
@@ -140,7 +144,7 @@ def table_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
     rows, acc = [], merge(BASELINE, baseline_loader)
     for i, (name, added, batch) in enumerate(STACK):
         if PRESETS[preset].arch != "ddpm":
-            added = tuple(o for o in added if o not in DDPM_SWITCHES)
+            added = tuple(o for o in added if o not in DDPM_SWITCHES + DDPM_FUSED)
         acc = merge(acc, added)
         rows.append(Row(name, preset, acc, rows[-1].name if batch == "prev" else batch, baseline=i == 0))
     last: dict[str, str] = {}  # parent -> the row a new variant goes after (the parent, then its earlier variants)
