@@ -18,6 +18,11 @@ def test_the_grid_sweeps_every_tile_chunk_and_warp_combination():
     assert stages[0] == DEFAULT_PLAN[:3] and {plan[:3] for plan in stages[1:4]} == {DEFAULT_PLAN[:3]}
     assert DEFAULT_PLAN in stages
     assert [plan[3] for plan in stages[1:]] == [2, 3, 4, 3] and "--plans stages" in norm_bench.__doc__
+    near = norm_bench.FUSED_PLANS["neighbours"]  # the default first, then plans one halving or doubling away, as deep
+    assert near[0] == DEFAULT_PLAN and len(set(near)) == len(near) and "--plans neighbours" in norm_bench.__doc__
+    for tile, chunk, warps, stages in near[1:]:
+        assert (warps, stages) == DEFAULT_PLAN[2:]
+        assert {tile / DEFAULT_PLAN[0], chunk / DEFAULT_PLAN[1]} <= {0.5, 1, 2}
 
 
 def test_the_fused_layer_is_built_with_the_plan_given(monkeypatch):

@@ -4,6 +4,7 @@
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused data.batch_size=512 --iters 50
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 40 kernel plans per site
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans stages # the reductions pipelined
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans neighbours  # the default's neighbours
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
@@ -39,11 +40,15 @@ IMPLS = ("torch", "scale-shift", "fused")
 # "default": norm.DEFAULT_PLAN, then the grid's fastest (its loops as written), the first default, and the grid's two
 # runners-up. "stages": the grid's fastest with its reductions' loops as written, then pipelined 2, 3 and 4 tiles
 # deep (norm.PLAN_STAGES; 4 is DEFAULT_PLAN), and a half chunk at 3 (more programs, each with fewer tiles to pipeline).
+# "neighbours": DEFAULT_PLAN, then its tile and chunk halved or doubled, pipelined as it is: the grid was swept with
+# its loops as written, and on an H100 (0c88903, one site) a 131072-element chunk beat the default's 65536 by 2% there.
 FUSED_PLANS = {"default": ((2048, 65536, 4, 4), (2048, 65536, 4), (1024, 16384, 4), (2048, 32768, 4), (4096, 65536, 4)),
                "grid": tuple((t, c, w) for t in (1024, 2048, 4096, 8192) for c in (8192, 16384, 32768, 65536, 131072)
                              for w in (4, 8)),
                "stages": ((2048, 65536, 4), (2048, 65536, 4, 2), (2048, 65536, 4, 3), (2048, 65536, 4, 4),
-                          (2048, 32768, 4, 3))}
+                          (2048, 32768, 4, 3)),
+               "neighbours": ((2048, 65536, 4, 4), (2048, 131072, 4, 4), (4096, 131072, 4, 4), (4096, 65536, 4, 4),
+                              (2048, 32768, 4, 4), (1024, 65536, 4, 4))}
 
 
 def time_ms(fn, iters: int, warmup: int, device: str = "cuda") -> float:
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", default=",".join(IMPLS), help="model.norm_impl values, comma-separated")
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
                    help="the fused kernels' tile/chunk/warp plans to sweep (default: 4, the default plan first; "
-                        "grid: 40 per site; stages: the default plan with its reductions' loops pipelined)")
+                        "grid: 40 per site; stages: the default plan with its reductions' loops pipelined; "
+                        "neighbours: the default's tile and chunk halved and doubled, pipelined)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")
