@@ -306,16 +306,24 @@ def _plan(x: Tensor, groups: int, tile: int, chunk: int, channels: int | None = 
                            "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     n, c = x.shape[0], channels or x.shape[1]
     hw = x[0, 0].numel()
+    sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
+    return plan_for(n, c, hw, groups, tile, chunk, sms)
+
+
+def plan_for(n: int, c: int, hw: int, groups: int, tile: int, chunk: int, sms: int) -> dict:
+    """_plan's arithmetic on the shape alone (N samples, C channels, HW rows, on a GPU of `sms` SMs): the launch
+    constants the kernels get. benchmarks.speed.kernel_regs builds the kernels with them, without a GPU."""
+    import triton
+
     if n * c * hw >= 2**31:
-        raise ValueError(f"the fused GroupNorm indexes with 32-bit integers: {(n, c, *x.shape[2:])} has too many "
-                         "elements; use a smaller batch or model.norm_impl=scale-shift")
+        raise ValueError(f"the fused GroupNorm indexes with 32-bit integers: (N, C, H*W) = {(n, c, hw)} has too "
+                         "many elements; use a smaller batch or model.norm_impl=scale-shift")
     cpg = c // groups
     block_c = triton.next_power_of_2(c)
     block_g, block_cpg = triton.next_power_of_2(groups), triton.next_power_of_2(cpg)
     if block_g * block_cpg > 8192:
         raise ValueError(f"the fused GroupNorm handles up to 8192 channels, got {c}; use model.norm_impl=scale-shift")
     block_r = max(1, min(triton.next_power_of_2(hw), tile // block_c))
-    sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
     k = triton.cdiv(hw, max(block_r, chunk // block_c))
     if n * k < 4 * sms:  # small batches: more, shorter chunks to fill the GPU
         k = min(triton.cdiv(hw, block_r), triton.cdiv(4 * sms, n))

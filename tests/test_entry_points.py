@@ -17,6 +17,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.ddp": True, "benchmarks.speed.numerics": True, "benchmarks.speed.loaders": True,
     "benchmarks.speed.norm_bench": True, "benchmarks.speed.flops": True, "benchmarks.speed.trainer_vs_bench": True,
     "benchmarks.speed.reducer_ops": True, "benchmarks.speed.floors": True, "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
+    "benchmarks.speed.kernel_regs": False,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,

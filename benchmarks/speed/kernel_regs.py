@@ -1,0 +1,157 @@
+"""Registers and shared memory of the fused GroupNorm's Triton kernels, built offline for a GPU architecture.
+
+    python -m benchmarks.speed.kernel_regs                       # the default plan, sm_90 (H100, H200)
+    python -m benchmarks.speed.kernel_regs --plan 2048,65536,4,2 --site 1024,256,16,16 --arch 90
+
+No GPU is needed: Triton compiles each kernel of ffcv_ddpm.gn_kernels for the architecture with its own ptxas and
+the launch constants a site would get (norm.plan_for: batch, channels, rows, the plan's tile, chunk, warps and
+stages), once per variant the DDPM UNet uses, and cuobjdump reads the registers back. Printed per kernel and variant:
+registers a thread, shared memory a program, and how many programs an SM can hold by those two and its thread limit.
+Why it exists: a variant's registers decide how many of its programs an SM runs at once, which a GPU profile shows
+only after the call. The backward reduction's add + dropout + SiLU variant builds here to 167 registers, 3 programs
+an SM, as the H100 trace of benchmarks/results/h100/profile-best-0c88903 reports it (168, 19% occupancy; NOTES item
+27). The counts are those of the installed Triton (requirements.txt pins it); the GPU machine's may differ.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from ffcv_ddpm.checks import Parser, fail
+
+# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO).
+VARIANTS = {
+    "res block norm1": (True, False, False, False),
+    "res block norm2 (add, dropout)": (True, True, True, False),
+    "up block norm1 (two parts)": (True, False, False, True),
+    "attention norm": (False, False, False, False),
+}
+KERNELS = ("_stats_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
+# The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
+# 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites.
+UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec"}
+NOT_DIVISIBLE = {"K", "CPG", "C1", "thr24", "eps", "inv_keep"}
+BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr"}
+# An SM of compute capability 9.0: registers, shared memory (bytes, 1 KB of it reserved per program), threads.
+SM90 = dict(registers=65536, shared=233472, threads=2048, programs=32)
+
+
+def programs_per_sm(registers: int, shared: int, warps: int, sm: dict = SM90) -> int:
+    """How many programs of `warps` warps an SM holds at `registers` a thread and `shared` bytes a program: registers
+    are allocated per warp in units of 256, shared memory with 1 KB reserved per program."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = sm["registers"] // (per_warp * warps)
+    by_shared = sm["shared"] // (shared + 1024)
+    return min(by_registers, by_shared, sm["threads"] // (32 * warps), sm["programs"])
+
+
+def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int]:
+    """(registers a thread, shared memory bytes a program) of `kernel` compiled for sm_<arch> with `constants` for its
+    constexpr parameters."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(kernel, triton.runtime.jit.JITFunction):  # TRITON_INTERPRET=1 made it an interpreted one
+        raise RuntimeError("the kernels were imported under Triton's interpreter (TRITON_INTERPRET=1): unset it to "
+                           "build them")
+    names = list(inspect.signature(kernel.fn).parameters)
+    constants = {**constants, **{n: 1 for n in UNIT_STRIDES if n in names}}
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        if name.endswith("_ptr"):
+            signature[name] = "*bf16" if name in BF16_POINTERS else "*i64" if name == "seed_ptr" else "*fp32"
+        else:
+            signature[name] = "fp32" if name in ("eps", "inv_keep") else "i32"
+        if name not in NOT_DIVISIBLE:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    with tempfile.TemporaryDirectory() as d:
+        cubin = os.path.join(d, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True, text=True, check=True)
+    found = re.search(r"REG:(\d+)", usage.stdout)
+    if found is None:
+        raise RuntimeError(f"cuobjdump printed no register count for {kernel.fn.__name__}: {usage.stdout[:200]}")
+    return int(found.group(1)), compiled.metadata.shared
+
+
+def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, groups: int = 32,
+         sms: int = 132) -> list[dict]:
+    """One row per kernel and variant at `site` (N, C, H, W) with `plan` (tile, chunk, warps[, stages])."""
+    from ffcv_ddpm import gn_kernels
+    from ffcv_ddpm.norm import plan_args, plan_for
+
+    tile, chunk, warps, stages = plan_args(plan)
+    n, c, h, w = site
+    pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
+    out = []
+    for name in KERNELS:
+        kernel = getattr(gn_kernels, name)
+        params = inspect.signature(kernel.fn).parameters
+        builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
+        for variant, flags in VARIANTS.items():
+            read = tuple((k, v) for k, v in zip(("SILU", "HAS_ADD", "DROPOUT", "TWO"), flags) if k in params)
+            builds.setdefault(read, []).append(variant)
+        for read, variants in builds.items():
+            given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None)
+            constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}
+            registers, shared = build(kernel, constants, warps, arch)
+            out.append(dict(kernel=name, variants=variants, registers=registers, shared=shared, warps=warps,
+                            programs_per_sm=programs_per_sm(registers, shared, warps)))
+    return out
+
+
+def parse_site(text: str, groups: int = 32) -> tuple[int, int, int, int]:
+    """--site's N,C,H,W; ValueError saying what to write instead."""
+    try:
+        site = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        site = ()
+    if len(site) != 4 or min(site) < 1 or site[1] % groups:
+        raise ValueError(f"--site {text}: give four positive integers N,C,H,W with C a multiple of the {groups} "
+                         "groups, e.g. 1024,128,32,32")
+    return site
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ffcv_ddpm.norm import DEFAULT_PLAN, PLAN_HELP, parse_plan
+
+    p = Parser(prog="python -m benchmarks.speed.kernel_regs", doc=__doc__,
+               epilog="No --data and no KEY=VALUE overrides: the plan, the site and the architecture are the input.")
+    p.add_argument("--plan", default="", help=PLAN_HELP)
+    p.add_argument("--site", default="1024,128,32,32", help="N,C,H,W of the site the launch constants come from")
+    p.add_argument("--arch", type=int, default=90, help="compute capability without the dot (90: H100, H200)")
+    args = p.parse_args(argv)
+    try:
+        plan = parse_plan(args.plan)
+        site = parse_site(args.site)
+    except ValueError as e:
+        return fail("kernel_regs", str(e))
+    print(f"kernel_regs: plan {plan} (default {DEFAULT_PLAN}), site {site}, sm_{args.arch}", file=sys.stderr)
+    print("| kernel | variant | registers a thread | shared memory a program | programs an SM |")
+    print("|---|---|---|---|---|")
+    try:
+        built = rows(plan, site, args.arch)
+    except RuntimeError as e:
+        return fail("kernel_regs", str(e))
+    for r in built:
+        print(f"| `{r['kernel']}` | {', '.join(r['variants'])} | {r['registers']} | {r['shared'] // 1024} KB | "
+              f"{r['programs_per_sm']} ({r['programs_per_sm'] * r['warps']} warps) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
