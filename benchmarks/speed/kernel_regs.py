@@ -8,7 +8,7 @@ the launch constants a site would get (norm.plan_for: batch, channels, rows, the
 stages), once per variant the DDPM UNet uses, and cuobjdump reads the registers back. Printed per kernel and variant:
 registers a thread, shared memory a program, and how many programs an SM can hold by those two and its thread limit.
 Why it exists: a variant's registers decide how many of its programs an SM runs at once, which a GPU profile shows
-only after the call. The backward reduction's add + dropout + SiLU variant builds here to 167 registers, 3 programs
+only after the call. The backward reduction's add + dropout + SiLU variant builds here to 168 registers, 3 programs
 an SM, as the H100 trace of benchmarks/results/h100/profile-best-0c88903 reports it (168, 19% occupancy; NOTES item
 27). The counts are those of the installed Triton (requirements.txt pins it); the GPU machine's may differ.
 """
@@ -37,11 +37,13 @@ KERNELS = ("_stats_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kern
 UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec"}
 NOT_DIVISIBLE = {"K", "CPG", "C1", "thr24", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr"}
-# An SM of compute capability 9.0: registers, shared memory (bytes, 1 KB of it reserved per program), threads.
-SM90 = dict(registers=65536, shared=233472, threads=2048, programs=32)
+# An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
+# programs (CUDA's occupancy tables: 8.0 is the A100, 9.0 the H100 and H200).
+SM = {80: dict(registers=65536, shared=167936, threads=2048, programs=32),
+      90: dict(registers=65536, shared=233472, threads=2048, programs=32)}
 
 
-def programs_per_sm(registers: int, shared: int, warps: int, sm: dict = SM90) -> int:
+def programs_per_sm(registers: int, shared: int, warps: int, sm: dict = SM[90]) -> int:
     """How many programs of `warps` warps an SM holds at `registers` a thread and `shared` bytes a program: registers
     are allocated per warp in units of 256, shared memory with 1 KB reserved per program."""
     per_warp = -(-registers * 32 // 256) * 256
@@ -90,7 +92,8 @@ def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int]:
 
 def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, groups: int = 32,
          sms: int = 132) -> list[dict]:
-    """One row per kernel and variant at `site` (N, C, H, W) with `plan` (tile, chunk, warps[, stages])."""
+    """One row per kernel and variant at `site` (N, C, H, W) with `plan` (tile, chunk, warps[, stages]), on a GPU of
+    `sms` SMs (132: the H100 and H200; it sets how the reductions split small batches)."""
     from ffcv_ddpm import gn_kernels
     from ffcv_ddpm.norm import plan_args, plan_for
 
@@ -110,7 +113,7 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
             constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}
             registers, shared = build(kernel, constants, warps, arch)
             out.append(dict(kernel=name, variants=variants, registers=registers, shared=shared, warps=warps,
-                            programs_per_sm=programs_per_sm(registers, shared, warps)))
+                            programs_per_sm=programs_per_sm(registers, shared, warps, SM[arch])))
     return out
 
 
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                epilog="No --data and no KEY=VALUE overrides: the plan, the site and the architecture are the input.")
     p.add_argument("--plan", default="", help=PLAN_HELP)
     p.add_argument("--site", default="1024,128,32,32", help="N,C,H,W of the site the launch constants come from")
-    p.add_argument("--arch", type=int, default=90, help="compute capability without the dot (90: H100, H200)")
+    p.add_argument("--arch", type=int, default=90, choices=tuple(SM),
+                   help="compute capability without the dot (90: H100, H200; 80: A100)")
     args = p.parse_args(argv)
     try:
         plan = parse_plan(args.plan)
