@@ -77,7 +77,9 @@ def test_floors_beside_a_profile_and_in_the_ledger(tmp_path, capsys):
     assert m["batch"] == 6 and m["copy_gb_per_s"] > 0 and m["cudnn_benchmark"] is True  # the trainer's default
     assert "cuDNN algorithms by timed search" in (out / "floors.md").read_text()
     conv = m["compute"]["convolution"]
-    assert conv["calls"] > 0 and conv["fwd_ms"] > 0 and conv["fwd_bwd_ms"] > conv["fwd_ms"]
+    # Both times measured, not compared: two CPU timings order themselves by the machine's load (under a parallel
+    # test run the forward alone once took 388 ms and forward + backward 23).
+    assert conv["calls"] > 0 and conv["fwd_ms"] > 0 and conv["fwd_bwd_ms"] > 0
     # FLOPs counted on what the replay executes: the backward does the data and weight gradients (less than twice
     # the forward: the image's convolution has no data gradient).
     assert 0 < conv["fwd_flops"] < conv["bwd_flops"] < 2 * conv["fwd_flops"]
