@@ -100,6 +100,7 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
     tile, chunk, warps, stages = plan_args(plan)
     n, c, h, w = site
     pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
+    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None)
     out = []
     for name in KERNELS:
         kernel = getattr(gn_kernels, name)
@@ -109,7 +110,6 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
             read = tuple((k, v) for k, v in zip(("SILU", "HAS_ADD", "DROPOUT", "TWO"), flags) if k in params)
             builds.setdefault(read, []).append(variant)
         for read, variants in builds.items():
-            given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None)
             constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}
             registers, shared = build(kernel, constants, warps, arch)
             out.append(dict(kernel=name, variants=variants, registers=registers, shared=shared, warps=warps,
@@ -145,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         return fail("kernel_regs", str(e))
     print(f"kernel_regs: plan {plan} (default {DEFAULT_PLAN}), site {site}, sm_{args.arch}", file=sys.stderr)
-    print("| kernel | variant | registers a thread | shared memory a program | programs an SM |")
-    print("|---|---|---|---|---|")
     try:
         built = rows(plan, site, args.arch)
     except RuntimeError as e:
         return fail("kernel_regs", str(e))
+    print("| kernel | variant | registers a thread | shared memory a program | programs an SM |")
+    print("|---|---|---|---|---|")
     for r in built:
         print(f"| `{r['kernel']}` | {', '.join(r['variants'])} | {r['registers']} | {r['shared'] // 1024} KB | "
               f"{r['programs_per_sm']} ({r['programs_per_sm'] * r['warps']} warps) |")
