@@ -1,6 +1,11 @@
 # ffcv-ddpm: every target sets itself up on first use (.venv + pinned requirements + FFCV, see setup/install.sh).
 # On a machine that already has the packages (e.g. a GPU box with torch preinstalled): make bench NO_SETUP=1 PY=python3
 
+# Every variable below is this file's default or the command line's, never the environment's: a shell's (or a GPU
+# machine's, or a CI system's) OUT, DATA or PY must not redirect what make writes, reads or runs.
+COMMAND_LINE_ONLY := VENV PY NO_SETUP SOURCE CIFAR PNG_DIR MNIST_DIR DATA OUT JPEG_QUALITY PRESET ARGS RUN
+$(foreach v,$(COMMAND_LINE_ONLY),$(if $(filter environment%,$(origin $(v))),$(eval undefine $(v))))
+
 VENV ?= .venv
 PY ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed

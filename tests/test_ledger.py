@@ -145,3 +145,23 @@ def test_a_norm_bench_line_leaves_failed_plans_out_and_counts_them():
     [reader] = [r for r in ledger.READERS if r.matches(ledger.Path("norm_bench.json"), d)]
     assert reader.kind == "GroupNorm layer"
     assert reader.headline(None, d).endswith("fused (2048, 65536, 4, 3) 2.75 ms fwd+bwd (2 timed, 1 failed)")
+
+
+def test_only_files_git_tracks_are_indexed(tmp_path, capsys):
+    """A local run's files (git-ignored cpu/quick.json, a fresh GPU run's untracked JSON) never make the committed
+    page stale: `make bench && make test` on a fresh clone passes. Staging a file brings it in."""
+    import subprocess
+
+    root = results_tree(tmp_path / "results")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=root, check=True)
+    (root / ".gitignore").write_text("/cpu/*\n")
+    subprocess.run([*git, "add", "."], cwd=root, check=True)
+    assert ledger.main(["--results", str(root)]) == 0
+    (root / "cpu").mkdir()
+    (root / "cpu" / "quick.json").write_text('{"unreadable by": "any reader"}')  # ignored
+    (root / "h100" / "headline.json").write_text('{"a fresh run": true}')  # untracked
+    assert ledger.main(["--check", "--results", str(root)]) == 0, capsys.readouterr().err
+    subprocess.run([*git, "add", "h100/headline.json"], cwd=root, check=True)
+    assert ledger.main(["--check", "--results", str(root)]) == 1
+    assert "h100/headline.json: no reader recognises this JSON" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from ffcv_ddpm.unet import PRESETS, ModelConfig
     [
         ("NVIDIA A100-SXM4-80GB", "a100", 312.0, 156.0, 19.5),
         ("NVIDIA A100-PCIE-40GB", "a100", 312.0, 156.0, 19.5),
-        ("NVIDIA H100 80GB HBM3", "h100-sxm", 989.4, 494.7, 67.0),
+        ("NVIDIA H100 80GB HBM3", "h100", 989.4, 494.7, 67.0),
         ("NVIDIA H100 PCIe", "h100-pcie", 756.0, 378.0, 51.0),
         ("NVIDIA H200", "h200", 989.4, 494.7, 67.0),
     ],
@@ -90,3 +90,13 @@ def test_published_style_misses_attention():
     # torchinfo sees the convs and linears (plus biases), nothing of the attention matmuls.
     weighted = ours["fwd_by_category"]["conv"] + ours["fwd_by_category"]["linear"]
     assert pub["mult_adds_fwd"] * 2 == pytest.approx(weighted, rel=0.02)
+
+
+def test_each_committed_card_folder_is_the_folder_a_fresh_run_writes():
+    """One folder per card: benchmarks/results/<card_slug(device name)>/ holds the committed results and a fresh run's."""
+    from benchmarks.common import RESULTS
+    from benchmarks.speed.peaks import CARDS
+
+    folders = {p.name for p in RESULTS.iterdir() if p.is_dir()}
+    assert folders and folders <= {c.slug for c in CARDS} | {"cpu"}, folders
+    assert card_slug("NVIDIA H100 80GB HBM3") in folders and card_slug("NVIDIA H200") in folders

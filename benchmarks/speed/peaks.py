@@ -15,7 +15,7 @@ PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class Card:
-    slug: str  # folder name for results, e.g. "h100-sxm"
+    slug: str  # folder name for results (benchmarks/results/<slug>/), e.g. "h100": fresh and committed results share it
     label: str  # how the card is named in tables
     # Each pattern is a tuple of lowercase words that must ALL be words of the device name.
     patterns: tuple[tuple[str, ...], ...]
@@ -31,7 +31,7 @@ CARDS: tuple[Card, ...] = (
     Card("h200", "H200 SXM", (("h200",),), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
     # GH200's GPU is the H100 SXM part (same peaks); its own slug keeps its results apart.
     Card("gh200", "GH200", (("gh200",),), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
-    Card("h100-sxm", "H100 SXM", (("h100",),), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    Card("h100", "H100 SXM", (("h100",),), {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
     # A100 SXM and PCIe share their tensor-core peaks (the PCIe card only has a lower power limit).
     Card("a100", "A100", (("a100",),), {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
     Card("l4", "L4", (("l4",),), {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0}),
