@@ -85,13 +85,15 @@ fid: $(SETUP)
 	$(PY) -m benchmarks.quality.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(OUT_ARG) $(ARGS)
 
 # Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
-# conditional accuracy per guidance weight and sampler. ~6 minutes on one H100/H200; see benchmarks/quality/digits.py.
+# conditional accuracy per guidance weight and sampler. ~7.5 minutes on one H100/H200 (its --budget-s 470: 453 s on an
+# H100, 445 s on an H200); see benchmarks/quality/digits.py.
 quality: $(SETUP)
 	$(CPU_NOTE)
 	$(PY) -m benchmarks.quality.digits --data $(DIGITS) $(OUT_ARG) $(ARGS)
 
 # Compression study: pruning, grouped/depthwise-separable convs, int8 (torchao) with size, speed and quality. Trains
-# the digits model first, or studies RUN=runs/... (e.g. the run of make quality). ~6-7 minutes on one H100/H200.
+# the digits model first, or studies RUN=runs/... (e.g. the run of make quality). ~8.5 minutes on one H100 (its
+# --budget-s 485; the rows it leaves out run in a second call with --continue-from: 13.5 minutes in all).
 compress: $(SETUP)
 	$(CPU_NOTE)
 	$(PY) -m benchmarks.quality.compress $(RUN) --data $(DIGITS) $(OUT_ARG) $(ARGS)
