@@ -96,22 +96,28 @@ def bench_table(path: Path, d: dict) -> str:
 
 
 def ddp(path: Path, d: dict) -> str:
-    """benchmarks.speed.ddp: per mode, the largest GPU count's img/s and scaling efficiency; the loss check if it
-    ran."""
+    """benchmarks.speed.ddp: per mode, the largest GPU count's img/s and scaling efficiency, recomputed from the
+    file's intervals by today's formula (ddp.rederive: images over seconds; files before it hold the median
+    interval's rate, and say so here); the loss check if it ran."""
+    from benchmarks.speed.ddp import rederive  # imports torch: only when a DDP file is listed
+
     parts = []
-    for mode, points in d["points"].items():
+    for mode, points in rederive(d)["points"].items():
         ok = [p for p in points if "error" not in p and p.get("scaling_efficiency") is not None]
         p = max(ok, key=lambda p: p["nproc"], default=None)
+        kept = " (the file's figure: no intervals kept)" if p and p.get("img_per_s_not_rederived") else ""
         if p is None:
             parts.append(f"{mode}: no point finished")
         elif p["nproc"] == 1:  # a run cut short after its one-GPU point: there is no scaling to report
-            parts.append(f"{mode}: only the 1-GPU point finished, {p['img_per_s']:,.0f} img/s")
+            parts.append(f"{mode}: only the 1-GPU point finished, {p['img_per_s']:,.0f} img/s{kept}")
         else:
-            parts.append(f"{mode}: {p['nproc']} GPUs {p['img_per_s']:,.0f} img/s, {p['scaling_efficiency']:.1%} "
-                         "scaling efficiency")
+            parts.append(f"{mode}: {p['nproc']} GPUs {p['img_per_s']:,.0f} img/s{kept}, "
+                         f"{p['scaling_efficiency']:.1%} scaling efficiency")
     for c in (d.get("loss_check") or {}).get("checks", []):
         parts.append(f"loss check, {c['nproc']} GPUs: largest deviation {c['max_abs_smoothed']:.2%} vs tolerance "
                      f"{c['tol']:.2%}: {'within' if c['ok'] else 'OUTSIDE'}")
+    if any("img_per_s_median" not in p for points in d["points"].values() for p in points if "error" not in p):
+        parts.append("img/s re-derived from the intervals (the file holds the median interval's rate)")
     return "; ".join(parts)
 
 

@@ -7,8 +7,8 @@
 The network and its preprocessing are pytorch-fid's (the package DDPM-family papers report): uint8 -> [0, 1] as
 its ToTensor gives, then inside the network a bilinear resize to 299x299 and [0, 1] -> [-1, 1]; the 2048-d features
 after the last average pool. Its weights come from a path given (--weights), or from the torch hub cache, where
-pytorch-fid itself would put them: fetched there once when missing (fetch_weights: pytorch-fid's URL, the SHA-256
-prefix its file name carries checked before the file takes its final name). Offline, or with FFCV_DDPM_OFFLINE=1,
+pytorch-fid itself would put them: fetched there once when missing (fetch_weights: pytorch-fid's URL, the file's
+full SHA-256 checked before it takes its final name). Offline, or with FFCV_DDPM_OFFLINE=1,
 this fails with one message naming the file and where to put it. The model constructor never downloads: pytorch-fid
 would otherwise fetch the file from inside it, unchecked.
 """
@@ -31,9 +31,11 @@ from ffcv_ddpm.frechet import frechet_distance_from_stats, gaussian_stats
 
 WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"  # pytorch-fid's port of the TF Inception of FID
 WEIGHTS_URL = f"https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/{WEIGHTS_NAME}"  # its source's
-# torch.hub's convention, which the file name follows: the hex digits after its last "-" begin the file's SHA-256
-# (what load_state_dict_from_url(check_hash=True) checks; pytorch-fid itself does not ask for the check).
-WEIGHTS_SHA256_PREFIX = torch.hub.HASH_REGEX.search(WEIGHTS_NAME).group(1)  # "6726825d"
+# The file's whole SHA-256. Its name carries the first 8 hex digits only (torch.hub's convention; pytorch-fid does
+# not check even those): 32 bits, which a substituted file can be brute-forced to match. The digest as independent
+# public projects pin it for this file (and for torch-fidelity's copy of it); the tests check that it begins with
+# the name's digits.
+WEIGHTS_SHA256 = "6726825d0af5f729cebd5821db510b11b1cfad8faad88a03f1befd49fb9129b2"
 OFFLINE_ENV = "FFCV_DDPM_OFFLINE"  # =1: never download (the tests set it; so can a machine without network)
 _urlopen = urllib.request.urlopen  # the network, in one place (tests replace it)
 FEATURE_DIM = 2048
@@ -67,9 +69,9 @@ def _where_to_put_them() -> str:
 
 
 def fetch_weights(dest: Path) -> Path:
-    """pytorch-fid's weights downloaded to `dest`, once: streamed to a temp name beside it and renamed only after the
-    SHA-256 prefix its name carries matched, so `dest` never holds a partial or a wrong file. FIDError (one line)
-    offline, with FFCV_DDPM_OFFLINE=1, or when the hash differs."""
+    """pytorch-fid's weights downloaded to `dest`, once: streamed to a temp name beside it and renamed only after its
+    SHA-256 matched WEIGHTS_SHA256, so `dest` never holds a partial or a wrong file. FIDError (one line) offline,
+    with FFCV_DDPM_OFFLINE=1, or when the hash differs."""
     if os.environ.get(OFFLINE_ENV) == "1":
         raise FIDError(f"Inception weights {dest} not found ({OFFLINE_ENV}=1: no download); {_where_to_put_them()}")
     print(f"fid: downloading the Inception weights (once) from {WEIGHTS_URL} to {dest}", file=sys.stderr, flush=True)
@@ -80,9 +82,9 @@ def fetch_weights(dest: Path) -> Path:
             while chunk := response.read(1 << 20):
                 digest.update(chunk)
                 f.write(chunk)
-            if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
-                raise FIDError(f"the file downloaded from {WEIGHTS_URL} has SHA-256 {digest.hexdigest()[:16]}..., not "
-                               f"{WEIGHTS_SHA256_PREFIX}... as its name says: not kept; {_where_to_put_them()}")
+            if digest.hexdigest() != WEIGHTS_SHA256:
+                raise FIDError(f"the file downloaded from {WEIGHTS_URL} has SHA-256 {digest.hexdigest()}, not "
+                               f"{WEIGHTS_SHA256}: not kept; {_where_to_put_them()}")
     except OSError as e:  # no network (URLError), a timeout, an HTTP error, an unwritable cache
         raise FIDError(f"Inception weights {dest} not found and the download failed ({getattr(e, 'reason', e)}); "
                        f"{_where_to_put_them()}") from None

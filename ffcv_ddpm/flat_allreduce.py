@@ -48,6 +48,11 @@ class FlatGradReducer:
     with the parameter's shape and strides. grad_dtype=bfloat16 all-reduces a bf16 copy (half the bytes; the sum is
     NCCL's in bf16, as DDP's bf16_compress_hook) and writes the average back in fp32.
 
+    Gradients that already are those views (after zero_grad(set_to_none=False), which zeroes them in place, a
+    backward accumulates into them: micro-batches, or no set_to_none) are averaged where they lie; the others are
+    copied in. Every call checks every gradient (present, laid out as its parameter, not at another's place in the
+    buffer) from tensor metadata alone: no host-device sync.
+
     Each all-reduce is timed (CUDA events, no sync; the last 4,096 kept): take_ms() after the caller's sync. A rank
     that reaches the all-reduce early waits in it for the last one, so the ranks' times, side by side, show who
     sets the pace and how long the others wait (benchmarks/NOTES.md item 21)."""
@@ -70,7 +75,10 @@ class FlatGradReducer:
         for p, n in zip(params, self.numels):
             self.views.append(self.flat[offset:offset + n].as_strided(p.shape, p.stride()))
             offset += n
-        self.checked = False
+        # Where each view starts and how it is strided, and the buffer's address range: the per-call checks compare
+        # numbers, not tensors.
+        self.places = [(v.data_ptr(), v.stride()) for v in self.views]
+        self.span = (self.flat.data_ptr(), self.flat.data_ptr() + self.flat.numel() * self.flat.element_size())
         self.cuda = first.device.type == "cuda"
         self.marks: deque = deque(maxlen=4096)
 
@@ -80,20 +88,53 @@ class FlatGradReducer:
         self.marks.clear()
         return out
 
+    def outside(self, grads: list) -> list[int]:
+        """The indices of the gradients to copy into the buffer (those not already at their place in it); a
+        RuntimeError (one line) for a missing gradient, one laid out unlike its parameter, or one inside the buffer
+        at another place. Metadata only (addresses, strides): cheap enough for every call, and no sync."""
+        missing, odd, misplaced, copy = [], [], [], []
+        low, high = self.span
+        for i, (g, view, (ptr, stride)) in enumerate(zip(grads, self.views, self.places)):
+            if g is view:
+                continue  # the view this reducer set, accumulated into in place
+            if g is None:
+                missing.append(i)
+                continue
+            at = g.data_ptr()
+            laid_out = g.stride() == stride or same_layout(g, view)  # the second only where strides differ
+            if at == ptr and laid_out:
+                continue  # another tensor over its own place in the buffer
+            if low <= at < high:
+                misplaced.append(i)
+            elif not laid_out:
+                odd.append(i)
+            else:
+                copy.append(i)
+
+        def shapes(idx: list[int]) -> list[tuple]:
+            return [tuple(self.params[i].shape) for i in idx[:3]]
+
+        if missing:
+            raise RuntimeError(f"no gradient for {len(missing)} parameter(s) (shapes {shapes(missing)}): every "
+                               f"parameter must take part in the loss, as with DDP's find_unused_parameters=False")
+        if odd:
+            raise RuntimeError(f"gradients laid out unlike their parameters (shapes {shapes(odd)})")
+        if misplaced:
+            raise RuntimeError(f"{len(misplaced)} gradient(s) (shapes {shapes(misplaced)}) lie in the flat "
+                               f"all-reduce's buffer at another parameter's place: set .grad to None or to a tensor "
+                               f"of its own, not to a view of another gradient")
+        return copy
+
     def __call__(self) -> None:
         grads = [p.grad for p in self.params]
-        if not self.checked:  # the layout of a step's gradients is the layout of every step's
-            missing = [tuple(p.shape) for p, g in zip(self.params, grads) if g is None]
-            if missing:
-                raise RuntimeError(f"no gradient for {len(missing)} parameter(s) (shapes {missing[:3]}): every "
-                                   f"parameter must take part in the loss, as with DDP's find_unused_parameters=False")
-            odd = [tuple(p.shape) for p, g in zip(self.params, grads) if not same_layout(g, p)]
-            if odd:
-                raise RuntimeError(f"gradients laid out unlike their parameters (shapes {odd[:3]})")
-            self.checked = True
-        # Memory order, as a 1-D view: dense in the parameter's layout (checked once above). Into the fp32 buffer:
-        # CUDA's cat copies in batches of inputs only when the output has their dtype (else one copy per input).
-        torch.cat([g.as_strided((n,), (1,)) for g, n in zip(grads, self.numels)], out=self.flat)
+        copy = self.outside(grads)
+        if len(copy) == len(grads):
+            # Memory order, as a 1-D view: dense in the parameter's layout (checked above). Into the fp32 buffer:
+            # CUDA's cat copies in batches of inputs only when the output has their dtype (else one per input).
+            torch.cat([g.as_strided((n,), (1,)) for g, n in zip(grads, self.numels)], out=self.flat)
+        else:  # some already lie in the buffer (cat cannot write over its own inputs): the others one by one
+            for i in copy:
+                self.views[i].copy_(grads[i])
         if self.wire is not self.flat:
             self.wire.copy_(self.flat)
         start = mark(self.cuda)

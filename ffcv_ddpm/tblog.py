@@ -21,7 +21,7 @@ from pathlib import Path
 # one chart per element: <tag>/<rank>.
 TAGS = {
     "loss": "train/loss", "lr": "train/lr",
-    "img_per_s": "speed/img_per_s", "iter_ms_median": "speed/iter_ms_median",
+    "img_per_s": "speed/img_per_s", "img_per_s_wall": "speed/img_per_s_wall", "iter_ms_median": "speed/iter_ms_median",
     "data_wait_ms": "data/wait_ms", "data_wait_share": "data/wait_share",
     "rank_data_wait_share": "data/wait_share_of_rank", "rank_iter_ms_mean": "speed/iter_ms_mean_of_rank",
     "peak_mem_gib": "memory/peak_gib",

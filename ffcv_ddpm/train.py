@@ -6,6 +6,9 @@
 
 Every run writes runs/<id>-<preset>[-desc]/: config.json, environment.json, stats.jsonl (one line per log interval),
 samples-*.png and ckpt-*.pt (atomic, newest K kept); with train.tensorboard=True also tensorboard/ (ffcv_ddpm.tblog).
+Two speeds per stats line: img_per_s, the interval's images over its timed steps (CUDA events, data wait included),
+and img_per_s_wall, the same images over the wall time since the previous line, which adds what runs between the
+steps: the log interval's syncs and all-gathers, checkpoints, sample grids, evaluations.
 """
 
 import gc
@@ -299,7 +302,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     board = TensorBoardLog(run_dir, start_step) if cfg.train.tensorboard and ddp.main else None
     pauses = GcPauses().start()  # Python's collections per interval: a long one is a slow step (NOTES item 21)
     frozen = 0  # objects gc.freeze() set aside (train.gc_freeze)
-    t_start = time.perf_counter()
+    t_start = t_line = time.perf_counter()  # t_line: when the previous stats line was complete (img_per_s_wall)
     step = start_step
 
     def one_step(batch, i: int) -> torch.Tensor:
@@ -359,13 +362,17 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))
             if evaluator is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 stats.update(evaluator(sampling_net, t.diffusion))
+            # Line to line: this interval's steps and bookkeeping, and the previous one's checkpoint and samples.
+            now = time.perf_counter()
+            stats["img_per_s_wall"], t_line = window * global_batch / (now - t_line), now
             if ddp.main:
                 with open(run_dir / "stats.jsonl", "a") as f:
                     f.write(json.dumps(stats) + "\n")
             if board is not None:
                 board.stats(stats)  # host numbers read above: no further sync
             if progress is not None:
-                progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}")
+                progress.set_postfix(loss=f"{stats['loss']:.4f}", img_s=f"{stats['img_per_s']:.0f}",
+                                     img_s_wall=f"{stats['img_per_s_wall']:.0f}")
 
             # ---- checkpoint, sample ----------------------------------------------------------------------------
             if stop_now:
@@ -415,6 +422,14 @@ def per_rank_times(wait_ms: list[float], iter_ms: list[float], device: torch.dev
     if n_ar:
         out |= {"rank_allreduce_ms_mean": [r[4] for r in rows], "rank_allreduce_ms_min": [r[5] for r in rows]}
     return out
+
+
+def img_per_s_over(lines: list[dict], after_step: int, key: str = "img_per_s") -> float:
+    """img/s over consecutive stats lines (the intervals that end at their steps, the first starting at
+    `after_step`): all their images over all their seconds, each interval's seconds being its images / its rate
+    `key`. Not a median or mean of the rates: an interval that stalled counts with all the time it took."""
+    steps = [line["step"] - prev for prev, line in zip([after_step, *(x["step"] for x in lines)], lines)]
+    return sum(steps) / sum(n / line[key] for n, line in zip(steps, lines))  # the batch cancels: steps stand for images
 
 
 def log(ddp: Dist, msg: str) -> None:

@@ -30,6 +30,11 @@ def test_ddp_scaling_benchmark_on_cpu(data, tmp_path):
     for p in points:
         assert p["img_per_s"] > 0 and 0 <= p["data_wait_share"] <= 1 and p["mfu_per_gpu"] is None
         assert [s["step"] for s in p["stats"]] == [2, 4, 6]
+        # The intervals after the first: 4 steps of the global batch over the seconds the two took.
+        seconds = sum(2 * p["global_batch"] / s["img_per_s"] for s in p["stats"][1:])
+        assert p["img_per_s"] == pytest.approx(4 * p["global_batch"] / seconds)
+        assert p["img_per_s_median"] == pytest.approx(sum(s["img_per_s"] for s in p["stats"][1:]) / 2)
+        assert 0 < p["img_per_s_wall"] < p["img_per_s"]  # wall time holds the steps and the intervals' syncs
     assert points[0]["scaling_efficiency"] == 1.0
     assert (out / "ddp.md").read_text().count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
 
@@ -112,7 +117,8 @@ def test_read_run_keeps_the_slowest_step_the_collections_and_each_ranks_all_redu
     run = tmp_path / "out" / "00000-tiny"
     run.mkdir(parents=True)
     (run / "config.json").write_text("{}")
-    lines = [{"iter_ms_median": 60.0 + i, "iter_ms_max": 900.0 if i == 0 else 61.0 + 150 * (i == 2),
+    lines = [{"step": 2 * (i + 1), "iter_ms_median": 60.0 + i,
+              "iter_ms_max": 900.0 if i == 0 else 61.0 + 150 * (i == 2),
               "img_per_s": 1000.0, "data_wait_share": 0.001, "peak_mem_gib": 1.0, "wall_s": i, "gc_ms": 1.0,
               "rank_gc_ms": [1.0, 40.0 * (i == 2)], "rank_data_wait_share": [0.001, 0.002],
               "rank_allreduce_ms_mean": [2.5 + i, 0.8]} for i in range(4)]
@@ -129,14 +135,74 @@ def test_read_run_keeps_the_slowest_step_the_collections_and_each_ranks_all_redu
     assert "| 211.0, 40.0 | 4.50 / 0.80 |" in row
 
 
-def test_step_ms_tells_a_few_stalled_steps_from_a_slower_step():
-    """Median over the measured intervals (the first, compiling one dropped) against the mean img/s counts: one
-    interval with a stalled step moves the mean, not the median; the control (no stats) has none."""
-    stats = [{"iter_ms_median": 900.0}, {"iter_ms_median": 64.0}, {"iter_ms_median": 65.0}, {"iter_ms_median": 66.0}]
-    p = {"stats": stats, "per_rank_batch": 512, "nproc": 2, "img_per_s": 1024 / 0.070}  # 70 ms per step on average
-    median, mean = ddp.step_ms(p)
-    assert median == 65.0 and mean == pytest.approx(70.0)
-    assert ddp.step_ms({"per_rank_batch": 512, "nproc": 2, "img_per_s": 1.0}) is None
+def trainer_lines(iter_ms: list[list[float]], global_batch: int) -> list[dict]:
+    """stats.jsonl lines of intervals whose steps took `iter_ms` each, their rates as the trainer computes them."""
+    lines, step = [], 0
+    for ms in iter_ms:
+        step += len(ms)
+        lines.append({"step": step, "img_per_s": len(ms) * global_batch / (sum(ms) / 1e3),
+                      "iter_ms_median": float(sorted(ms)[len(ms) // 2])})
+    return lines
+
+
+def test_img_per_s_counts_a_stalled_interval_with_all_its_time():
+    """Four steady intervals of 25 steps of 70 ms, one of them with a step stalled for 2 s (a rank collecting, a
+    slow batch): img/s is all their images over all their seconds, so the stall costs what it cost; the median of
+    the intervals' rates (kept beside it) does not see it. The first interval (compilation) stays out of both."""
+    batch = 4 * 512  # 4 processes, 512 each
+    intervals = [[5000.0] + [70.0] * 24] + [[70.0] * 25] * 2 + [[70.0] * 24 + [2000.0]] + [[70.0] * 25]
+    stats = trainer_lines(intervals, batch)
+    got = ddp.throughput(stats)
+    steady = intervals[1:]
+    assert got["img_per_s"] == pytest.approx(100 * batch / (sum(map(sum, steady)) / 1e3))  # 100 steps in 8.93 s
+    assert got["img_per_s_median"] == pytest.approx(25 * batch / 1.75)  # 70 ms a step: the stall is not there
+    assert got["img_per_s"] < 0.8 * got["img_per_s_median"] and "img_per_s_wall" not in got  # older trainer lines
+
+    # That stall on the 4-GPU point (1 GPU: 70 ms a step, no stall): its efficiency and MFU per GPU fall with it,
+    # and the mean step shows it.
+    one = {"nproc": 1, "per_rank_batch": 512, "stats": trainer_lines([[70.0] * 25] * 5, 512)}
+    four = {"nproc": 4, "per_rank_batch": 512, "stats": stats}
+    result = {"flops_per_image": 1e9, "peak_tflops": 1000.0, "points": {"per-GPU": [one, four]}}
+    for p in (one, four):
+        p.update(ddp.throughput(p["stats"]))
+    ddp.add_metrics(result)
+    assert four["scaling_efficiency"] == pytest.approx(70.0 / (sum(map(sum, steady)) / 100))  # 78.4%, not 100%
+    assert four["mfu_per_gpu"] == pytest.approx(four["img_per_s"] / 4 * 1e9 / 1e12 / 1000.0)
+    median, mean = ddp.step_ms(four)
+    assert median == 70.0 and mean == pytest.approx(sum(map(sum, steady)) / 100)  # 89.3 ms: some steps stalled
+    assert ddp.step_ms({"per_rank_batch": 512, "nproc": 2, "img_per_s": 1.0}) is None  # the control: no intervals
+
+
+def test_rederive_writes_the_files_figures_beside_todays(tmp_path, capsys):
+    """--rederive FOLDER: every DDP result under it, its img/s recomputed from its intervals (a point of a file
+    written with the median interval's rate moves), the efficiency and MFU after it; a point without intervals (the
+    control before its processes' stats were kept) keeps its figure and says so."""
+    batch = 512
+    stalled = trainer_lines([[900.0] * 2] + [[50.0] * 10] * 2 + [[50.0] * 9 + [550.0]], 2 * batch)
+    steady = trainer_lines([[900.0] * 2] + [[50.0] * 10] * 3, batch)
+    old = {"nproc": 1, "per_rank_batch": batch, "global_batch": batch, "stats": steady, "img_per_s": 10240.0,
+           "scaling_efficiency": 1.0, "mfu_per_gpu": 0.01024}
+    result = {"flops_per_image": 1e9, "peak_tflops": 1000.0, "points": {
+        "per-GPU": [old, {**old, "nproc": 2, "global_batch": 2 * batch, "stats": stalled, "img_per_s": 20480.0}],
+        ddp.CONTROL: [{"nproc": 2, "img_per_s": 20000.0, "scaling_efficiency": 0.977, "mfu_per_gpu": 0.01}]}}
+    (tmp_path / "run" / "A").mkdir(parents=True)
+    (tmp_path / "run" / "A" / "ddp.json").write_text(json.dumps(result))
+    (tmp_path / "run" / "other.json").write_text(json.dumps({"rows": []}))  # not a DDP result: not listed
+    assert ddp.main(["--rederive", str(tmp_path / "run")]) == 0
+    note = (tmp_path / "run" / ddp.REDERIVED).read_text()
+    rows = [line for line in note.splitlines() if line.startswith("| [")]
+    assert len(rows) == 3 and all(r.startswith("| [A/ddp.json](A/ddp.json) |") for r in rows)
+    # 2 processes: 30 steps of 1024 images in 2.0 s = 15,360 img/s (the file: 20,480), 75.0% of twice 10,240.
+    assert "| per-GPU | 2 | 20,480 | 15,360 (-25.00%) | 100.0% -> 75.0% | 1.0% -> 0.8% |" in rows[1]
+    assert "| per-GPU | 1 | 10,240 | 10,240 (+0.00%) | 100.0% -> 100.0% |" in rows[0]
+    assert "| 20,000 | not re-derivable: no intervals kept | 97.7% -> 97.7% |" in rows[2]
+    assert ddp.rederive(result)["points"]["per-GPU"][1]["img_per_s_median"] == 20480.0
+    assert ddp.main(["--rederive", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip().endswith("--rederive " + str(tmp_path / "none") + ": no such folder")
+    (tmp_path / "run" / "cut.json").write_text('{"points": ')  # a file cut short: named in one line
+    assert ddp.main(["--rederive", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--rederive: cannot read {tmp_path / 'run' / 'cut.json'}: " in err
 
 
 def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_path):

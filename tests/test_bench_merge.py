@@ -43,11 +43,37 @@ def test_parts_merge_into_one_table_and_each_row_keeps_its_commit(tmp_path, caps
     assert all(r["source"]["device_name"] == H100 for r in got["rows"])
     assert [s["mode"] for s in got["sampling"]] == ["eager", "reduce-overhead"] and not got["complete"]
     assert [src["environment"]["commit"] for src in got["sources"]] == ["aaa1111", "bbb2222", "ccc3333"]
-    assert got["rows"][2]["metrics"]["speedup"] == 2.0  # over the baseline row of call 1, same card
+    # Over the baseline row of call 1: another call (another process, perhaps machine), so no plain speedup.
+    fast = got["rows"][2]["metrics"]
+    assert fast["speedup"] is None and fast["speedup_cross_call"] == 2.0
     md = out.with_suffix(".md").read_text()
     assert "Part 2: `" in md and "commit bbb2222" in md and "part 2 (header)" in md
-    assert "4.00x" in md  # compiled sampling of call 3 over the eager sampling of call 1
+    assert "| 2.00x (other call) |" in md
+    assert "| 4.00x (other call) |" in md  # compiled sampling of call 3 over the eager sampling of call 1
     assert out.with_suffix(".png").is_file() and "merge: wrote" in capsys.readouterr().out
+
+
+def test_a_speedup_is_plain_only_over_a_baseline_of_the_same_call(tmp_path):
+    """A row and the baseline it is measured against in one part: one call, one machine, a plain speedup; the same
+    figures from two parts: the ratio kept apart as cross-call, and the table says so."""
+    together = _part(tmp_path, "a", "aaa", ["base", "fast"], [_sampling("eager", 4.0), _sampling("compiled", 12.0)])
+    out = tmp_path / "one.json"
+    assert merge.main([str(out), str(together)]) == 0
+    got = json.loads(out.read_text())
+    assert [r["metrics"]["speedup"] for r in got["rows"]] == [1.0, 2.0]
+    assert not any("speedup_cross_call" in r["metrics"] for r in got["rows"])
+    md = out.with_suffix(".md").read_text()
+    cells = [line for line in md.splitlines() if line.startswith(("| base |", "| fast |", "| ddpm-cifar10 |"))]
+    assert len(cells) == 4 and not any("other call" in line for line in cells)
+    assert "| 2.00x |" in md and "| 3.00x |" in md
+    apart = [_part(tmp_path, "b", "bbb", ["base"], [_sampling("eager", 4.0)]),
+             _part(tmp_path, "c", "bbb", ["fast"], [_sampling("compiled", 12.0)])]
+    assert merge.main([str(out), *map(str, apart)]) == 0
+    got = json.loads(out.read_text())
+    assert [(r["metrics"]["speedup"], r["metrics"].get("speedup_cross_call")) for r in got["rows"]] == [
+        (1.0, None), (None, 2.0)]
+    md = out.with_suffix(".md").read_text()
+    assert "| 2.00x (other call) |" in md and "| 3.00x (other call) |" in md
 
 
 def test_different_cards_datasets_or_twice_measured_rows_are_refused(tmp_path, capsys):

@@ -201,19 +201,49 @@ def _flat_worker(rank, store, results):
         "skip_channels_last": model.skip.weight.stride() == (8, 1, 8, 8),  # the case the layout check must accept
         "views": all(p.grad.untyped_storage().data_ptr() == reducer.flat.untyped_storage().data_ptr()
                      for p in params)}
-    model.conv.weight.grad = None
-    try:
-        reducer.checked = False
+    results[rank] |= _flat_in_place(model, ddp, x, reducer)
+    for name, spoil in (("missing", lambda: setattr(model.conv.weight, "grad", None)),  # checked on every call
+                        ("misplaced", lambda: setattr(model.norm.bias, "grad", model.norm.weight.grad))):
+        model.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
         reducer()
-    except RuntimeError as e:
-        results[f"error{rank}"] = str(e)
+        spoil()
+        try:
+            reducer()
+        except RuntimeError as e:
+            results[f"{name}{rank}"] = str(e)
     dist.destroy_process_group()
+
+
+def _flat_in_place(model, ddp, x, reducer) -> dict:
+    """After reducer(), .grad is a view of its buffer; zero_grad(set_to_none=False) zeroes it in place and a
+    backward accumulates into it there: one backward, two (micro-batches), or with one gradient set to None (that
+    one fresh, the others in place). Each time the result must be DDP's, whose reducer averages the same sums."""
+    from contextlib import nullcontext
+
+    out = {}
+    for case, backwards, dropped in (("in_place", 1, False), ("accumulated", 2, False), ("mixed", 1, True)):
+        model.zero_grad(set_to_none=False)
+        ddp.zero_grad(set_to_none=False)
+        if dropped:
+            model.conv.weight.grad = None
+            ddp.module.conv.weight.grad = None
+        for b in range(backwards):
+            model(x * (b + 1)).square().sum().backward()
+            with ddp.no_sync() if b < backwards - 1 else nullcontext():  # DDP: one all-reduce, after the last
+                ddp(x * (b + 1)).square().sum().backward()
+        in_buffer = sum(p.grad is v for p, v in zip(model.parameters(), reducer.views))
+        reducer()
+        out[case] = (in_buffer, all(torch.allclose(p.grad, d.grad, rtol=1e-6, atol=0)
+                                    for p, d in zip(model.parameters(), ddp.module.parameters())))
+    return out
 
 
 def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
     """train.ddp_reduce=flat: weights broadcast from rank 0; after reducer() every rank holds the average of the
     ranks' gradients, equal to DDP's (an average of two: bit-equal whatever the order), with the parameters' strides
-    (channels_last) as views of one buffer; a missing gradient is named, not averaged as garbage."""
+    (channels_last) as views of one buffer, also when the gradients already lie in it (zero_grad without
+    set_to_none, accumulation); a missing or misplaced gradient is named on any call, not averaged as garbage."""
     results = mp.Manager().dict()
     mp.spawn(_flat_worker, args=(str(tmp_path / "store"), results), nprocs=2)
     r0, r1 = results[0], results[1]
@@ -224,7 +254,11 @@ def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
         assert r["times"] == (2, True, 0)  # one time per all-reduce; a take empties the list
     assert all(torch.equal(a, b) for a, b in zip(r0["grads"], r1["grads"]))
     assert not all(torch.equal(g, torch.zeros_like(g)) for g in r0["grads"])
-    assert "no gradient for 1 parameter(s) (shapes [(8, 3, 3, 3)])" in results["error0"]
+    for r in (r0, r1):  # gradients already in the buffer: all 8, or all but the one set to None
+        assert (r["in_place"], r["accumulated"], r["mixed"]) == ((8, True), (8, True), (7, True))
+    assert "no gradient for 1 parameter(s) (shapes [(8, 3, 3, 3)])" in results["missing0"]
+    assert "1 gradient(s) (shapes [(8,)]) lie in the flat all-reduce's buffer at another parameter's place" in \
+        results["misplaced1"]
 
 
 def _flat_nccl_worker(rank, store, results):

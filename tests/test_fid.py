@@ -154,9 +154,13 @@ def _no_download(*args, **kwargs):
 # ---- the download, with the network replaced -------------------------------------------------------------------
 
 def test_the_url_and_hash_are_pytorch_fids():
-    """The file pytorch-fid's own source names, and the SHA-256 prefix torch.hub would check for it."""
+    """The file pytorch-fid's own source names, and a whole SHA-256 that begins with the prefix its name carries
+    (the prefix torch.hub would check)."""
     assert fid.WEIGHTS_URL == fid._pytorch_fid_inception().FID_WEIGHTS_URL
-    assert fid.WEIGHTS_SHA256_PREFIX == "6726825d" and fid.WEIGHTS_URL.endswith(f"-{fid.WEIGHTS_SHA256_PREFIX}.pth")
+    prefix = torch.hub.HASH_REGEX.search(fid.WEIGHTS_NAME).group(1)
+    assert prefix == "6726825d" and fid.WEIGHTS_URL.endswith(f"-{prefix}.pth")
+    assert len(fid.WEIGHTS_SHA256) == 64 and fid.WEIGHTS_SHA256.startswith(prefix)
+    int(fid.WEIGHTS_SHA256, 16)  # hex digits
 
 
 class FakeNetwork:
@@ -187,8 +191,8 @@ def online(tmp_path, monkeypatch):
     payload = buf.getvalue()
     network = FakeNetwork(payload)
     monkeypatch.setattr(fid, "_urlopen", network)
-    # The real file's hash prefix cannot be matched by other bytes: the test file's own prefix stands in for it.
-    monkeypatch.setattr(fid, "WEIGHTS_SHA256_PREFIX", hashlib.sha256(payload).hexdigest()[:8])
+    # The real file's hash cannot be matched by other bytes: the test file's own hash stands in for it.
+    monkeypatch.setattr(fid, "WEIGHTS_SHA256", hashlib.sha256(payload).hexdigest())
     return network
 
 
@@ -205,13 +209,17 @@ def test_weights_are_fetched_once_into_the_hub_cache(online, inception, capsys):
 
 
 def test_a_download_with_another_hash_is_not_kept(online, monkeypatch):
-    monkeypatch.setattr(fid, "WEIGHTS_SHA256_PREFIX", "00000000")
+    """The whole SHA-256 is checked: a file whose digest shares the first 8 hex digits (all the name carries) but
+    not the rest is refused."""
+    digest = fid.hashlib.sha256(online.payload).hexdigest()
+    other = digest[:8] + ("0" if digest[8] != "0" else "1") + digest[9:]
+    monkeypatch.setattr(fid, "WEIGHTS_SHA256", other)
     with pytest.raises(fid.FIDError) as err:
         fid.load_inception()
     msg = str(err.value)
-    assert "\n" not in msg and "SHA-256" in msg and "00000000" in msg and "not kept" in msg
+    assert "\n" not in msg and f"has SHA-256 {digest}, not {other}" in msg and "not kept" in msg
     assert list(fid.default_weights_path().parent.iterdir()) == []  # neither under its name nor a temp name
-    monkeypatch.setattr(fid, "WEIGHTS_SHA256_PREFIX", fid.hashlib.sha256(online.payload).hexdigest()[:8])
+    monkeypatch.setattr(fid, "WEIGHTS_SHA256", digest)
     fid.load_inception()  # the next try downloads again, and keeps the right file
     assert len(online.calls) == 2 and fid.default_weights_path().is_file()
 

@@ -14,6 +14,11 @@ def bench_row(name: str, batch: int, ms: float, img_s: float, mfu: float) -> dic
             "metrics": {"ms_median": ms, "img_per_s": img_s, "mfu": mfu}}
 
 
+def ddp_lines(*img_per_s: float) -> list[dict]:
+    """A DDP point's stats.jsonl lines: 25-step intervals at these rates (the first, compiling, is dropped)."""
+    return [{"step": 25 * (i + 1), "img_per_s": r} for i, r in enumerate(img_per_s)]
+
+
 def results_tree(root):
     """A small results folder in the formats the commands write: a bench table, a DDP run and a trainer run."""
     table = root / "h100" / "headline" / "cold"
@@ -29,10 +34,15 @@ def results_tree(root):
            "command": "python -m benchmarks.ddp --gpus 1,4",
            "environment": {**ENV, "gpu_count": 4, "commit_source": "declared (FFCV_DDPM_COMMIT), not verified"},
            "flops_per_image": 3.7e10, "peak_tflops": 989.4,
-           "points": {"per-GPU": [{"nproc": 1, "img_per_s": 6859.5, "scaling_efficiency": 1.0},
-                                  {"nproc": 4, "img_per_s": 24576.7, "scaling_efficiency": 0.8957}],
+           # As written before img/s was images over seconds: each point's figure is its median interval's rate.
+           # The 4-GPU point's third interval stalled: 24,576.7 images a second by the median, 18,432.5 in all.
+           "points": {"per-GPU": [{"nproc": 1, "img_per_s": 6859.5, "scaling_efficiency": 1.0,
+                                   "stats": ddp_lines(100.0, 6859.5, 6859.5, 6859.5)},
+                                  {"nproc": 4, "img_per_s": 24576.7, "scaling_efficiency": 0.8957,
+                                   "stats": ddp_lines(300.0, 24576.7, 24576.7, 24576.7 / 2)}],
                       # a mode cut short after its one-GPU point, and one whose 4-GPU point failed
-                      "global": [{"nproc": 1, "img_per_s": 8876.4, "scaling_efficiency": 1.0}],
+                      "global": [{"nproc": 1, "img_per_s": 8876.4, "scaling_efficiency": 1.0,
+                                  "stats": ddp_lines(90.0, 8876.4, 8876.4)}],
                       "independent (no DDP)": [{"nproc": 4, "error": "timed out"}]},
            "loss_check": {"tol": 0.0072,
                           "checks": [{"nproc": 4, "max_abs_smoothed": 0.0189, "tol": 0.0072, "ok": False}]}}
@@ -63,9 +73,11 @@ def test_the_index_lists_each_file_with_figures_read_from_it(tmp_path, capsys):
     assert '2/3 rows ok, "best" (batch 1024): 119.5 ms/step, 8,534 img/s, MFU 32.2%' in bench
     assert "| 2026-11-20 09:05 | 0123456 |" in bench and "`python -m benchmarks.bench --data d`" in bench
     ddp = lines["h100/ddp.json"]
-    assert ("per-GPU: 4 GPUs 24,577 img/s, 89.6% scaling efficiency; global: only the 1-GPU point finished, 8,876 "
+    # Re-derived from the intervals (images over seconds): 18,433 img/s, 67.2% of four times 6,859.5, not 89.6%.
+    assert ("per-GPU: 4 GPUs 18,433 img/s, 67.2% scaling efficiency; global: only the 1-GPU point finished, 8,876 "
             "img/s; independent (no DDP): no point finished; loss check, 4 GPUs: largest deviation 1.89% vs "
-            "tolerance 0.72%: OUTSIDE") in ddp
+            "tolerance 0.72%: OUTSIDE; img/s re-derived from the intervals (the file holds the median interval's "
+            "rate)") in ddp
     assert "0123456 (declared, not verified)" in ddp and "(4 visible)" in ddp
     run = lines["h200/train-run/environment.json"]
     assert "100 steps, last loss 0.8202, 5,516 img/s in the last interval" in run and "NVIDIA H200" in run
@@ -165,3 +177,14 @@ def test_only_files_git_tracks_are_indexed(tmp_path, capsys):
     subprocess.run([*git, "add", "h100/headline.json"], cwd=root, check=True)
     assert ledger.main(["--check", "--results", str(root)]) == 1
     assert "h100/headline.json: no reader recognises this JSON" in capsys.readouterr().err
+
+
+def test_a_ddp_point_without_intervals_keeps_its_files_figure_and_says_so():
+    """The independent control before its processes' stats were kept: its img/s cannot be re-derived; its
+    efficiency is against the re-derived one-GPU point (here 40 img/s: 50 by the median, one interval stalled)."""
+    d = {"flops_per_image": 1e9, "peak_tflops": None, "points": {
+        "per-GPU": [{"nproc": 1, "img_per_s": 50.0, "stats": ddp_lines(1.0, 50.0, 50.0, 50.0, 25.0)}],
+        "independent (no DDP)": [{"nproc": 2, "img_per_s": 100.0}]}}
+    assert ledger.ddp(None, d) == ("per-GPU: only the 1-GPU point finished, 40 img/s; independent (no DDP): 2 GPUs "
+                                   "100 img/s (the file's figure: no intervals kept), 125.0% scaling efficiency; "
+                                   "img/s re-derived from the intervals (the file holds the median interval's rate)")

@@ -64,6 +64,10 @@ def test_run_folder_contents(beton, tmp_path):
     for s in stats:
         assert np.isfinite(s["loss"]) and s["img_per_s"] > 0 and 0 <= s["data_wait_share"] <= 1
         assert 0 < s["iter_ms_median"] <= s["iter_ms_max"]  # the slowest step of the interval: stalls show here
+        assert 0 < s["img_per_s_wall"] < s["img_per_s"]  # wall time: the timed steps and what runs between them
+    # Line to line, the wall rates cover the run from its start to the last line, checkpoint at step 4 included.
+    wall = sum(2 * cfg.data.batch_size / s["img_per_s_wall"] for s in stats)
+    assert stats[-1]["wall_s"] < wall < stats[-1]["wall_s"] + 0.5
     assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt-00000004.pt", "ckpt-00000008.pt"]
     assert (run_dir / "samples-00000008.png").stat().st_size > 0
     mode = lambda name: (run_dir / name).stat().st_mode & 0o777  # noqa: E731

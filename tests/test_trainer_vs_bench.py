@@ -1,4 +1,5 @@
-"""benchmarks.speed.trainer_vs_bench on CPU: the trainer's stats.jsonl beside a bench row of the same config."""
+"""benchmarks.speed.trainer_vs_bench: on CPU, the trainer's stats.jsonl beside a bench row of the same config; its verdict
+on fabricated intervals and rows whose answer is known."""
 
 import json
 
@@ -31,6 +32,7 @@ def test_trainer_and_bench_row_of_one_config_are_compared(small_dataset, tmp_pat
     assert c["agree"] == (rc == 0) == (abs(c["img_per_s_ratio"] - 1) <= 0.03)
     md = (tmp_path / "trainer-vs-bench.md").read_text()
     assert ("**agree**" if c["agree"] else "**DIFFER**") in md and "| trainer (stats.jsonl) |" in md
+    assert "| trainer over wall time (not compared) |" in md
     assert not list((tmp_path / "trainer-vs-bench").glob("ckpt-*"))  # the checkpoint is not kept
 
 
@@ -40,3 +42,56 @@ def test_one_logged_interval_is_not_enough(tmp_path, capsys):
     with pytest.raises(BenchError, match="logged one interval only"):
         trainer_vs_bench.trainer_figures([{"step": 2, "img_per_s": 1.0, "iter_ms_median": 1.0, "data_wait_ms": 0,
                                            "wall_s": 1.0}], 8)
+
+
+def trainer_lines(iter_ms: list[list[float]], batch: int) -> list[dict]:
+    """stats.jsonl lines as the trainer writes them for intervals whose steps took `iter_ms` (no data wait)."""
+    lines, step = [], 0
+    for ms in iter_ms:
+        step += len(ms)
+        lines.append({"step": step, "img_per_s": len(ms) * batch / (sum(ms) / 1e3), "data_wait_ms": 0.0,
+                      "iter_ms_median": sorted(ms)[len(ms) // 2], "wall_s": sum(map(sum, iter_ms[:len(lines) + 1]))})
+    return lines
+
+
+def bench_figures(iter_ms: list[float], batch: int) -> dict:
+    """The bench row's figures from its raw timings, as run() derives them."""
+    from benchmarks.speed.report import row_metrics
+
+    raw = {"batch_size": batch, "precision": "fp32", "iter_ms": iter_ms, "wait_ms": [0.0] * len(iter_ms)}
+    return row_metrics({"raw": raw}, None, None, None)
+
+
+@pytest.mark.parametrize("row_ms,stall_ms,agree", [
+    (100.0, 100.0, True),    # the same 100 ms steps both ways: ratio 1
+    (100.0, 200.0, True),    # one of 40 steps 100 ms late: the trainer 2.4% slower, inside 3%
+    (100.0, 250.0, False),   # 150 ms late: 3.6% slower; the median interval (still 100 ms steps) would have agreed
+    (96.5, 100.0, False),    # the row 3.5% faster on every step
+])
+def test_the_verdict_on_known_answers(row_ms, stall_ms, agree):
+    """Trainer intervals built step by step (a compiling first interval, then 4 x 10 steps, one of them maybe
+    stalled) against a bench row of known steps: the trainer's img/s is its images over its seconds, so a stall
+    counts, and the verdict is |ratio - 1| <= --tol (3%)."""
+    batch = 64
+    steps = [[2000.0] * 10] + [[100.0] * 10] * 3 + [[100.0] * 9 + [stall_ms]]
+    trainer = trainer_vs_bench.trainer_figures(trainer_lines(steps, batch), batch)
+    seconds = (3900.0 + stall_ms) / 1e3
+    assert trainer["img_per_s"] == pytest.approx(40 * batch / seconds) and trainer["steps_compared"] == 40
+    assert trainer["ms_median"] == 100.0 and trainer["intervals"] == 4
+    bench = bench_figures([row_ms] * 50, batch)
+    c = trainer_vs_bench.compare(bench, trainer, tol=0.03)
+    assert c["img_per_s_ratio"] == pytest.approx(row_ms * 40 / (3900.0 + stall_ms))
+    assert c["agree"] is agree
+
+
+def test_main_exits_0_when_they_agree_and_1_when_they_differ(monkeypatch, tmp_path, capsys):
+    """The command's status is the verdict: the comparison of a fabricated run (no GPU, no trainer) decides it."""
+    batch = 64
+    stats = trainer_lines([[2000.0] * 10] + [[100.0] * 10] * 4, batch)
+    for row_ms, rc, word in ((100.0, 0, "agree"), (90.0, 1, "DIFFER")):
+        bench = bench_figures([row_ms] * 50, batch)
+        trainer = trainer_vs_bench.trainer_figures(stats, batch)
+        result = {"bench": bench, "trainer": trainer, "comparison": trainer_vs_bench.compare(bench, trainer, 0.03)}
+        monkeypatch.setattr(trainer_vs_bench, "run", lambda args, overrides, argv: (result, tmp_path / "t.json"))
+        assert trainer_vs_bench.main(["--data", str(tmp_path)]) == rc
+        assert f"-> {word} (tolerance 3%)" in capsys.readouterr().out

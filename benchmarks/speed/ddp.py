@@ -10,7 +10,9 @@
 Each point is one `torchrun --standalone --nproc_per_node N -m ffcv_ddpm.train ...` run: the trainer's own loop,
 FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as FFCV workers. Throughput and data
 wait come from the run's stats.jsonl (CUDA events on rank 0, the wait for data inside each iteration); the first
-log interval (compilation, FFCV's first epoch) is dropped. Scaling efficiency = img/s(N) / (N x img/s(1)).
+log interval (compilation, FFCV's first epoch) is dropped. img/s = the other intervals' images over their seconds
+(a stalled interval counts with all its time; their median rate and the trainer's images over wall time beside it);
+scaling efficiency = img/s(N) / (N x img/s(1)). --rederive recomputes committed files by this formula.
 NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put in the children's environment).
 A compiled CUDA run first compiles every graph its points use, all at once (--warm: each point would otherwise compile
 cold in turn, ~150 s for a DDP graph), so a 1, 2, 4-GPU comparison fits in one 10-minute GPU call.
@@ -26,6 +28,7 @@ stats, and its step time as median and mean: a mean well above the median means 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -36,15 +39,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, pyplot, results_dir,
-                               save_figure, write_json, write_text)
+from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, pyplot,
+                               results_dir, save_figure, write_json, write_text)
 from benchmarks.speed.flops import train_flops_per_image
 from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.step import noise_seed
-from ffcv_ddpm.train import NO_MULTICAST, read_stats
+from ffcv_ddpm.train import NO_MULTICAST, img_per_s_over, read_stats
 from ffcv_ddpm.unet import build_model
 
 CONTROL = "independent (no DDP)"  # the control's mode name in the results
@@ -61,13 +64,27 @@ def trainer_args(args, overrides: list[str], beton: Path, out_dir: Path, per_ran
     return ["--preset", args.preset, "--data", str(beton), *common]
 
 
+def throughput(stats: list[dict]) -> dict:
+    """img/s of a run from its stats.jsonl lines, the first interval (compilation, FFCV's first-epoch JIT) dropped:
+    img_per_s, the steady intervals' images over their seconds (an interval that stalled counts with all its time;
+    stalls are likelier with more ranks, so a median of the intervals' rates flatters the larger points);
+    img_per_s_median, that median, kept beside it (the two apart: some interval stalled); img_per_s_wall, the images
+    over the wall time from line to line (the log intervals' syncs and all-gathers too), where the trainer logs it."""
+    steady, after = (stats[1:], stats[0]["step"]) if len(stats) > 1 else (stats, 0)
+    out = {"img_per_s": img_per_s_over(steady, after),
+           "img_per_s_median": float(np.median([s["img_per_s"] for s in steady]))}
+    if all("img_per_s_wall" in s for s in steady):
+        out["img_per_s_wall"] = img_per_s_over(steady, after, "img_per_s_wall")
+    return out
+
+
 def read_run(out_dir: Path) -> dict:
-    """Throughput of one finished run from its stats.jsonl; the first interval (compilation, FFCV's first-epoch JIT)
-    is dropped."""
+    """Throughput of one finished run from its stats.jsonl (throughput: the first interval dropped), its data
+    wait and the other figures of its steady intervals."""
     (run_dir,) = [p for p in out_dir.iterdir() if p.is_dir()]
     stats = read_stats(run_dir)
     steady = stats[1:] or stats
-    point = {"stats": stats, "img_per_s": float(np.median([s["img_per_s"] for s in steady])),
+    point = {"stats": stats, **throughput(stats),
              "data_wait_share": float(np.median([s["data_wait_share"] for s in steady])),
              "peak_mem_gib": steady[-1]["peak_mem_gib"],
              "config": json.loads((run_dir / "config.json").read_text())}
@@ -237,11 +254,18 @@ def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_ran
         return {"nproc": nproc, "error": "\n".join(log[-1500:] for log in logs)}
     runs = [read_run(out_dir / f"gpu{i}") for i in range(nproc)]
     return {"nproc": nproc, "per_rank_batch": per_rank_batch, "global_batch": per_rank_batch * nproc,
-            "workers_per_rank": workers, "img_per_s": sum(r["img_per_s"] for r in runs),
-            "per_process_img_per_s": [r["img_per_s"] for r in runs],
+            "workers_per_rank": workers, **sum_of_processes([r["stats"] for r in runs]),
+            "per_process_stats": [r["stats"] for r in runs],
             "data_wait_share": max(r["data_wait_share"] for r in runs),
             "peak_mem_gib": runs[0]["peak_mem_gib"], "config": runs[0]["config"],
             **({"gpu0": runs[0]["gpu0"]} if "gpu0" in runs[0] else {})}
+
+
+def sum_of_processes(stats: list[list[dict]]) -> dict:
+    """The control's throughput: each independent process's (throughput), summed; per_process_img_per_s beside."""
+    runs = [throughput(s) for s in stats]
+    out = {key: sum(r[key] for r in runs) for key in runs[0] if all(key in r for r in runs)}
+    return {**out, "per_process_img_per_s": [r["img_per_s"] for r in runs]}
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -366,13 +390,73 @@ def add_metrics(result: dict) -> None:
 
 def step_ms(p: dict) -> tuple[float, float] | None:
     """(median, mean) ms per step of a point, or None without per-interval stats (the independent control): the
-    median over the measured intervals of each one's median step, and the mean step of the interval whose rate the
-    point's img/s reports. A mean well above the median means some steps stalled."""
+    median over the measured intervals of each one's median step, and the mean step over all of them (the global
+    batch over the point's img/s: their time over their steps). A mean well above the median means some steps
+    stalled."""
     if not p.get("stats"):
         return None
     steady = p["stats"][1:] or p["stats"]
     mean = p["per_rank_batch"] * p["nproc"] / p["img_per_s"] * 1e3
     return float(np.median([s["iter_ms_median"] for s in steady])), mean
+
+
+def rederive(result: dict) -> dict:
+    """A copy of a result with every point's img/s recomputed from its intervals by today's formula (throughput) and
+    the figures derived from it (add_metrics): a file written before the formula changed, read as one written now.
+    A point without intervals (the independent control before its processes' stats were kept) keeps the file's
+    img/s (a sum of median intervals), marked "img_per_s_not_rederived"."""
+    out = copy.deepcopy(result)
+    for p in (p for points in out["points"].values() for p in points if "error" not in p):
+        if p.get("stats"):
+            p.update(throughput(p["stats"]))
+        elif p.get("per_process_stats"):
+            p.update(sum_of_processes(p["per_process_stats"]))
+        else:
+            p["img_per_s_not_rederived"] = True
+    add_metrics(out)
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+REDERIVED = "rederived.md"  # the note --rederive writes in each folder it is given
+
+
+def rederived_note(folder: Path) -> str:
+    """The note on the DDP results under `folder` (every JSON with points, as the ledger reads them): each point's
+    img/s, scaling efficiency and MFU per GPU as its file holds them and as rederive computes them now."""
+    rows, kept = [], False
+    for path in sorted(folder.rglob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise BenchError(f"cannot read {path}: {e}") from None
+        if not (isinstance(result, dict) and "points" in result and "flops_per_image" in result):
+            continue
+        now, link = rederive(result), path.relative_to(folder).as_posix()
+        for mode, points in result["points"].items():
+            for old, new in zip(points, now["points"][mode]):
+                if "error" in old:
+                    continue
+                kept |= bool(new.get("img_per_s_not_rederived"))
+                rows.append([f"[{link}]({link})", mode, str(old["nproc"]), f"{old['img_per_s']:,.0f}",
+                             "not re-derivable: no intervals kept" if new.get("img_per_s_not_rederived")
+                             else f"{new['img_per_s']:,.0f} ({new['img_per_s'] / old['img_per_s'] - 1:+.2%})",
+                             *(f"{_pct(old.get(k))} -> {_pct(new.get(k))}"
+                               for k in ("scaling_efficiency", "mfu_per_gpu"))])
+    shown = folder.resolve().relative_to(REPO) if folder.resolve().is_relative_to(REPO) else folder
+    return "\n".join([
+        "# DDP img/s re-derived: images over seconds", "",
+        f"Generated by `python -m benchmarks.speed.ddp --rederive {shown.as_posix()}` from the result files below: "
+        "do not edit by hand. Their img/s was the median of the steady log intervals' rates (the first interval, "
+        "compilation, dropped), which leaves a stalled interval out; today's is the same intervals' images over "
+        "their seconds (`benchmarks.speed.ddp.throughput`), and the scaling efficiency and MFU per GPU follow from "
+        "it." + (" The independent control kept no intervals: its img/s stays the sum of its processes' median "
+                 "intervals, its efficiency is against the re-derived one-GPU point." if kept else ""), "",
+        *md_table(["file", "mode", "GPUs", "img/s as filed (median interval)", "img/s re-derived (images / seconds)",
+                   "scaling efficiency, filed -> re-derived", "MFU per GPU, filed -> re-derived"], rows), ""])
 
 
 def render(result: dict, out: Path) -> None:
@@ -382,17 +466,17 @@ def render(result: dict, out: Path) -> None:
              f"- data: {result['dataset']} ; {result['flops_per_image'] / 1e9:.2f} GFLOP/img fwd+bwd; peak "
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
     for mode, points in result["points"].items():
-        lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s per GPU | MFU per GPU "
-                  "| scaling efficiency | step ms (median / mean) | data wait (rank 0) | data wait (slowest rank) "
-                  "| slowest step ms, most GC ms in an interval | all-reduce ms by rank (flat) "
-                  "| peak mem GiB | GPU 0 SM clock MHz (p10 / median), power W (median) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s: median interval / wall "
+                  "| img/s per GPU | MFU per GPU | scaling efficiency | step ms (median / mean) | data wait (rank 0) "
+                  "| data wait (slowest rank) | slowest step ms, most GC ms in an interval "
+                  "| all-reduce ms by rank (flat) | peak mem GiB "
+                  "| GPU 0 SM clock MHz (p10 / median), power W (median) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for p in points:
             if "error" in p:
-                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | | | | |")
+                lines.append(f"| {p['nproc']} | failed: see JSON | | | | | | | | | | | | | |")
                 continue
-            mfu = f"{p['mfu_per_gpu']:.1%}" if p["mfu_per_gpu"] is not None else "n/a"
-            eff = f"{p['scaling_efficiency']:.1%}" if p["scaling_efficiency"] is not None else "n/a"
+            other = " / ".join(f"{p[k]:,.0f}" if k in p else "-" for k in ("img_per_s_median", "img_per_s_wall"))
             mem = f"{p['peak_mem_gib']:.1f}" if p["peak_mem_gib"] is not None else "n/a"
             slowest = f"{p['max_rank_data_wait_share']:.2%}" if "max_rank_data_wait_share" in p else "-"
             ms = step_ms(p)
@@ -404,7 +488,8 @@ def render(result: dict, out: Path) -> None:
             gpu = (f"{g['sm_clock_mhz_p10']:.0f} / {g['sm_clock_mhz_median']:.0f}, {g['power_w_median']:.0f}" if g
                    else "-")
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
-                         f"{p['img_per_s_per_gpu']:,.0f} | {mfu} | {eff} | {ms} | {p['data_wait_share']:.2%} "
+                         f"{other} | {p['img_per_s_per_gpu']:,.0f} | {_pct(p['mfu_per_gpu'])} "
+                         f"| {_pct(p['scaling_efficiency'])} | {ms} | {p['data_wait_share']:.2%} "
                          f"| {slowest} | {slow} | {ar} | {mem} | {gpu} |")
         lines.append("")
     lc = result.get("loss_check")
@@ -477,7 +562,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm", choices=("auto", "on", "off"), default="auto",
                    help="compile every point's graph at once before timing any (3-step runs filling the compile "
                         "cache): auto = on for compiled CUDA runs")
+    p.add_argument("--rederive", type=Path, action="append", default=[], metavar="FOLDER",
+                   help=f"run nothing: write FOLDER/{REDERIVED}, the DDP result files under FOLDER with their img/s "
+                        "recomputed from their intervals by today's formula beside the figures they hold (repeatable)")
     args, overrides = p.parse_with_overrides(argv)
+    if args.rederive:
+        for folder in args.rederive:
+            if not folder.is_dir():
+                return fail("ddp", f"--rederive {folder}: no such folder")
+            try:
+                write_text(folder / REDERIVED, rederived_note(folder))
+            except BenchError as e:
+                return fail("ddp", f"--rederive: {e}")
+            print(f"bench-ddp: wrote {folder / REDERIVED}")
+        return 0
     import torch
 
     counts = args.gpus

@@ -8,8 +8,9 @@ and sampling row of every part, each marked with its part (the header names each
 and command). Refused, in one line and nothing written: parts measured on different cards (a table is one card's
 figures), on different datasets (synthetic vs CIFAR-10, other sizes), or the same row measured ok in two parts
 (unless --prefer-later: the later part's row is kept). A failed row is replaced by the same row measured ok in
-another part, in its place. Speedups are computed over the baseline row of the merged table, which may come from
-another call on the same card.
+another part, in its place. A speedup over a baseline row (or an eager sampling row) of another part is another
+call's, perhaps another machine's, clock and load: it is kept apart (speedup_cross_call) and the table marks it
+"(other call)"; only a row of the baseline's own part gets a plain speedup (report.same_call).
 """
 
 from __future__ import annotations

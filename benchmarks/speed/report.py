@@ -84,8 +84,30 @@ def row_metrics(row: dict, flops: dict | None, device_name: str | None, measured
     return m
 
 
+def same_call(a: dict, b: dict) -> bool:
+    """Whether two rows (or sampling rows) were measured in one call: in one result file, or in a merged file
+    (benchmarks.speed.merge) from the same part, one bench run on one machine. The environment names no machine, so
+    two parts are two calls even where they shared one."""
+    return a.get("part") == b.get("part")
+
+
+def speedup_of(img_per_s: float, base_img_per_s: float, same: bool) -> dict:
+    """{"speedup": ratio} over a baseline of the same call (same_call); over one of another call (a merged file's
+    other part: another process, possibly another machine, clock or load) {"speedup": None, "speedup_cross_call":
+    ratio}, which the tables mark as such."""
+    ratio = img_per_s / base_img_per_s
+    return {"speedup": ratio} if same else {"speedup": None, "speedup_cross_call": ratio}
+
+
+def _speedup_cell(m: dict) -> str:
+    if m.get("speedup"):
+        return f"{m['speedup']:.2f}x"
+    return f"{m['speedup_cross_call']:.2f}x (other call)" if m.get("speedup_cross_call") else "-"
+
+
 def add_metrics(result: dict) -> dict:
-    """Fills each ok row's "metrics" and its speedup over its group's baseline row (same run, same card)."""
+    """Fills each ok row's "metrics" and its speedup over its group's baseline row (same card; another call's
+    baseline: speedup_of)."""
     baselines = {}
     for row in result["rows"]:
         if row.get("status") != "ok":
@@ -94,11 +116,12 @@ def add_metrics(result: dict) -> dict:
         flops = row.get("flops") or result.get("flops", {}).get(row["preset"])  # the row's own; older files: per preset
         row["metrics"] = row_metrics(row, flops, result.get("device_name"), result.get("measured_peaks"))
         if row.get("baseline"):
-            baselines[row["group"]] = row["metrics"]["img_per_s"]
+            baselines[row["group"]] = row
     for row in result["rows"]:
         if row["metrics"] is not None:
             base = baselines.get(row["group"])
-            row["metrics"]["speedup"] = row["metrics"]["img_per_s"] / base if base else None
+            row["metrics"].update(speedup_of(row["metrics"]["img_per_s"], base["metrics"]["img_per_s"],
+                                             same_call(row, base)) if base else {"speedup": None})
     return result
 
 
@@ -229,7 +252,7 @@ def _row_cells(row: dict, measured: bool) -> list[str]:
         batch,
         f"{m['ms_median']:.1f} ({m['ms_p10']:.1f}-{m['ms_p90']:.1f})",
         _num(m["img_per_s"]),
-        f"{m['speedup']:.2f}x" if m.get("speedup") else "-",
+        _speedup_cell(m),
         _pct(m["data_wait_share"]),
         f"{raw['first_step_s']:.1f}",
         _num(m["tflops"]) if "tflops" in m else "-",
@@ -254,18 +277,18 @@ def _mode(s: dict) -> str:
     return s.get("mode") or ("compiled" if s.get("compiled") else "eager")
 
 
-def sampling_speedup(entry: dict, result: dict) -> float | None:
-    """img/s of a sampling row over the eager row of the same model and sampler in the same file."""
+def sampling_speedup(entry: dict, result: dict) -> dict:
+    """img/s of a sampling row over the eager row of the same model and sampler in the same file (speedup_of:
+    marked when that row is another call's)."""
     eager = next((s for s in result.get("sampling") or [] if s.get("status", "ok") == "ok" and _mode(s) == "eager"
                   and s["name"] == entry["name"] and s["sampler"] == entry["sampler"]
                   and s["steps"] == entry["steps"] and s["n"] == entry["n"]), None)
-    return entry["img_per_s"] / eager["img_per_s"] if eager else None
+    return speedup_of(entry["img_per_s"], eager["img_per_s"], same_call(entry, eager)) if eager else {}
 
 
 def _sampling_cells(s: dict, result: dict) -> list[str]:
     if s.get("status", "ok") != "ok":
         return [s["name"], "-", "-", _mode(s)] + ["-"] * (len(_SAMPLING_COLUMNS) - 5) + [f"FAILED: {s['error']}"]
-    speedup = sampling_speedup(s, result)
     diff = (f"max {s['vs_eager_max_abs']}, mean {s['vs_eager_mean_abs']:.3f}" if "vs_eager_max_abs" in s else "-")
     mode = _mode(s)
     if s.get("cudagraph_skips"):
@@ -273,7 +296,7 @@ def _sampling_cells(s: dict, result: dict) -> list[str]:
     return [s["name"], s["sampler"], str(s["steps"]), mode,
             s["precision"], str(s["n"]), f"{s['first_call_s']:.1f}" if "first_call_s" in s else "-",
             f"{s['seconds']:.3f}", _num(s["img_per_s"]), _num(s["tflops"]) if s.get("tflops") is not None else "-",
-            f"{speedup:.2f}x" if speedup else "-", diff]
+            _speedup_cell(sampling_speedup(s, result)), diff]
 
 
 def published_lines(result: dict) -> list[str]:
@@ -353,7 +376,8 @@ def render_markdown(result: dict) -> str:
         lines += ["## Sampling throughput", "",
                   "Whole sampling calls timed with CUDA events (one call per row, after an untimed first call that "
                   "compiles and records the CUDA graph); TFLOP/s = forward FLOPs per image x images x network calls "
-                  "/ seconds; *vs eager*: img/s over the eager row of the same model, sampler and batch in this file; "
+                  "/ seconds; *vs eager*: img/s over the eager row of the same model, sampler and batch in this file "
+                  "(\"other call\": that row is another part's); "
                   "*images vs eager*: max and mean |difference| in uint8 levels from the eager sampler's images, "
                   "same seed (DDIM).", ""]
         lines += md_table(list(_SAMPLING_COLUMNS), [_sampling_cells(s, result) for s in result["sampling"]]) + [""]

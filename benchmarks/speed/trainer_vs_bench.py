@@ -40,16 +40,23 @@ TRAINER_EXTRAS = ("it reads the loss and a stop flag at every log interval (one 
 
 def trainer_figures(stats: list[dict], batch: int) -> dict:
     """The trainer's speed over its log intervals after the first (which holds compilation): images / seconds as the
-    bench row counts them, the median of the intervals' median step times, the data-wait share."""
-    later = [(prev["step"], line) for prev, line in zip(stats, stats[1:])]
+    bench row counts them (img_per_s_over), the median of the intervals' median step times, the data-wait share;
+    and, where the trainer logs it, its images over wall time (the bookkeeping between the intervals too)."""
+    from ffcv_ddpm.train import img_per_s_over  # the trainer's module, after main's compile_cache()
+
+    later = stats[1:]
     if not later:
         raise BenchError("the trainer logged one interval only: give --steps at least twice --log-every")
-    images = sum((line["step"] - start) * batch for start, line in later)
-    seconds = sum((line["step"] - start) * batch / line["img_per_s"] for start, line in later)
-    wait_s = sum((line["step"] - start) * line["data_wait_ms"] / 1e3 for start, line in later)
-    return {"img_per_s": images / seconds, "ms_median": float(np.median([line["iter_ms_median"] for _, line in later])),
-            "data_wait_share": wait_s / seconds, "steps_compared": images // batch,
-            "first_line_s": stats[0]["wall_s"], "intervals": len(later)}
+    start = stats[0]["step"]
+    img_per_s = img_per_s_over(later, start)
+    steps = later[-1]["step"] - start
+    wait_s = sum((line["step"] - prev["step"]) * line["data_wait_ms"] / 1e3 for prev, line in zip(stats, later))
+    out = {"img_per_s": img_per_s, "ms_median": float(np.median([line["iter_ms_median"] for line in later])),
+           "data_wait_share": wait_s / (steps * batch / img_per_s), "steps_compared": steps,
+           "first_line_s": stats[0]["wall_s"], "intervals": len(later)}
+    if all("img_per_s_wall" in line for line in later):
+        out["img_per_s_wall"] = img_per_s_over(later, start, "img_per_s_wall")
+    return out
 
 
 def compare(bench: dict, trainer: dict, tol: float) -> dict:
@@ -77,7 +84,9 @@ def render(result: dict, path: Path) -> None:
                          f"{b['first_step_s']:.1f}"],
                         ["trainer (stats.jsonl)", f"{t['img_per_s']:,.1f}", f"{t['ms_median']:.2f}",
                          f"{t['data_wait_share']:.1%}",
-                         f"{t['first_line_s']:.1f} (to its first log line: the first interval included)"]]), "",
+                         f"{t['first_line_s']:.1f} (to its first log line: the first interval included)"],
+                        *([["trainer over wall time (not compared)", f"{t['img_per_s_wall']:,.1f}", "", "", ""]]
+                          if "img_per_s_wall" in t else [])]), "",
              f"What the trainer does that the row does not: {TRAINER_EXTRAS}.", ""]
     write_text(path.with_suffix(".md"), "\n".join(lines))
 
