@@ -1,7 +1,7 @@
-"""What every benchmark shares: the dataset's file names, a synthetic dataset when none is there, the results folder,
-atomic JSON, Markdown and PNG files, Markdown tables and the commit line of a report. What both rooms (benchmarks.speed,
-benchmarks.quality) need lives here; what only one room shares stays in it (speed: rows, runner, report, flops, peaks;
-quality: study).
+"""What every benchmark shares: the dataset's file names, a synthetic dataset when none is there, the results folder
+(and its lock), atomic JSON, Markdown and PNG files, Markdown tables and the commit line of a report. What both rooms
+(benchmarks.speed, benchmarks.quality) need lives here; what only one room shares stays in it (speed: rows, runner,
+report, flops, peaks; quality: study).
 """
 
 from __future__ import annotations
@@ -66,6 +66,13 @@ def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
         return data, False
     if beton.is_file():
         return beton, False
+    from tools.cifar10 import DatasetError
+    from tools.make_dataset import check_one_dataset
+
+    try:  # a digits folder, say: CIFAR-10 files and manifest written into it would make it hold two
+        check_one_dataset(data, "cifar10", f"a synthetic build for --data (the speed benchmarks read {BETON})")
+    except DatasetError as e:
+        raise BenchError(str(e)) from None
     print(f"bench: NOTE: no {BETON} in {data}/, so building a SYNTHETIC dataset there first "
           f"({num_synthetic} images, tools.make_dataset --source synthetic). Its numbers measure speed only; "
           "run `make dataset` for CIFAR-10.", flush=True)
@@ -74,6 +81,19 @@ def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
     if subprocess.run(cmd, cwd=REPO).returncode != 0 or not beton.is_file():
         raise BenchError(f"building the synthetic dataset failed (command: {' '.join(cmd)})")
     return beton, True
+
+
+def lock_output(folder: Path) -> None:
+    """`folder` (made if missing) is this command's output folder alone until ffcv_ddpm.folder_lock.unlock_folder or
+    the process's end: two commands writing one folder at once would each time the other's load, and the last to
+    finish would replace the other's files. BenchError (one line, naming the other's pid) if another holds it."""
+    from ffcv_ddpm.folder_lock import FolderInUse, lock_folder
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        lock_folder(folder)
+    except FolderInUse as e:
+        raise BenchError(str(e)) from None
 
 
 def write_text(path: Path, text: str) -> None:

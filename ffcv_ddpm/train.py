@@ -9,8 +9,12 @@ samples-*.png and ckpt-*.pt (atomic, newest K kept); with train.tensorboard=True
 Two speeds per stats line: img_per_s, the interval's images over its timed steps (CUDA events, data wait included),
 and img_per_s_wall, the same images over the wall time since the previous line, which adds what runs between the
 steps: the log interval's syncs and all-gathers, checkpoints, sample grids, evaluations.
+A run folder has one trainer at a time (its .lock: ffcv_ddpm.folder_lock). --resume refuses, in one line and before it
+writes anything, what cannot continue the run: another preset, data or model weights' shape, train.steps below its
+newest checkpoint, a run whose checkpoints all fail to load (a damaged one is set aside as *.corrupt).
 """
 
+import dataclasses
 import gc
 import json
 import math
@@ -29,18 +33,21 @@ import torch
 import torch.distributed as dist
 
 from ffcv_ddpm.checks import Parser, fail
-from ffcv_ddpm.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from ffcv_ddpm.checkpoint import CheckpointError, list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
 from ffcv_ddpm.data import check_dataset, dataset_info, endless, make_loader, train_beton
 from ffcv_ddpm.diffusion import save_grid
 from ffcv_ddpm.env import compile_cache, environment
 from ffcv_ddpm.evaluate import Evaluator
+from ffcv_ddpm.folder_lock import FolderInUse, lock_folder, unlock_folder
 from ffcv_ddpm.sampling import compile_denoiser
 from ffcv_ddpm.sde_sampling import sample
-from ffcv_ddpm.step import AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device
+from ffcv_ddpm.step import (AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device,
+                            set_precision)
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps
+from ffcv_ddpm.unet import ModelConfig, build_model
 
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
 # symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
@@ -102,11 +109,109 @@ def lr_at(step: int, cfg) -> float:
 def new_run_dir(cfg: RunConfig) -> Path:
     out = Path(cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ids = [int(m.group(1)) for p in out.iterdir() if (m := re.match(r"^(\d{5})-", p.name))]
-    name = f"{max(ids, default=-1) + 1:05d}-{cfg.preset}" + (f"-{cfg.train.desc}" if cfg.train.desc else "")
-    run_dir = out / name
-    run_dir.mkdir()
-    return run_dir
+    while True:
+        ids = [int(m.group(1)) for p in out.iterdir() if (m := re.match(r"^(\d{5})-", p.name))]
+        name = f"{max(ids, default=-1) + 1:05d}-{cfg.preset}" + (f"-{cfg.train.desc}" if cfg.train.desc else "")
+        run_dir = out / name
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:  # another trainer took this number between our listing and our mkdir
+            continue
+
+
+def lock_run(run_dir: Path) -> None:
+    """The run folder is this trainer's alone (ffcv_ddpm.folder_lock): a second trainer, a resume of a run still
+    training included, stops with one line naming the first's pid."""
+    try:
+        lock_folder(run_dir)
+    except FolderInUse as e:
+        raise TrainingError(str(e)) from None
+
+
+def saved_config(run_dir: Path) -> RunConfig:
+    """The config.json of a run folder (the config its newest checkpoint was trained with)."""
+    saved = Path(run_dir) / "config.json"
+    if not saved.is_file():
+        raise TrainingError(f"--resume {run_dir}: no config.json there; give a run folder made by train")
+    return RunConfig.from_dict(json.loads(saved.read_text()))
+
+
+def write_run_files(run_dir: Path, cfg: RunConfig, ddp: Dist) -> None:
+    """config.json and environment.json: at a new run's start; on resume only once the checkpoint has loaded with
+    cfg, so that a config that cannot continue the run never replaces the one that can."""
+    write_json(run_dir / "config.json", cfg.to_dict())
+    dataset = dataset_info(cfg.data.path) if cfg.data.loader != "torch-files" else {"png_dir": cfg.data.png_dir}
+    write_json(run_dir / "environment.json", {**environment(), "world_size": ddp.world_size,
+                                              "multicast_env": {k: os.environ.get(k) for k in NO_MULTICAST},
+                                              "dataset": dataset})
+
+
+def resume_point(cfg: RunConfig, run_dir: Path, main: bool) -> dict:
+    """{"state", "path"} of the checkpoint the run continues from (state None: none yet, start at step 0), read on
+    the CPU once cfg is known to continue that run: the same preset, data, model weights and process as the
+    checkpoint's own config (config.json's without a checkpoint), and train.steps not below its step. TrainingError
+    naming what differs otherwise. `main`: the folder's writer, who sets damaged checkpoints aside."""
+    try:
+        state, path = load_latest(run_dir, map_location="cpu", set_aside=main)
+    except CheckpointError as e:
+        raise TrainingError(f"{e}; a run that has trained is not started again from step 0: start a new run, or "
+                            "put a good checkpoint back") from None
+    run = RunConfig.from_dict(state["config"]) if state is not None else saved_config(run_dir)
+    where = path or run_dir / "config.json"
+    if cfg.preset != run.preset:
+        raise TrainingError(f"preset {cfg.preset!r}: {run_dir} is a {run.preset!r} run ({where.name}); a resumed run "
+                            "keeps its preset: drop --preset, or start a new run")
+    if not same_data(run_dir, run.data.path, cfg.data.path):
+        raise TrainingError(f"data.path={cfg.data.path}: {run_dir} trained on {run.data.path} ({where.name}); a "
+                            "resumed run keeps its data: drop --data, or start a new run")
+    if why := weights_change(run.model, cfg.model):
+        raise TrainingError(f"{why} ({where.name}); a resumed run keeps its model: drop the override, or start a new "
+                            "run")
+    if run.diffusion.process != cfg.diffusion.process:
+        raise TrainingError(f"{where} was trained with diffusion.process={run.diffusion.process!r}; a run cannot "
+                            f"continue as {cfg.diffusion.process!r}: drop the override or start a new run")
+    if state is not None:
+        if state["step"] > cfg.train.steps:
+            raise TrainingError(f"train.steps={cfg.train.steps} is below step {state['step']} of {path}, the run's "
+                                f"newest checkpoint; a run does not go back: give train.steps >= {state['step']}, "
+                                "or start a new run")
+        if cfg.train.ema_decay > 0 and state.get("ema") is None:
+            raise TrainingError(f"train.ema_decay={cfg.train.ema_decay}: {path} holds no EMA weights (the run has "
+                                "train.ema_decay=0); drop the override, or start a new run")
+    return {"state": state, "path": path}
+
+
+def same_data(run_dir: Path, before: str, now: str) -> bool:
+    """The same .beton, by path, or moved: the same file (sha256) as the manifests record it, the run's as its
+    environment.json has it (train.write_run_files)."""
+    if Path(before).resolve() == Path(now).resolve():
+        return True
+    env = run_dir / "environment.json"
+    recorded = json.loads(env.read_text()).get("dataset") if env.is_file() else None
+    manifest = Path(now).parent / "manifest.json"
+    if not recorded or not recorded.get("manifest") or not manifest.is_file():
+        return False
+    sha = lambda m, path: m.get("files", {}).get(Path(path).name, {}).get("sha256")  # noqa: E731
+    recorded_sha = sha(recorded["manifest"], recorded["path"])
+    return recorded_sha is not None and recorded_sha == sha(json.loads(manifest.read_text()), now)
+
+
+def weights_change(before: ModelConfig, now: ModelConfig) -> str | None:
+    """What a change of the model config does to its weights' names and shapes (models built on the meta device:
+    no memory, no time), in words; None if it changes neither."""
+    changed = [f.name for f in dataclasses.fields(now) if getattr(now, f.name) != getattr(before, f.name)]
+    if not changed:
+        return None
+    with torch.device("meta"):
+        shapes = [{k: tuple(v.shape) for k, v in build_model(m).state_dict().items()} for m in (before, now)]
+    if shapes[0] == shapes[1]:
+        return None
+    key = next(k for k in sorted(shapes[0].keys() | shapes[1].keys()) if shapes[0].get(k) != shapes[1].get(k))
+    shape = lambda s: "x".join(map(str, s)) if s is not None else "absent"  # noqa: E731
+    fields = ", ".join(f"model.{n}={getattr(now, n)} (the run's: {getattr(before, n)})" for n in changed)
+    return (f"{fields} change{'s' if len(changed) == 1 else ''} the model's weights ({key}: "
+            f"{shape(shapes[0].get(key))} in the run, {shape(shapes[1].get(key))} now)")
 
 
 def read_stats(run_dir: Path) -> list[dict]:
@@ -185,6 +290,7 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     if cfg.train.tensorboard and (why := missing_package()):
         raise TrainingError(why)
     device = resolve_device(cfg.train.device, ddp)
+    set_precision(cfg.train.precision, device)  # fp16 without CUDA refused here, before any folder exists
     # The data against the model, before any model is built or compiled or any folder made.
     check_dataset(cfg.data, (cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size), ddp.world_size)
     if ddp.world_size > 1 and cfg.train.ddp_grad_dtype == "bf16" and device.type != "cuda":
@@ -199,22 +305,33 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
                  if cfg.train.eval_every > 0 and ddp.main else None)
     own_stop = stop is None
     stop = stop or StopRequest()
-    run_dir = None
+    run_dir = None  # once the run has started in it: a failure then says what is left there
+    locked = None  # the folder this process locked (rank 0)
     try:
+        resumed = None
+        if cfg.train.resume:
+            # The run folder as it was until the checkpoint has loaded with this config: a refusal changes nothing.
+            saved_config(cfg.train.resume)
+            if ddp.main:
+                lock_run(locked := Path(cfg.train.resume))
+            resumed = resume_point(cfg, Path(cfg.train.resume), ddp.main)
+            at = resumed["state"]["step"] if resumed["state"] is not None else 0
+            if at == cfg.train.steps:
+                log(ddp, f"train: {cfg.train.resume} is complete: its newest checkpoint, {resumed['path'].name}, is "
+                         f"at train.steps={at}; nothing to do (a larger train.steps trains on)")
+                return Path(cfg.train.resume)
         if ddp.main:
-            run_dir = stop.run_dir = Path(cfg.train.resume) if cfg.train.resume else new_run_dir(cfg)
+            if not cfg.train.resume:
+                lock_run(locked := new_run_dir(cfg))
+            run_dir = stop.run_dir = locked
             print(f"train: run folder {run_dir}, {ddp.world_size} process(es)\n{cfg.summary()}")
-            write_json(run_dir / "config.json", cfg.to_dict())
-            dataset = (dataset_info(cfg.data.path) if cfg.data.loader != "torch-files"
-                       else {"png_dir": cfg.data.png_dir})
-            write_json(run_dir / "environment.json", {**environment(), "world_size": ddp.world_size,
-                                                      "multicast_env": {k: os.environ.get(k) for k in NO_MULTICAST},
-                                                      "dataset": dataset})
+            if not cfg.train.resume:
+                write_run_files(run_dir, cfg, ddp)
         if ddp.world_size > 1:
             shared = [str(run_dir) if run_dir else None]
             dist.broadcast_object_list(shared, src=0)
             run_dir = Path(shared[0])
-        return _run(cfg, ddp, device, run_dir, stop, evaluator)
+        return _run(cfg, ddp, device, run_dir, stop, evaluator, resumed)
     except BaseException as e:
         if ddp.main and run_dir is not None:
             note = _after_failure(run_dir, fresh=not cfg.train.resume)
@@ -224,6 +341,8 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
                 print(f"train: {note}", file=sys.stderr, flush=True)
         raise
     finally:
+        if locked is not None:
+            unlock_folder(locked)
         if own_stop:
             stop.restore()
 
@@ -240,7 +359,7 @@ def _after_failure(run_dir: Path, fresh: bool) -> str:
 
 
 def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "StopRequest",
-         evaluator: "Evaluator | None") -> Path:
+         evaluator: "Evaluator | None", resumed: dict | None) -> Path:
     # ---- data -----------------------------------------------------------------------------------------------
     loader = make_loader(cfg.data, device, rank=ddp.rank, world_size=ddp.world_size)
     steps_per_epoch = len(loader)
@@ -254,26 +373,30 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                                     cfg.train.sample_compile if device.type == "cuda" else "off")
     start_step = 0
     if cfg.train.resume:
-        state, path = load_latest(run_dir, map_location=device)
+        # Taken out of `resumed`, so that the host copy of the checkpoint goes once it is loaded (resume_point
+        # checked it against cfg: a failure below is a case that check does not know).
+        state, path = resumed.pop("state"), resumed["path"]
         if state is not None:
-            saved = state["config"]["diffusion"].get("process", "ddpm")
-            if saved != cfg.diffusion.process:
-                raise TrainingError(f"{path} was trained with diffusion.process={saved!r}; a run cannot continue "
-                                    f"as {cfg.diffusion.process!r}: drop the override or start a new run")
-            t.model.load_state_dict(state["model"])
-            t.optimizer.load_state_dict(state["optimizer"])
-            t.scaler.load_state_dict(state["scaler"])
-            if t.ema is not None:
-                t.ema.load_state_dict(state["ema"])
+            try:
+                t.model.load_state_dict(state["model"])
+                t.optimizer.load_state_dict(state["optimizer"])
+                t.scaler.load_state_dict(state["scaler"])
+                if t.ema is not None:
+                    t.ema.load_state_dict(state["ema"])
+            except (RuntimeError, KeyError, ValueError) as e:
+                raise TrainingError(f"{path} does not load into this config ({type(e).__name__}: "
+                                    f"{(str(e).splitlines() or [''])[0]}); the run folder is as it was") from None
             start_step = state["step"]
             if ddp.main:
                 set_rng_state(state["rng"], device)  # bit-exact for one process; other ranks reseed below
             else:
                 torch.manual_seed(noise_seed(cfg, ddp.rank) + 1_000_003 * start_step)
             log(ddp, f"train: resumed from {path} at step {start_step}")
+            del state
         else:
             log(ddp, f"train: {run_dir} has no checkpoint yet; starting at step 0")
         if ddp.main:
+            write_run_files(run_dir, cfg, ddp)
             drop_stats_after(run_dir / "stats.jsonl", start_step)
 
     def checkpoint(step: int) -> None:
@@ -476,20 +599,19 @@ def sample_grid(t: Trainer, cfg: RunConfig, path: Path, model: torch.nn.Module) 
 
 def parse_args(argv: list[str]) -> RunConfig:
     p = Parser(prog="python -m ffcv_ddpm.train", doc=__doc__, overrides=True)
-    p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
+    p.add_argument("--preset", help="model preset (ffcv_ddpm.unet.PRESETS; default ddpm-cifar10; with --resume, the "
+                                    "run's own)")
     p.add_argument("--data", help="dataset folder (its one *_train_raw.beton) or a train .beton file (data.path)")
     p.add_argument("--resume", help="run folder to continue from its newest complete checkpoint")
     args, overrides = p.parse_with_overrides(argv)
     if args.resume:
-        saved = Path(args.resume) / "config.json"
-        if not saved.is_file():
-            raise TrainingError(f"--resume {args.resume}: no config.json there; give a run folder made by train")
-        cfg = RunConfig.from_dict(json.loads(saved.read_text()))
+        cfg = saved_config(args.resume)
         for item in overrides:
             apply_override(cfg, item)
         cfg.train.resume = args.resume
+        cfg.preset = args.preset or cfg.preset  # another one is refused by train (resume_point), with the run's
     else:
-        cfg = load_config(args.preset, overrides)
+        cfg = load_config(args.preset or "ddpm-cifar10", overrides)
     if args.data:
         apply_override(cfg, f"data.path={train_beton(args.data)}")
     return check_config(cfg)

@@ -163,6 +163,25 @@ def host_syncs(fn, *args, **kwargs) -> list[str]:
 
 REPO = Path(__file__).resolve().parents[1]
 
+_HOLDER = """
+import sys, time
+from ffcv_ddpm.folder_lock import lock_folder
+lock_folder(sys.argv[1])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_lock(folder: Path) -> "subprocess.Popen":
+    """A process that holds `folder`'s lock (ffcv_ddpm.folder_lock) until killed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, str(folder)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    proc.stdout.close()
+    return proc
+
 
 class IndexedArrays:
     """(image, label) pairs by index: what FFCV's DatasetWriter.from_indexed_dataset reads."""

@@ -128,6 +128,32 @@ def test_runner_counts_flops_per_row_and_fails_when_any_row_fails(small_dataset,
     assert "github.com/kimbochen/ddpm" in md  # the published table's source, beside its figures
 
 
+def test_a_second_table_into_one_output_folder_is_refused_naming_the_first(small_dataset, tmp_path, monkeypatch):
+    """Two benchmarks writing one folder at once would time each other's load, the last to finish replacing the
+    other's files: the second stops before it times anything; the first's lock, left by its kill -9, is taken
+    over."""
+    from conftest import hold_lock
+
+    from benchmarks.common import BenchError
+    from benchmarks.speed import runner
+    from benchmarks.speed.rows import Row
+
+    monkeypatch.setattr(runner, "spawn", _spawned)
+    monkeypatch.setattr(runner, "cuda_available", lambda: False)
+    rows, args = [Row("tiny", "tiny", ("data.loader=torch-memory",), 4, baseline=True)], _table_args(small_dataset,
+                                                                                                      tmp_path)
+    holder = hold_lock(tmp_path)
+    try:
+        with pytest.raises(BenchError, match=f"{tmp_path} is in use by process {holder.pid} "):
+            runner.run_table(rows, "t", args, [], [])
+        assert [p.name for p in tmp_path.iterdir()] == [".lock"]  # nothing measured, nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, path = runner.run_table(rows, "t", args, [], [])
+    assert rc == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.md", "t.png"]
+
+
 def test_warm_compiles_the_compiled_rows_n_at_a_time_before_timing(small_dataset, tmp_path, monkeypatch):
     """--warm 2 on a (pretended) GPU: the probe runs once, alone, before any warm-up job; the compiled rows (not the
     eager one, not the autotuning one, whose choices must be timed on an idle GPU) compile two at a time in one-step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,62 @@ def test_digits_betons_hold_all_1797_images_split_by_class(digits_dataset, capsy
     assert test_counts.min() >= 35 and np.allclose(test_counts / (test_counts + train_counts), 0.2, atol=0.01)
     assert main(["--source", "digits", "--out", str(digits_out)]) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+# ---- one dataset per folder (issue 46): another kind is refused in one line, its manifest never overwritten ----
+
+@pytest.fixture
+def folders(small_dataset, digits_dataset, tmp_path) -> dict[str, Path]:
+    """Copies of a CIFAR-10 (synthetic) and a digits dataset folder, for a test that might write into them."""
+    return {kind: Path(shutil.copytree(src, tmp_path / kind))
+            for kind, src in (("cifar10", small_dataset), ("digits", digits_dataset))}
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.name.endswith((".beton", ".json"))}
+
+
+def error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("source,into", [("digits", "cifar10"), ("synthetic", "digits"), ("mnist", "digits")])
+def test_make_dataset_writes_no_other_dataset_into_a_folder(source, into, folders, tmp_path, capsys):
+    folder, before = folders[into], files(folders[into])
+    extra = {"synthetic": ["--num-synthetic", "64", "--num-synthetic-test", "16"],
+             "mnist": ["--mnist-dir", str(tmp_path)]}.get(source, [])
+    assert main(["--source", source, "--out", str(folder), *extra]) == 2
+    wants = "cifar10" if source == "synthetic" else source
+    assert error_lines(capsys) == [f"make_dataset: error: {folder} holds another dataset, {into} ({folder / MANIFEST}"
+                                   f"); --source {source} would write {wants} beside it, and a folder holds one "
+                                   f"dataset: give {wants} a folder of its own"]
+    assert files(folder) == before
+
+
+def test_without_a_manifest_the_beton_names_tell_the_dataset(small_dataset, tmp_path, capsys):
+    shutil.copy(small_dataset / "cifar10_train_raw.beton", tmp_path)
+    assert main(["--source", "digits", "--out", str(tmp_path)]) == 2
+    (line,) = error_lines(capsys)
+    assert f"holds another dataset, cifar10 ({tmp_path / 'cifar10_train_raw.beton'})" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cifar10_train_raw.beton"]
+
+
+def test_the_benchmarks_build_no_dataset_into_another_ones_folder(folders, tmp_path, capsys):
+    """bench --data DIGITS would build a synthetic CIFAR-10 there (and record the digits as synthetic); the digits
+    report with --data CIFAR would build the digits there: both stop in one line, the folder untouched."""
+    from benchmarks.common import BenchError, ensure_dataset
+    from benchmarks.quality import digits
+
+    before = {kind: files(folder) for kind, folder in folders.items()}
+    with pytest.raises(BenchError, match=f"{folders['digits']} holds another dataset, digits "):
+        ensure_dataset(folders["digits"], 64)
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert digits.main(["--data", str(folders["cifar10"]), "--out", str(out), "--work", str(work), "--preset",
+                        "tiny", "--steps", "2", "model.num_classes=10", "train.device=cpu"]) == 2
+    (line,) = error_lines(capsys)
+    assert line.startswith(f"digits: error: {folders['cifar10']} holds another dataset, cifar10 "), line
+    assert {kind: files(folder) for kind, folder in folders.items()} == before
+    assert not out.exists() and not work.exists()
 
 
 def test_digits_preprocessing():

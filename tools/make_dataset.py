@@ -60,6 +60,34 @@ def beton_files(dataset: str = "cifar10") -> tuple[str, ...]:
 
 
 BETON_FILES = beton_files()
+DATASETS = tuple(dict.fromkeys(map(dataset_name, SOURCES)))  # cifar10, digits, mnist: the files' name prefixes
+
+
+def held_datasets(folder: Path) -> dict[str, str]:
+    """{dataset: the file that says so} for each dataset `folder` holds: its manifest's, and any whose .beton files
+    are there (a folder an older version wrote two into has both)."""
+    held = {}
+    manifest = folder / MANIFEST
+    try:
+        recorded = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        recorded = None  # none, or unreadable: the .beton names still tell
+    if isinstance(recorded, dict) and recorded.get("source") in SOURCES:
+        held[recorded.get("dataset") or dataset_name(recorded["source"])] = str(manifest)
+    for dataset in DATASETS:
+        if dataset not in held and (found := [n for n in beton_files(dataset) if (folder / n).is_file()]):
+            held[dataset] = str(folder / found[0])
+    return held
+
+
+def check_one_dataset(folder: Path, dataset: str, writer: str) -> None:
+    """DatasetError (one line) if `folder` holds a dataset other than `dataset`, which `writer` would write there:
+    a folder holds one dataset, so that its manifest describes its files and --data finds one train .beton."""
+    others = {d: why for d, why in held_datasets(folder).items() if d != dataset}
+    if others:
+        held = ", ".join(f"{d} ({why})" for d, why in others.items())
+        raise DatasetError(f"{folder} holds another dataset, {held}; {writer} would write {dataset} beside it, and a "
+                           f"folder holds one dataset: give {dataset} a folder of its own")
 
 
 def default_workers() -> int:
@@ -278,6 +306,7 @@ def export_png(data: ImageDataset, folder: Path, workers: int) -> None:
 
 def run(args) -> int:
     out: Path = args.out
+    check_one_dataset(out, dataset_name(args.source), f"--source {args.source}")
     ensure_writable(out, "output folder", "choose another with DATA=path (make) or --out")
     stale = remove_stale_partials(out)
     if args.export_png is not None:

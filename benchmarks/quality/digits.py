@@ -94,7 +94,13 @@ def ensure_digits(data: Path) -> bool:
     """Builds the digits .beton files (tools.make_dataset) when missing; True if it did."""
     if (data / TRAIN).is_file() and (data / TEST).is_file():
         return False
-    from tools.make_dataset import main as make_dataset
+    from tools.cifar10 import DatasetError
+    from tools.make_dataset import check_one_dataset, main as make_dataset
+
+    try:  # a CIFAR-10 folder, say: the digits files and manifest written into it would make it hold two
+        check_one_dataset(data, "digits", "this report's build (make dataset SOURCE=digits)")
+    except DatasetError as e:
+        raise ValueError(str(e)) from None
 
     print(f"digits: no {TRAIN} in {data}/: building the digits dataset there (make dataset SOURCE=digits)", flush=True)
     if make_dataset(["--source", "digits", "--out", str(data)]) != 0:

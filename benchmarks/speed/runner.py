@@ -22,10 +22,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import (DATA_HELP, PNG_TRAIN, REPO, BenchError, dataset_files, ensure_dataset, results_dir,
-                               write_json)
+from benchmarks.common import (DATA_HELP, PNG_TRAIN, REPO, BenchError, dataset_files, ensure_dataset, lock_output,
+                               results_dir, write_json)
 from benchmarks.speed.rows import BATCH_LADDER, Row, row_overrides
 from ffcv_ddpm.checks import above, at_least, choice_list, matches, option
+from ffcv_ddpm.folder_lock import unlock_folder
 
 # The sampling rows' modes: the eager model, then ffcv_ddpm.sampling's compile modes ("off" is spelled eager here).
 SAMPLING_MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -312,6 +313,8 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
 
     # ---- first lines: what runs, on what, with which data --------------------------------------------------------
     env, gpu = environment(cuda)
+    out_dir = args.out or results_dir(gpu if cuda else None)
+    lock_output(out_dir)  # before the first timing: two tables into one folder would time each other's load
     where = f"CUDA ({gpu})" if cuda else "CPU only: MFU is n/a (no CUDA)"
     print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "
           "each row in a fresh process" + (f"; then sampling rows of {', '.join(sample_presets)}" if sampling else ""),
@@ -365,8 +368,6 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
         "rows": [],
         "sampling": None,
     }
-    out_dir = args.out or results_dir(gpu if cuda else None)
-    out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{name or table}.json"
 
     if args.measure_peak:
@@ -451,4 +452,5 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     print(terminal_table(result))
     print(f"\nbench: wrote {json_path}, {md.name}, {png.name}"
           + (f"; {len(failed)} row(s) FAILED: {', '.join(failed)}" if failed else ""))
+    unlock_folder(out_dir)  # a table that raised keeps it until this process ends
     return (1 if failed else 0), json_path
