@@ -63,8 +63,25 @@ def _silu_half(h, FAST_TANH: tl.constexpr):
 
 
 @triton.jit
+def _per_sample(ptr, n0, s_n, cols, col_ok, N, SPT: tl.constexpr):
+    """[SPT, cols] of a per-(sample, column) fp32 array for the SPT samples from n0 (0 past N)."""
+    ns = n0 + tl.arange(0, SPT)
+    return tl.load(ptr + ns[:, None] * s_n + cols[None, :], mask=(ns < N)[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _affine_by_sample(v, scale, shift, SPT: tl.constexpr):
+    """v [rows, cols] (the rows: SPT samples' pixels in order) * scale + shift, both [SPT, cols], by each row's sample:
+    through a [SPT, rows a sample, cols] view rather than a gather of rows x cols values."""
+    ROWS: tl.constexpr = v.shape[0]
+    COLS: tl.constexpr = v.shape[1]
+    v3 = tl.reshape(v, (SPT, ROWS // SPT, COLS))
+    return tl.reshape(v3 * scale[:, None, :] + shift[:, None, :], (ROWS, COLS))
+
+
+@triton.jit
 def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr, res_ptr, part_ptr,
-                    N, H, W, C, C1, OH, OW, CO, K, CW,
+                    N, H, W, C, C1, OH, OW, CO, K, CW, kc,
                     s_xn, s_xh, s_xw, s_xc, s_2n, s_2h, s_2w, s_2c,
                     s_wo, s_wi, s_wh, s_ww,
                     s_on, s_oh, s_ow, s_oc,
@@ -73,12 +90,13 @@ def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr,
                     STRIDE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     NORM: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, STATS: tl.constexpr, SPT: tl.constexpr,
-                    ONE_SAMPLE: tl.constexpr, FAST_TANH: tl.constexpr, KC: tl.constexpr, DOT_F32: tl.constexpr):
+                    FAST_TANH: tl.constexpr, KC: tl.constexpr, DOT_F32: tl.constexpr):
     """One [BLOCK_M pixels, BLOCK_N output channels] tile of out, K = 9 taps x C input channels in BLOCK_K steps.
-    SPT: samples a tile's rows span (1: a tile lies in one sample; > 1: it holds SPT whole samples); ONE_SAMPLE:
-    every row of a tile is of one sample, so per-sample vectors are loaded once a tile. KC: cdiv(C, BLOCK_K), the steps
-    a tap (a constant: Triton's interpreter cannot loop to a run-time bound under NumPy 2.4). DOT_F32: the operands
-    upcast before the product, for the interpreter (Triton 3.6's multiplies bf16 operands as their uint16 bits)."""
+    SPT: how a tile's rows lie in the samples (stats_layout): 1, all in one sample; > 1, SPT whole samples; 0,
+    anywhere (per-row loads of the per-sample vectors; no statistics). kc: cdiv(C, BLOCK_K), the steps a tap; KC the
+    same as a constant, or 0 (Triton's interpreter cannot loop to a run-time bound under NumPy 2.4: it gets KC, a GPU
+    kc, so that one compiled kernel serves every C). DOT_F32: the operands upcast before the product, for the
+    interpreter (Triton 3.6's multiplies bf16 operands as their uint16 bits)."""
     pid = tl.program_id(0)
     num_n = (CO + BLOCK_N - 1) // BLOCK_N
     pid_m = pid // num_n  # a tile's output-channel blocks run next to each other: its input is read once from DRAM
@@ -91,57 +109,68 @@ def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr,
     p = m - n_r * OHW
     oh = p // OW
     ow = p - oh * OW
-    n0 = m0 // OHW  # the tile's first sample (its only one with ONE_SAMPLE)
+    n0 = m0 // OHW  # the tile's first sample
     rk = tl.arange(0, BLOCK_K)
     bit = 1 << (rk % 32)  # channel c0 + k's bit in its keep word (dropout)
     co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     co_ok = co < CO
+    half = 0.5 if SILU else 1.0  # _silu_half takes y / 2: the scale and shift halved once, not y every time
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(0, 9 * KC):
-        tap = i // KC
-        c0 = (i - tap * KC) * BLOCK_K
+    # (KC if KC > 0 else kc) written out where used: the interpreter turns every assignment into a tensor, which
+    # range() cannot take.
+    for i in range(0, 9 * (KC if KC > 0 else kc)):
+        tap = i // (KC if KC > 0 else kc)
+        c0 = (i - tap * (KC if KC > 0 else kc)) * BLOCK_K
         kh = tap // 3
         kw = tap - kh * 3
         ih = oh * STRIDE + kh - 1
         iw = ow * STRIDE + kw - 1
-        inside = row_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        # one unsigned compare a bound: a pixel above or left of the image wraps to a large number (tl.cast, not
+        # .to: Triton passes a size of 1 as a Python int)
+        inside = row_ok & (ih.to(tl.uint32) < tl.cast(H, tl.uint32)) & (iw.to(tl.uint32) < tl.cast(W, tl.uint32))
         cin = c0 + rk
+        c_ok = cin < C
         if TWO:  # channels below C1 from the first part, the rest from the second
-            lo = inside[:, None] & (cin < C1)[None, :]
-            hi = inside[:, None] & ((cin >= C1) & (cin < C))[None, :]
-            a = tl.load(x_ptr + (n_r * s_xn + ih * s_xh + iw * s_xw)[:, None] + cin[None, :] * s_xc, mask=lo,
-                        other=0.0)
+            a = tl.load(x_ptr + (n_r * s_xn + ih * s_xh + iw * s_xw)[:, None] + cin[None, :] * s_xc,
+                        mask=inside[:, None] & (cin < C1)[None, :], other=0.0)
             a += tl.load(x2_ptr + (n_r * s_2n + ih * s_2h + iw * s_2w)[:, None] + (cin - C1)[None, :] * s_2c,
-                         mask=hi, other=0.0)
+                         mask=inside[:, None] & ((cin >= C1) & c_ok)[None, :], other=0.0)
         else:
             a = tl.load(x_ptr + (n_r * s_xn + ih * s_xh + iw * s_xw)[:, None] + cin[None, :] * s_xc,
-                        mask=inside[:, None] & (cin < C)[None, :], other=0.0)
+                        mask=inside[:, None] & c_ok[None, :], other=0.0)
         if NORM:
             # y = x * scale + shift, zeroed where the convolution pads or dropout drops: SiLU(0) = 0, so one select
-            # before the activation does both. With SiLU the pair is halved first (_silu_half takes y / 2).
-            half = 0.5 if SILU else 1.0
-            if ONE_SAMPLE:
-                scale = (tl.load(coef_ptr + n0 * 2 * C + cin, mask=cin < C, other=0.0) * half)[None, :]
-                shift = (tl.load(coef_ptr + n0 * 2 * C + C + cin, mask=cin < C, other=0.0) * half)[None, :]
+            # before the activation does both.
+            xf = a.to(tl.float32)
+            if SPT == 1:
+                scale = tl.load(coef_ptr + n0 * 2 * C + cin, mask=c_ok, other=0.0) * half
+                shift = tl.load(coef_ptr + n0 * 2 * C + C + cin, mask=c_ok, other=0.0) * half
+                y = xf * scale[None, :] + shift[None, :]
+            elif SPT > 1:
+                scale = _per_sample(coef_ptr, n0, 2 * C, cin, c_ok, N, SPT) * half
+                shift = _per_sample(coef_ptr + C, n0, 2 * C, cin, c_ok, N, SPT) * half
+                y = _affine_by_sample(xf, scale, shift, SPT)
             else:
                 at = n_r[:, None] * 2 * C + cin[None, :]
-                scale = tl.load(coef_ptr + at, mask=row_ok[:, None] & (cin < C)[None, :], other=0.0) * half
-                shift = tl.load(coef_ptr + at + C, mask=row_ok[:, None] & (cin < C)[None, :], other=0.0) * half
-            ok = inside[:, None]
+                scale = tl.load(coef_ptr + at, mask=row_ok[:, None] & c_ok[None, :], other=0.0) * half
+                shift = tl.load(coef_ptr + at + C, mask=row_ok[:, None] & c_ok[None, :], other=0.0) * half
+                y = xf * scale + shift
             if DROPOUT:
-                # BLOCK_K / 32 words a row, each the keep bits of 32 channels (keep_bits), spread over the channels.
+                # BLOCK_K / 32 words a row, each the keep bits of 32 channels (keep_bits), spread over the channels;
+                # a padding row's words load as 0, so the keep test alone zeroes the padding too.
                 words = c0 // 32 + tl.arange(0, BLOCK_K // 32)
                 pix = (n_r * H + ih) * W + iw
                 wt = tl.load(bits_ptr + pix[:, None] * CW + words[None, :],
                              mask=inside[:, None] & (words < CW)[None, :], other=0)
                 wt = tl.reshape(tl.broadcast_to(wt[:, :, None], (BLOCK_M, BLOCK_K // 32, 32)), (BLOCK_M, BLOCK_K))
-                ok = ok & ((wt & bit[None, :]) != 0)
-            y = tl.where(ok, a.to(tl.float32) * scale + shift, 0.0)
+                y = tl.where((wt & bit[None, :]) != 0, y, 0.0)
+            else:
+                y = tl.where(inside[:, None], y, 0.0)
             if SILU:
                 y = _silu_half(y, FAST_TANH)
             a = y.to(w_ptr.dtype.element_ty)
         b = tl.load(w_ptr + co[None, :] * s_wo + cin[:, None] * s_wi + kh * s_wh + kw * s_ww,
-                    mask=(cin < C)[:, None] & co_ok[None, :], other=0.0)
+                    mask=c_ok[:, None] & co_ok[None, :], other=0.0)
         if DOT_F32:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
         else:
@@ -150,7 +179,7 @@ def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr,
     if DROPOUT:
         acc = acc * inv_keep
     if HAS_BIAS:
-        if ONE_SAMPLE:
+        if SPT == 1:
             acc += tl.load(bias_ptr + n0 * s_bn + co * s_bc, mask=co_ok, other=0.0)[None, :]
         else:
             acc += tl.load(bias_ptr + n_r[:, None] * s_bn + co[None, :] * s_bc,
@@ -162,8 +191,9 @@ def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr,
     y = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + (n_r * s_on + oh * s_oh + ow * s_ow)[:, None] + co[None, :] * s_oc, y, mask=out_ok)
     if STATS:
-        # The statistics of what was stored (the next GroupNorm reads the rounded values). A tile's rows are one
-        # sample's (SPT 1) or SPT whole samples': rows past N * OHW belong to samples past N, never stored.
+        # The statistics of what was stored (the next GroupNorm reads the rounded values), centred on the tile's
+        # mean. A tile's rows are one sample's (SPT 1) or SPT whole samples': rows past N * OHW belong to samples
+        # past N, never stored.
         yf = y.to(tl.float32)
         if SPT == 1:
             mean = tl.sum(yf, axis=0) / BLOCK_M
@@ -230,8 +260,8 @@ def stats_layout(hw: int, block_m: int) -> tuple[int, int, int]:
 
 def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor | None = None, silu: bool = False,
             bits: Tensor | None = None, p: float = 0.0, bias: Tensor | None = None, res: Tensor | None = None,
-            stats: bool = False, stride: int = 1, config: TileConfig = DEFAULT_CONFIG, warmup: bool = False
-            ) -> tuple[Tensor, Tensor | None]:
+            stats: bool = False, stride: int = 1, config: TileConfig = DEFAULT_CONFIG, warmup: bool = False,
+            out: Tensor | None = None, part: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, part): conv3x3(act(x), weight) + bias (+ res) with padding 1, channels_last, in x's dtype, and with
     `stats` the (N, K, 2, C_out) fp32 partial statistics that `finalize` reads (else None).
 
@@ -240,7 +270,8 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
     (N, 2, C) fp32: act's per-(sample, channel) (scale, shift), None for no normalisation (then silu and dropout are
     off too). bits: keep_bits' mask of act's output, with its p. bias: (C_out,) or (N, C_out). res: (N, C_out, OH,
     OW), added after the bias. warmup: compile the kernel this call would launch, launch nothing (the tensors may be
-    on the meta device: benchmarks.speed.conv_gn_bench compiles its variants in parallel processes so)."""
+    on the meta device: benchmarks.speed.conv_gn_bench compiles its variants in parallel processes so). out, part:
+    where to write them (a check poisons them first, to see every element written), None: new tensors."""
     if not warmup:
         _check_device(x)
     n, c1, h, w = x.shape
@@ -258,10 +289,22 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
     oh, ow = (h - 1) // stride + 1, (w - 1) // stride + 1
     if max(n * c * h * w, n * co * oh * ow) >= 2**31:
         raise ValueError(f"conv_gn indexes with 32-bit integers: {(n, c, h, w)} -> {(n, co, oh, ow)} is too large")
-    out = torch.empty((n, co, oh, ow), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    if out is None:
+        out = torch.empty((n, co, oh, ow), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    if out.shape != (n, co, oh, ow) or out.dtype != x.dtype:
+        raise ValueError(f"conv_gn: out {tuple(out.shape)} {out.dtype} is not {(n, co, oh, ow)} {x.dtype}")
     bm = config.block_m
-    k, _, spt = stats_layout(oh * ow, bm) if stats else (1, 0, 1)
-    part = x.new_empty((n, k, 2, co), dtype=torch.float32) if stats else None
+    if stats:
+        k, _, spt = stats_layout(oh * ow, bm)
+    elif coef is None and bias is None:  # nothing per sample: one compiled kernel for every H*W
+        k, spt = 1, 1
+    else:  # any H*W: the per-sample vectors loaded per row where a tile's samples are not whole (SPT 0)
+        k, spt = 1, 1 if (oh * ow) % bm == 0 else bm // (oh * ow) if bm % (oh * ow) == 0 else 0
+    if stats and part is None:
+        part = x.new_empty((n, k, 2, co), dtype=torch.float32)
+    if stats and (part.shape != (n, k, 2, co) or not part.is_contiguous()):
+        raise ValueError(f"conv_gn: part {tuple(part.shape)} is not a dense {(n, k, 2, co)}")
+    part = part if stats else None
     if bias is not None and bias.dim() == 1:
         bias = bias[None, :].expand(n, co)  # stride 0 over samples
     grid = (triton.cdiv(n * oh * ow, bm) * triton.cdiv(co, config.block_n),)
@@ -269,15 +312,15 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
     args = (x, x2 if x2 is not None else x, weight, out, coef if coef is not None else out,
             bits if bits is not None else x, bias if bias is not None else out, res if res is not None else out,
             part if part is not None else out,  # the unused pointers: any tensor, never read
-            n, h, w, c, c1, oh, ow, co, k, triton.cdiv(c, 32),
+            n, h, w, c, c1, oh, ow, co, k, triton.cdiv(c, 32), triton.cdiv(c, config.block_k),
             *_nhwc_strides(x), *(_nhwc_strides(x2) if x2 is not None else none4), *weight.stride(),
             *_nhwc_strides(out), *(_nhwc_strides(res) if res is not None else none4),
             *(bias.stride() if bias is not None else (0, 0)), 1.0 / (1.0 - p))
     meta = dict(STRIDE=stride, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM=coef is not None,
                 SILU=silu, DROPOUT=bits is not None, TWO=x2 is not None, HAS_BIAS=bias is not None,
-                HAS_RES=res is not None, STATS=stats, SPT=spt, ONE_SAMPLE=(oh * ow) % bm == 0,
+                HAS_RES=res is not None, STATS=stats, SPT=spt,
                 FAST_TANH=(warmup or x.device.type == "cuda") and not _interpreting(),
-                KC=triton.cdiv(c, config.block_k), DOT_F32=_interpreting(), num_warps=config.warps, num_stages=config.stages)
+                KC=triton.cdiv(c, config.block_k) if _interpreting() else 0, DOT_F32=_interpreting(), num_warps=config.warps, num_stages=config.stages)
     if warmup:
         _conv3x3_kernel.warmup(*(a.dtype if isinstance(a, Tensor) else a for a in args), grid=grid, **meta)
     else:

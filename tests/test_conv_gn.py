@@ -61,8 +61,11 @@ def test_forward_and_statistics_match_torch(case):
     res = randn(n, co, oh, ow, g=g, shift=1000.0).float().contiguous(memory_format=cl) if residual else None
     seed = torch.tensor([4321], device=x.device)
     bits = CG.keep_bits(seed, (n, c, h, w), p) if p else None
+    # NaN first: an element the kernel does not write fails the comparisons
+    out = torch.full((n, co, oh, ow), float("nan")).contiguous(memory_format=cl)
+    part = torch.full((n, CG.stats_layout(oh * ow, tile[0])[0], 2, co), float("nan"))
     out, part = CG.conv3x3(x1, weight, x2=x2, coef=coef, silu=silu, bits=bits, p=p, bias=bias, res=res, stats=True,
-                           stride=stride, config=CG.TileConfig(*tile))
+                           stride=stride, config=CG.TileConfig(*tile), out=out, part=part)
     keep = keep_mask(seed, (n, c, h, w), p) if p else None
     ref = CG.reference(x, weight, coef=coef, silu=silu, keep=keep, p=p, bias=bias, res=res, stride=stride)
     assert out.shape == ref.shape and out.is_contiguous(memory_format=cl)
@@ -80,6 +83,24 @@ def test_forward_and_statistics_match_torch(case):
     gn = F.group_norm(y, groups, eps=1e-5) * a2.double()[:, :, None, None] + b2.double()[:, :, None, None]
     assert rel(CG.activation(out, coef2, False, None, 0.0), gn) < 1e-5
     assert rel(coef2, CG.coef_of(ref_mean, torch.rsqrt(var + 1e-5), a2.double(), b2.double(), e2.double())) < 1e-5
+
+
+def test_any_image_size_without_statistics():
+    """5 x 6 pixels against 16-row tiles (neither divides the other): no statistics, the per-sample scale, shift and
+    bias loaded per row; dropout's bits at pixels a tile boundary splits."""
+    needs_triton()
+    g = torch.Generator().manual_seed(7)
+    n, c, co, h, w, p = 3, 16, 8, 5, 6, 0.2
+    x = randn(n, c, h, w, g=g).float().contiguous(memory_format=torch.channels_last)
+    weight = randn(co, c, 3, 3, g=g, scale=c ** -0.5).float()
+    coef = torch.stack((randn(n, c, g=g) + 1, randn(n, c, g=g)), 1).float()
+    bias = randn(n, co, g=g).float()
+    seed = torch.tensor([11], device=x.device)
+    bits = CG.keep_bits(seed, (n, c, h, w), p)
+    out, part = CG.conv3x3(x, weight, coef=coef, silu=True, bits=bits, p=p, bias=bias,
+                           config=CG.TileConfig(16, 16, 32, 4, 1))
+    ref = CG.reference(x, weight, coef=coef, silu=True, keep=keep_mask(seed, (n, c, h, w), p), p=p, bias=bias)
+    assert part is None and rel(out, ref) < 1e-5
 
 
 def test_bf16_operands_with_fp32_accumulation():
@@ -153,5 +174,5 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path):
     row = result["rows"][0]
     assert row["site"]["p"] > 0 and row["site"]["residual"] and row["site"]["stats"]
     assert row["check"]["out"] < 1e-5 and row["check"]["mean"] < 1e-5 and row["check"]["plain_vs_cudnn"] < 1e-5
-    assert {"conv_cudnn", "conv_triton", "fused_conv", "today", "fused", "keep_bits"} <= set(row["ms"])
+    assert {"conv_cudnn", "conv_triton", "conv_epilogue", "fused_conv", "today", "fused", "keep_bits"} <= set(row["ms"])
     assert f"| {row['name']} | {row['count']} |" in (tmp_path / "conv_gn_bench.md").read_text()

@@ -40,9 +40,10 @@ from benchmarks.common import commit_text, md_table, write_json, write_text
 from ffcv_ddpm.checks import Parser, at_least, fail, option
 
 # Tile configs tried per site (block_m, block_n, block_k, warps, stages); block_n shrinks to the output channels.
-# Few, so that compiling them for every site fits the call: 128x128 and 128x256 tiles with 64-channel steps are what
-# Hopper GEMMs in Triton use; the 3-stage 8-warp one needs 96-150 KB of shared memory (offline sm_90 build).
-CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4))
+# Few, so that compiling them for every site fits the call (~60 kernels). From offline sm_90 builds of the fused
+# kernel (Triton 3.6): 8 warps on a 128-row tile hold the prologue's values in 177-230 registers with no spills; 4
+# warps on it spill (dropped); 64 rows with 4 warps is the tile that keeps an 8x8 sample's rows to itself.
+CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))
 SMOKE_CONFIGS = ((32, 32, 32, 4, 1),)  # --smoke: one, interpreted
 RECORD_BATCH = 2
 
@@ -242,45 +243,65 @@ class Bench:
 
         return torch.compile(add, dynamic=False) if device == "cuda" else add  # compiled on its first call
 
-    # The chains. Each returns what it made, so that the checks can read it; the timing ignores it.
+    # The pieces, and the two chains made of them. Each returns what it made, for the checks; the timing ignores it.
 
-    def today(self):
+    def input_norm(self):
+        """Today's GroupNorm of the input: statistics, finalize and apply (norm.triton_forward), the activation."""
         from ffcv_ddpm.norm import triton_forward
 
         s = self.site
-        h = self.x if self.x2 is None else torch.cat((self.x, self.x2), 1)
-        if s.norm:
-            h = triton_forward(self.x, self.a, self.b, self.e, self.seed, s.groups, 1e-5, s.silu, s.p,
-                               *_plan(), self.x2)[0]
-        y = torch.nn.functional.conv2d(h, self.w, None, s.stride, 1)
+        return triton_forward(self.x, self.a, self.b, self.e, self.seed, s.groups, 1e-5, s.silu, s.p, *_plan(),
+                              self.x2)[0]
+
+    def input_coef(self):
+        """The input's statistics and finalize alone: the per-(sample, channel) scale and shift."""
+        return gn_coef(self.x, self.site.groups, self.a, self.b, self.e, self.x2)[0]
+
+    def keep_bits(self):
+        from ffcv_ddpm import conv_gn
+
+        s = self.site
+        return conv_gn.keep_bits(self.seed, (self.batch, s.cin, s.h, s.h), s.p)
+
+    def fused_conv(self, config: tuple, coef, bits, **given):
+        """The fused kernel with the input's (scale, shift) and keep bits given: (out, part). `given`: conv3x3's
+        warmup, out, part."""
+        from ffcv_ddpm import conv_gn
+
+        s = self.site
+        return conv_gn.conv3x3(self.x, self.w, x2=self.x2, coef=coef, silu=s.silu, bits=bits, p=s.p, bias=self.bias,
+                               res=self.res, stats=s.stats, stride=s.stride, config=tile_for(config, s), **given)
+
+    def today(self):
+        s = self.site
+        y = torch.nn.functional.conv2d(self.input_norm() if s.norm else self.whole, self.w, None, s.stride, 1)
         if self.pointwise is not None:
             y = self.pointwise(y, self.bias if s.bias == "channel" else None, self.res)
         if s.stats:
             gn_coef(y, s.groups, self.a2, self.b2, self.bias if s.bias == "sample" else None)
         return y
 
-    def fused(self, config: tuple, coef=None):
-        """The fused chain; `coef` given: the input's statistics already taken (the plain convolution's timing)."""
+    def fused(self, config: tuple, **given):
+        """(out, the next GroupNorm's (coef, mean, rstd) or None, the input's coef). `given`: conv3x3's out, part."""
         from ffcv_ddpm import conv_gn
 
         s = self.site
-        if coef is None and s.norm:
-            coef = gn_coef(self.x, s.groups, self.a, self.b, self.e, self.x2)[0]
-        bits = conv_gn.keep_bits(self.seed, (self.batch, s.cin, s.h, s.h), s.p) if s.p else None
-        tile = tile_for(config, s)
-        out, part = conv_gn.conv3x3(self.x, self.w, x2=self.x2, coef=coef, silu=s.silu, bits=bits, p=s.p,
-                                    bias=self.bias, res=self.res, stats=s.stats, stride=s.stride, config=tile)
-        stats = conv_gn.finalize(part, s.out_h ** 2, tile.block_m, s.groups, self.a2, self.b2) if s.stats else None
+        coef = self.input_coef() if s.norm else None
+        out, part = self.fused_conv(config, coef, self.keep_bits() if s.p else None, **given)
+        block_m = tile_for(config, s).block_m
+        stats = conv_gn.finalize(part, s.out_h ** 2, block_m, s.groups, self.a2, self.b2) if s.stats else None
         return out, stats, coef
 
-    def conv_alone(self, config: tuple | None):
-        """The convolution alone: cuDNN's (config None) or the Triton kernel with no prologue or epilogue."""
+    def conv_alone(self, config: tuple | None, epilogue: bool = False, **given):
+        """The convolution alone: cuDNN's (config None) or the Triton kernel with no prologue, and with its epilogue
+        or none. `given`: conv3x3's warmup."""
         from ffcv_ddpm import conv_gn
 
-        h = self.whole
+        s = self.site
         if config is None:
-            return torch.nn.functional.conv2d(h, self.w, None, self.site.stride, 1)
-        return conv_gn.conv3x3(h, self.w, stride=self.site.stride, config=tile_for(config, self.site))[0]
+            return torch.nn.functional.conv2d(self.whole, self.w, None, s.stride, 1)
+        extra = dict(bias=self.bias, res=self.res, stats=s.stats) if epilogue else {}
+        return conv_gn.conv3x3(self.whole, self.w, stride=s.stride, config=tile_for(config, s), **extra, **given)[0]
 
     @property
     def whole(self):
@@ -297,12 +318,20 @@ class Bench:
         the plain kernel against cuDNN."""
         from ffcv_ddpm import conv_gn
 
-        s = self.site
-        out, stats, coef = self.fused(config)
-        shape = (self.batch, s.cin, s.h, s.h)
+        from ffcv_ddpm.conv_gn import stats_layout
+
+        s, n = self.site, self.batch
+        # NaN first: an element the kernel does not write fails the comparison, whatever memory it was given.
+        out = torch.full((n, s.cout, s.out_h, s.out_h), float("nan"), dtype=self.x.dtype, device=self.x.device)
+        given = {"out": out.contiguous(memory_format=torch.channels_last)}
+        if s.stats:
+            k = stats_layout(s.out_h ** 2, tile_for(config, s).block_m)[0]
+            given["part"] = torch.full((n, k, 2, s.cout), float("nan"), device=self.x.device)
+        out, stats, coef = self.fused(config, **given)
+        shape = (n, s.cin, s.h, s.h)
         # The mask as the bits hold it (tests/test_conv_gn.py checks the bits against norm.keep_mask, whose NumPy
         # hash would take seconds at this size).
-        keep = conv_gn.unpack_bits(conv_gn.keep_bits(self.seed, shape, s.p), shape) if s.p else None
+        keep = conv_gn.unpack_bits(self.keep_bits(), shape) if s.p else None
         tf32 = torch.backends.cudnn.allow_tf32
         torch.backends.cudnn.allow_tf32 = False  # an fp32 reference, not TF32's
         try:
@@ -313,7 +342,7 @@ class Bench:
         got = {"out": rel(out, ref), "written": bool(torch.isfinite(out).all())}
         del ref
         if stats is not None:
-            n, g = self.batch, s.groups
+            g = s.groups
             var, mean = torch.var_mean(out.double().reshape(n, g, -1), dim=2, unbiased=False)
             got["mean"] = rel(stats[1], mean)
             got["rstd"] = rel(stats[2], torch.rsqrt(var + 1e-5))
@@ -352,17 +381,15 @@ def bytes_saved(site: Site, batch: int, block_m: int) -> int:
 def warm(job: tuple) -> str | None:
     """Compile (no launch) the fused and the plain kernel `job` = (site, batch, config) launches: run in parallel
     processes before the timing, which then finds them in Triton's cache. None, or what failed."""
-    from ffcv_ddpm import conv_gn
-
     site, batch, config = job
     try:
         b = Bench(site, batch, "meta", torch.bfloat16)
-        n, s, tile = batch, site, tile_for(config, site)
+        n, s = batch, site
         coef = torch.empty((n, 2, s.cin), device="meta") if s.norm else None
         bits = torch.empty((n * s.h ** 2, -(-s.cin // 32)), dtype=torch.int32, device="meta") if s.p else None
-        conv_gn.conv3x3(b.x, b.w, x2=b.x2, coef=coef, silu=s.silu, bits=bits, p=s.p, bias=b.bias, res=b.res,
-                        stats=s.stats, stride=s.stride, config=tile, warmup=True)
-        conv_gn.conv3x3(b.whole, b.w, stride=s.stride, config=tile, warmup=True)
+        b.fused_conv(config, coef, bits, warmup=True)
+        b.conv_alone(config, warmup=True)
+        b.conv_alone(config, epilogue=True, warmup=True)
         return None
     except Exception as e:  # a config the compiler refuses is one failed config at timing too: say so, go on
         return f"{site.name()} {config}: {type(e).__name__}: {str(e).strip()[:200]}"
@@ -378,17 +405,9 @@ def precompile(jobs: list[tuple], workers: int) -> list[str]:
 
 def measure(bench: Bench, configs: list[tuple], clock, quick, rounds: int) -> dict:
     """One site's row: the fastest config of the fused and the plain kernel, the checks, the chains' times."""
-    from ffcv_ddpm import conv_gn
-    from ffcv_ddpm.norm import triton_forward
-
     s, n = bench.site, bench.batch
-    coef = gn_coef(bench.x, s.groups, bench.a, bench.b, bench.e, bench.x2)[0] if s.norm else None
-    bits = conv_gn.keep_bits(bench.seed, (n, s.cin, s.h, s.h), s.p) if s.p else None
-
-    def fused_conv(config):
-        return lambda: conv_gn.conv3x3(bench.x, bench.w, x2=bench.x2, coef=coef, silu=s.silu, bits=bits, p=s.p,
-                                       bias=bench.bias, res=bench.res, stats=s.stats, stride=s.stride,
-                                       config=tile_for(config, s))
+    coef = bench.input_coef() if s.norm else None
+    bits = bench.keep_bits() if s.p else None
 
     def tune(make) -> tuple[tuple | None, dict]:
         tried = {}
@@ -400,7 +419,7 @@ def measure(bench: Bench, configs: list[tuple], clock, quick, rounds: int) -> di
         ok = {c: t for c, t in tried.items() if isinstance(t, float)}
         return (min(ok, key=ok.get) if ok else None), {str(c): t for c, t in tried.items()}
 
-    best, tried = tune(fused_conv)
+    best, tried = tune(lambda c: (lambda: bench.fused_conv(c, coef, bits)))
     best_plain, tried_plain = tune(lambda c: (lambda: bench.conv_alone(c)))
     row = {"site": dataclasses.asdict(s), "name": s.name(), "batch": n, "gflop": s.flops(n) / 1e9,
            "tried_fused": tried, "tried_plain": tried_plain}
@@ -409,17 +428,17 @@ def measure(bench: Bench, configs: list[tuple], clock, quick, rounds: int) -> di
     row["config"], row["config_plain"] = tile_for(best, s), tile_for(best_plain, s)
     row["check"] = bench.check(best)
     timed = {"conv_cudnn": lambda: bench.conv_alone(None), "conv_triton": lambda: bench.conv_alone(best_plain),
-             "fused_conv": fused_conv(best), "today": bench.today, "fused": lambda: bench.fused(best)}
+             "conv_epilogue": lambda: bench.conv_alone(best, epilogue=True),  # the fused config, no prologue
+             "fused_conv": lambda: bench.fused_conv(best, coef, bits), "today": bench.today,
+             "fused": lambda: bench.fused(best)}
     got = {k: [] for k in timed}
     for _ in range(rounds):  # interleaved: a clock that drifts lands on every chain alike
         for k, fn in timed.items():
             got[k].append(clock(fn))
     ms = {k: sorted(v)[len(v) // 2] for k, v in got.items()}
-    x = bench.x
-    parts = {"input_gn_forward": (lambda: triton_forward(x, bench.a, bench.b, bench.e, bench.seed, s.groups, 1e-5,
-                                                         s.silu, s.p, *_plan(), bench.x2)) if s.norm else None,
-             "input_gn_stats": (lambda: gn_coef(x, s.groups, bench.a, bench.b, bench.e, bench.x2)) if s.norm else None,
-             "keep_bits": (lambda: conv_gn.keep_bits(bench.seed, (n, s.cin, s.h, s.h), s.p)) if s.p else None}
+    parts = {"input_gn_forward": bench.input_norm if s.norm else None,  # today's, in the chain
+             "input_gn_stats": bench.input_coef if s.norm else None,  # the fused chain's
+             "keep_bits": bench.keep_bits if s.p else None}
     ms.update({k: clock(fn) for k, fn in parts.items() if fn is not None})
     return {**row, "ms": ms, "rounds": got, "bytes_saved": bytes_saved(s, n, row["config"].block_m)}
 
@@ -429,14 +448,14 @@ def table_rows(rows: list[dict], counts: dict) -> list[list[str]]:
     for r in rows:
         count = counts[r["name"]]
         if "error" in r:
-            out.append([r["name"], str(count), f"{r['gflop']:.0f}"] + ["-"] * 7 + [r["error"]])
+            out.append([r["name"], str(count), f"{r['gflop']:.0f}"] + ["-"] * 8 + [r["error"]])
             continue
         ms, flop = r["ms"], r["gflop"] * 1e9
         tf = lambda t: f"{flop / t / 1e9:.0f}"  # noqa: E731  ms -> TFLOP/s
         check = r["check"]
         ok = check["written"] and check["out"] < 2e-2 and check.get("mean", 0) < 1e-3 and check.get("rstd", 0) < 1e-3
         out.append([r["name"], str(count), f"{r['gflop']:.0f}", tf(ms["conv_cudnn"]), tf(ms["conv_triton"]),
-                    tf(ms["fused_conv"]), f"{ms['today']:.3f}", f"{ms['fused']:.3f}", f"{r['bytes_saved'] / 1e6:.0f}",
+                    tf(ms["conv_epilogue"]), tf(ms["fused_conv"]), f"{ms['today']:.3f}", f"{ms['fused']:.3f}", f"{r['bytes_saved'] / 1e6:.3g}",
                     f"{(ms['today'] - ms['fused']) * count:+.3f}",
                     f"{check['out']:.1e}" + ("" if ok else " FAILED")])
     return out
@@ -455,12 +474,13 @@ def render(result: dict) -> str:
              f"`{result['command']}`",
              f"- {len(done)} of {result['sites_total']} distinct 3x3 sites measured; today's chains at these sites "
              f"{today:.2f} ms a step, the fused ones {today - net:.2f} ({net:+.2f} ms a step saved)", "",
-             "TFLOP/s count the convolution's FLOPs over: cuDNN's convolution alone, the Triton kernel with no "
-             "prologue or epilogue, the fused kernel. today / fused: the chains (see the module docstring), ms a "
-             "call; net: (today - fused) x per step, positive when the fused chain is faster. err: the fused "
-             "output against fp32 torch.", "",
-             *md_table(["site", "per step", "GFLOP", "cuDNN TFLOP/s", "Triton conv TFLOP/s", "fused TFLOP/s",
-                        "today ms", "fused ms", "MB saved", "net ms/step", "err"], table_rows(rows, counts))]
+             "TFLOP/s count the convolution's FLOPs over: cuDNN's convolution alone; the Triton kernel with no "
+             "prologue or epilogue (its fastest config); with the epilogue only (the fused kernel's config); the fused "
+             "kernel. today / fused: the chains (see the module docstring), ms a call; net: (today - fused) x per "
+             "step, positive when the fused chain is faster. err: the fused output against fp32 torch.", "",
+             *md_table(["site", "per step", "GFLOP", "cuDNN TFLOP/s", "Triton conv TFLOP/s", "+ epilogue TFLOP/s",
+                        "fused TFLOP/s", "today ms", "fused ms", "MB saved", "net ms/step", "err"],
+                       table_rows(rows, counts))]
     return "\n".join(lines) + "\n"
 
 
