@@ -320,7 +320,8 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
                 SILU=silu, DROPOUT=bits is not None, TWO=x2 is not None, HAS_BIAS=bias is not None,
                 HAS_RES=res is not None, STATS=stats, SPT=spt,
                 FAST_TANH=(warmup or x.device.type == "cuda") and not _interpreting(),
-                KC=triton.cdiv(c, config.block_k) if _interpreting() else 0, DOT_F32=_interpreting(), num_warps=config.warps, num_stages=config.stages)
+                KC=triton.cdiv(c, config.block_k) if _interpreting() else 0, DOT_F32=_interpreting(),
+                num_warps=config.warps, num_stages=config.stages)
     if warmup:
         _conv3x3_kernel.warmup(*(a.dtype if isinstance(a, Tensor) else a for a in args), grid=grid, **meta)
     else:

@@ -176,3 +176,21 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path):
     assert row["check"]["out"] < 1e-5 and row["check"]["mean"] < 1e-5 and row["check"]["plain_vs_cudnn"] < 1e-5
     assert {"conv_cudnn", "conv_triton", "conv_epilogue", "fused_conv", "today", "fused", "keep_bits"} <= set(row["ms"])
     assert f"| {row['name']} | {row['count']} |" in (tmp_path / "conv_gn_bench.md").read_text()
+
+
+def test_the_table_marks_failed_checks_and_sites_that_did_not_run():
+    """A row whose check failed says FAILED beside its error; a site no tile config ran is a row with the reason; the
+    rows not measured yet are left out (a run cut short)."""
+    from benchmarks.speed import conv_gn_bench as B
+
+    ms = {"conv_cudnn": 1.0, "conv_triton": 2.0, "conv_epilogue": 2.5, "fused_conv": 3.0, "today": 4.0, "fused": 3.5}
+    check = {"out": 0.5, "written": True, "plain_vs_cudnn": 1e-3}
+    rows = [{"name": "a", "count": 2, "gflop": 100.0, "ms": ms, "check": check, "bytes_saved": 3e8},
+            {"name": "b", "count": 1, "gflop": 10.0, "error": "no tile config ran"},
+            {"name": "c", "count": 1, "site": {}}]
+    result = {"rows": rows, "preset": "p", "batch": 8, "device_name": None, "triton": "3", "command": "cmd",
+              "environment": {}, "sites_total": 3}
+    md = B.render(result)
+    assert "| a | 2 | 100 | 100 | 50 | 40 | 33 | 4.000 | 3.500 | 300 | +1.000 | 5.0e-01 FAILED |" in md
+    assert "| b | 1 | 10 |" + " - |" * 8 + " no tile config ran |" in md
+    assert "| c |" not in md and "1 of 3 distinct" in md
