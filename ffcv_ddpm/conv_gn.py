@@ -95,8 +95,9 @@ def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr,
     SPT: how a tile's rows lie in the samples (stats_layout): 1, all in one sample; > 1, SPT whole samples; 0,
     anywhere (per-row loads of the per-sample vectors; no statistics). kc: cdiv(C, BLOCK_K), the steps a tap; KC the
     same as a constant, or 0 (Triton's interpreter cannot loop to a run-time bound under NumPy 2.4: it gets KC, a GPU
-    kc, so that one compiled kernel serves every C). DOT_F32: the operands upcast before the product, for the
-    interpreter (Triton 3.6's multiplies bf16 operands as their uint16 bits)."""
+    kc, so that one compiled kernel serves every C). DOT_F32: an fp32 product of fp32 operands (not TF32), for fp32
+    inputs and for the interpreter (Triton 3.6's multiplies bf16 operands as their uint16 bits). FAST_TANH: for bf16
+    operands on a GPU, SiLU through tanh.approx, whose error is under bf16's rounding."""
     pid = tl.program_id(0)
     num_n = (CO + BLOCK_N - 1) // BLOCK_N
     pid_m = pid // num_n  # a tile's output-channel blocks run next to each other: its input is read once from DRAM
@@ -172,7 +173,7 @@ def _conv3x3_kernel(x_ptr, x2_ptr, w_ptr, out_ptr, coef_ptr, bits_ptr, bias_ptr,
         b = tl.load(w_ptr + co[None, :] * s_wo + cin[:, None] * s_wi + kh * s_wh + kw * s_ww,
                     mask=c_ok[:, None] & co_ok[None, :], other=0.0)
         if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
 
@@ -272,8 +273,6 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
     OW), added after the bias. warmup: compile the kernel this call would launch, launch nothing (the tensors may be
     on the meta device: benchmarks.speed.conv_gn_bench compiles its variants in parallel processes so). out, part:
     where to write them (a check poisons them first, to see every element written), None: new tensors."""
-    if not warmup:
-        _check_device(x)
     n, c1, h, w = x.shape
     c = c1 + (x2.shape[1] if x2 is not None else 0)
     co = weight.shape[0]
@@ -289,6 +288,8 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
     oh, ow = (h - 1) // stride + 1, (w - 1) // stride + 1
     if max(n * c * h * w, n * co * oh * ow) >= 2**31:
         raise ValueError(f"conv_gn indexes with 32-bit integers: {(n, c, h, w)} -> {(n, co, oh, ow)} is too large")
+    if not warmup:
+        _check_device(x)
     if out is None:
         out = torch.empty((n, co, oh, ow), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     if out.shape != (n, co, oh, ow) or out.dtype != x.dtype:
@@ -319,8 +320,9 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
     meta = dict(STRIDE=stride, BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NORM=coef is not None,
                 SILU=silu, DROPOUT=bits is not None, TWO=x2 is not None, HAS_BIAS=bias is not None,
                 HAS_RES=res is not None, STATS=stats, SPT=spt,
-                FAST_TANH=(warmup or x.device.type == "cuda") and not _interpreting(),
-                KC=triton.cdiv(c, config.block_k) if _interpreting() else 0, DOT_F32=_interpreting(),
+                FAST_TANH=(warmup or x.device.type == "cuda") and not _interpreting() and weight.dtype != torch.float32,
+                KC=triton.cdiv(c, config.block_k) if _interpreting() else 0,
+                DOT_F32=_interpreting() or weight.dtype == torch.float32,
                 num_warps=config.warps, num_stages=config.stages)
     if warmup:
         _conv3x3_kernel.warmup(*(a.dtype if isinstance(a, Tensor) else a for a in args), grid=grid, **meta)

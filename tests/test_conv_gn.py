@@ -1,5 +1,6 @@
-"""The convolution that owns its GroupNorm (ffcv_ddpm.conv_gn) against plain torch, through Triton's interpreter on
-machines without a GPU (conftest sets TRITON_INTERPRET=1), and benchmarks.speed.conv_gn_bench end to end (--smoke)."""
+"""The convolution that owns its GroupNorm (ffcv_ddpm.conv_gn) against plain torch, on the GPU or, on machines without
+one, through Triton's interpreter (conftest sets TRITON_INTERPRET=1), and benchmarks.speed.conv_gn_bench end to end
+(--smoke, interpreter only). The references are fp64 on the CPU; the kernels see the inputs on DEV."""
 
 import json
 
@@ -20,8 +21,16 @@ def needs_triton():
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def rel(a, ref) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+    return ((a.cpu().double() - ref.cpu().double()).norm() / ref.cpu().double().norm()).item()
+
+
+def on(*ts):
+    """The tensors on DEV, in their layouts (None stays None)."""
+    return [t.to(DEV) if t is not None else None for t in ts]
 
 
 def randn(*shape, g, scale=1.0, shift=0.0):
@@ -59,22 +68,25 @@ def test_forward_and_statistics_match_torch(case):
     bias = (randn(n, co, g=g) if bias_kind == "sample" else randn(co, g=g)).float()
     oh, ow = (h - 1) // stride + 1, (w - 1) // stride + 1
     res = randn(n, co, oh, ow, g=g, shift=1000.0).float().contiguous(memory_format=cl) if residual else None
-    seed = torch.tensor([4321], device=x.device)
-    bits = CG.keep_bits(seed, (n, c, h, w), p) if p else None
+    seed = torch.tensor([4321])
+    bits = CG.keep_bits(seed.to(DEV), (n, c, h, w), p) if p else None
     # NaN first: an element the kernel does not write fails the comparisons
     out = torch.full((n, co, oh, ow), float("nan")).contiguous(memory_format=cl)
     part = torch.full((n, CG.stats_layout(oh * ow, tile[0])[0], 2, co), float("nan"))
-    out, part = CG.conv3x3(x1, weight, x2=x2, coef=coef, silu=silu, bits=bits, p=p, bias=bias, res=res, stats=True,
-                           stride=stride, config=CG.TileConfig(*tile), out=out, part=part)
+    args = on(x1, weight, x2, coef, bias, res, out, part)
+    out, part = CG.conv3x3(*args[:2], x2=args[2], coef=args[3], silu=silu, bits=bits, p=p, bias=args[4], res=args[5],
+                           stats=True, stride=stride, config=CG.TileConfig(*tile), out=args[6], part=args[7])
     keep = keep_mask(seed, (n, c, h, w), p) if p else None
     ref = CG.reference(x, weight, coef=coef, silu=silu, keep=keep, p=p, bias=bias, res=res, stride=stride)
     assert out.shape == ref.shape and out.is_contiguous(memory_format=cl)
     assert torch.isfinite(out).all() and rel(out, ref) < 1e-5
     if p:  # the mask drops about p of the activations, and the same ones as keep_mask
-        assert torch.equal(CG.unpack_bits(bits, (n, c, h, w)), keep) and abs(keep.double().mean() - (1 - p)) < 0.1
+        assert torch.equal(CG.unpack_bits(bits, (n, c, h, w)).cpu(), keep)
+        assert abs(keep.double().mean() - (1 - p)) < 0.1
 
     a2, b2, e2 = (randn(n, co, g=g).float() + s for s in (1.0, 0.0, 0.0))
-    coef2, mean, rstd = CG.finalize(part, oh * ow, tile[0], groups, a2, b2, e2)
+    coef2, mean, rstd = (t.cpu() for t in CG.finalize(part, oh * ow, tile[0], groups, *on(a2, b2, e2)))
+    out = out.cpu()
     y = out.double() + e2.double()[:, :, None, None]
     var, ref_mean = torch.var_mean(y.reshape(n, groups, -1), dim=2, unbiased=False)
     assert abs(ref_mean.mean()) > 50 * var.sqrt().mean() or not residual
@@ -95,9 +107,10 @@ def test_any_image_size_without_statistics():
     weight = randn(co, c, 3, 3, g=g, scale=c ** -0.5).float()
     coef = torch.stack((randn(n, c, g=g) + 1, randn(n, c, g=g)), 1).float()
     bias = randn(n, co, g=g).float()
-    seed = torch.tensor([11], device=x.device)
-    bits = CG.keep_bits(seed, (n, c, h, w), p)
-    out, part = CG.conv3x3(x, weight, coef=coef, silu=True, bits=bits, p=p, bias=bias,
+    seed = torch.tensor([11])
+    bits = CG.keep_bits(seed.to(DEV), (n, c, h, w), p)
+    xd, wd, coefd, biasd = on(x, weight, coef, bias)
+    out, part = CG.conv3x3(xd, wd, coef=coefd, silu=True, bits=bits, p=p, bias=biasd,
                            config=CG.TileConfig(16, 16, 32, 4, 1))
     ref = CG.reference(x, weight, coef=coef, silu=True, keep=keep_mask(seed, (n, c, h, w), p), p=p, bias=bias)
     assert part is None and rel(out, ref) < 1e-5
@@ -112,7 +125,7 @@ def test_bf16_operands_with_fp32_accumulation():
     x = randn(n, c, h, h, g=g).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
     weight = randn(co, c, 3, 3, g=g, scale=c ** -0.5).to(torch.bfloat16)
     coef = torch.stack((randn(n, c, g=g) + 1, randn(n, c, g=g)), 1).float()
-    out, _ = CG.conv3x3(x, weight, coef=coef, silu=True, config=CG.TileConfig(16, 16, 32, 4, 1))
+    out, _ = CG.conv3x3(*on(x, weight), coef=on(coef)[0], silu=True, config=CG.TileConfig(16, 16, 32, 4, 1))
     assert out.dtype == torch.bfloat16
     assert rel(out, CG.reference(x.double(), weight.double(), coef=coef.double(), silu=True)) < 1e-2
 
@@ -133,10 +146,6 @@ def test_what_the_kernel_cannot_do_is_refused_in_one_line():
 
 # ---------------------------------------------------------------------------------------------------- the bench
 
-SMALL = ["model.base_channels=16", "model.channel_mult=(1,2)", "model.num_res_blocks=1", "model.image_size=8",
-         "model.norm_groups=4", "model.attn_resolutions=()", "model.attn_heads=1", "data.batch_size=3"]
-
-
 def test_the_sites_are_every_3x3_convolution_of_the_network():
     """One forward records each 3x3 convolution once: the stem, two per residual block, the downsamples and the
     output conv; conv1 takes the time embedding as a per-(sample, channel) bias (model.conv_bias_in_norm), conv2
@@ -144,7 +153,7 @@ def test_the_sites_are_every_3x3_convolution_of_the_network():
     from benchmarks.speed import conv_gn_bench as B
     from ffcv_ddpm.config import load_config
 
-    cfg = load_config("ddpm-cifar10", SMALL).model
+    cfg = load_config("ddpm-cifar10", list(B.SMOKE_OVERRIDES)).model
     sites = dict(B.record_sites(cfg))
     levels, blocks = len(cfg.channel_mult), cfg.num_res_blocks
     res_blocks = levels * blocks + 2 + levels * (blocks + 1)
@@ -169,7 +178,7 @@ def test_bench_runs_end_to_end_on_the_cpu(tmp_path):
 
     if not triton.knobs.runtime.interpret:
         pytest.skip("--smoke runs under Triton's interpreter")
-    assert B.main(["--out", str(tmp_path), "--smoke", "--sites", "1", *SMALL]) == 0
+    assert B.main(["--out", str(tmp_path), "--smoke", "--sites", "1"]) == 0
     result = json.loads((tmp_path / "conv_gn_bench.json").read_text())
     row = result["rows"][0]
     assert row["site"]["p"] > 0 and row["site"]["residual"] and row["site"]["stats"]

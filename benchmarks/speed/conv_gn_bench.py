@@ -2,7 +2,7 @@
 
     python -m benchmarks.speed.conv_gn_bench --out DIR                 # CUDA: every 3x3 conv site, batch 1024
     python -m benchmarks.speed.conv_gn_bench --out DIR --sites 3 data.batch_size=512
-    python -m benchmarks.speed.conv_gn_bench --out DIR --smoke         # CPU, Triton's interpreter, seconds
+    TRITON_INTERPRET=1 python -m benchmarks.speed.conv_gn_bench --out DIR --smoke --sites 1   # CPU, seconds
 
 The sites come from the model: one forward of the preset (as the overrides configure it) at a small batch records
 every 3x3 convolution, what normalised its input (the GroupNormAct whose output it reads: SiLU, dropout, one or two
@@ -45,6 +45,9 @@ from ffcv_ddpm.checks import Parser, at_least, fail, option
 # warps on it spill (dropped); 64 rows with 4 warps is the tile that keeps an 8x8 sample's rows to itself.
 CONFIGS = ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))
 SMOKE_CONFIGS = ((32, 32, 32, 4, 1),)  # --smoke: one, interpreted
+# --smoke's network, before the command's overrides: the preset's blocks at 8x8 pixels, 16 and 32 channels, batch 3
+SMOKE_OVERRIDES = ("model.base_channels=16", "model.channel_mult=(1,2)", "model.num_res_blocks=1", "model.image_size=8",
+                   "model.norm_groups=4", "model.attn_resolutions=()", "model.attn_heads=1", "data.batch_size=3")
 RECORD_BATCH = 2
 
 
@@ -94,7 +97,7 @@ def record_sites(model_cfg) -> list[tuple[Site, int]]:
     torch.manual_seed(0)
     model = build_model(model_cfg).train()
     keep = []  # every tensor seen, alive until the end: ids stay unique
-    gn_out, gn_in = {}, []  # id(GroupNormAct output) -> module; (input part ids, add given) per call
+    gn_out, gn_in = {}, []  # id(GroupNormAct output) -> (module, input parts, add given); (part ids, add) per call
     convs, sums = [], {}  # conv calls; id(a + b) -> the ids of a and b
 
     def hook(module, args, kwargs, out):
@@ -500,11 +503,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=option(int, at_least(1)), default=10, help="calls per captured graph")
     p.add_argument("--rounds", type=option(int, at_least(1)), default=3,
                    help="each chain timed this many times, interleaved; a row is the median")
+    p.add_argument("--configs", type=option(int, at_least(1)),
+                   help=f"only the first N tile configs of the {len(CONFIGS)} (fewer kernels to compile)")
     p.add_argument("--compile-workers", type=option(int, at_least(0)), default=12,
                    help="processes compiling the Triton variants before the timing (0: compile as they run)")
     p.add_argument("--smoke", action="store_true",
-                   help="on the CPU through Triton's interpreter (TRITON_INTERPRET=1 must be set), fp32, one tile "
-                        "config, one call a timing: checks that the script runs, measures nothing")
+                   help="on the CPU through Triton's interpreter (TRITON_INTERPRET=1 must be set), fp32, a small "
+                        "network (SMOKE_OVERRIDES, before the command's), one tile config, one call a timing: checks "
+                        "that the script runs, measures nothing")
     args, overrides = p.parse_with_overrides(argv)
     import triton
 
@@ -512,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     from ffcv_ddpm.env import environment
 
     try:
-        cfg = load_config(args.preset, ["data.batch_size=1024", *overrides])
+        cfg = load_config(args.preset, ["data.batch_size=1024", *(SMOKE_OVERRIDES if args.smoke else ()), *overrides])
     except ValueError as e:
         return fail("conv_gn_bench", str(e))
     if args.smoke and not triton.knobs.runtime.interpret:
@@ -532,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import triton.testing
 
-        device, dtype, configs = "cuda", torch.bfloat16, CONFIGS
+        device, dtype, configs = "cuda", torch.bfloat16, CONFIGS[:args.configs]
         torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark  # the step's algorithm choice
         clock = lambda fn: graph_ms(fn, args.iters, warmup=2)  # noqa: E731
         quick = lambda fn: float(triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))  # noqa: E731
