@@ -260,6 +260,19 @@ def floors(path: Path, d: dict) -> str:
             f"(5 passes at {m['copy_gb_per_s']:,.0f} GB/s)")
 
 
+def conv_gn(path: Path, d: dict) -> str:
+    """benchmarks.speed.conv_gn_bench: today's chains (cuDNN + the fused GroupNorm) against the fused convolution's,
+    per step over the sites measured, and the convolution's rate alone in each."""
+    done = [r for r in d["rows"] if "ms" in r]
+    today = sum(r["ms"]["today"] * r["count"] for r in done)
+    fused = sum(r["ms"]["fused"] * r["count"] for r in done)
+    tflops = {k: sum(r["gflop"] * r["count"] for r in done) / sum(r["ms"][k] * r["count"] for r in done)  # GFLOP/ms = TFLOP/s
+              for k in ("conv_cudnn", "conv_triton")}
+    return (f"{len(done)} of {d['sites_total']} sites, batch {d['batch']}: today's chains {_ms(today)} a step, the "
+            f"fused ones {_ms(fused)}; convolution alone {tflops['conv_cudnn']:.0f} TFLOP/s (cuDNN) against "
+            f"{tflops['conv_triton']:.0f} (Triton)")
+
+
 def _run_environment(path: Path, d: dict) -> dict | None:
     """The telemetry summary has no stamp of its own: its run's environment.json beside it is the run's."""
     env = path.parent / "environment.json"
@@ -297,6 +310,7 @@ READERS = (
     Reader("trainer telemetry", lambda p, d: p.name == "telemetry-summary.json", telemetry, stamp=_run_environment),
     Reader("DDP reducer ops", lambda p, d: "ddp_minus_flat" in d, reducer_ops),
     Reader("op-class floors", lambda p, d: {"measured", "profile_ms", "table"} <= d.keys(), floors),
+    Reader("conv + GroupNorm forward", lambda p, d: {"sites_total", "rows", "configs"} <= d.keys(), conv_gn),
 )
 
 
