@@ -273,6 +273,15 @@ def conv_gn(path: Path, d: dict) -> str:
             f"{tflops['conv_triton']:.0f} (Triton)")
 
 
+def conv_autotune(path: Path, d: dict) -> str:
+    """benchmarks.speed.conv_autotune: Inductor's Triton convolution templates against cuDNN, forward, per step."""
+    done = [r for r in d["rows"] if "cudnn_ms" in r]
+    cudnn, inductor = (sum(r[k] * r["count"] for r in done) for k in ("cudnn_ms", "inductor_ms"))
+    compile_s = sum(r["compile_s"] for r in done)
+    return (f"{len(done)} of {len(d['rows'])} shapes, batch {d['batch']}: cuDNN {_ms(cudnn)} a step forward, "
+            f"Inductor's templates {_ms(inductor)}; compile {compile_s:,.0f} s")
+
+
 def _run_environment(path: Path, d: dict) -> dict | None:
     """The telemetry summary has no stamp of its own: its run's environment.json beside it is the run's."""
     env = path.parent / "environment.json"
@@ -310,6 +319,7 @@ READERS = (
     Reader("trainer telemetry", lambda p, d: p.name == "telemetry-summary.json", telemetry, stamp=_run_environment),
     Reader("DDP reducer ops", lambda p, d: "ddp_minus_flat" in d, reducer_ops),
     Reader("op-class floors", lambda p, d: {"measured", "profile_ms", "table"} <= d.keys(), floors),
+    Reader("conv autotune", lambda p, d: d.get("benchmark") == "conv_autotune", conv_autotune),
     Reader("conv + GroupNorm forward", lambda p, d: {"sites_total", "rows", "configs"} <= d.keys(), conv_gn),
 )
 

@@ -203,3 +203,19 @@ def test_the_table_marks_failed_checks_and_sites_that_did_not_run():
     assert "| a | 2 | 100 | 100 | 50 | 40 | 33 | 4.000 | 3.500 | 300 | +1.000 | 5.0e-01 FAILED |" in md
     assert "| b | 1 | 10 |" + " - |" * 8 + " no tile config ran |" in md
     assert "| c |" not in md and "1 of 3 distinct" in md
+
+
+def test_conv_autotune_measures_each_distinct_shape_once():
+    """benchmarks.speed.conv_autotune: the sites deduplicated by what a plain convolution sees, their counts summed,
+    and the FLOPs of a stride-2 shape counted on its output."""
+    from benchmarks.speed.conv_autotune import gflop, shapes_of
+    from ffcv_ddpm.config import load_config
+
+    from benchmarks.speed.conv_gn_bench import record_sites
+
+    sites = record_sites(load_config("ddpm-cifar10").model)
+    shapes = shapes_of(sites)
+    assert sum(s["count"] for s in shapes) == sum(c for _, c in sites) == 49
+    assert len({(s["cin"], s["cout"], s["h"], s["stride"]) for s in shapes}) == len(shapes) < len(sites)
+    down = next(s for s in shapes if s["stride"] == 2 and s["h"] == 32)
+    assert gflop(down, 2) == 2 * 2 * 16 * 16 * down["cout"] * down["cin"] * 9 / 1e9

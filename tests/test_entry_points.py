@@ -18,6 +18,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.norm_bench": True, "benchmarks.speed.flops": True, "benchmarks.speed.trainer_vs_bench": True,
     "benchmarks.speed.reducer_ops": True, "benchmarks.speed.floors": True, "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
     "benchmarks.speed.kernel_regs": False, "benchmarks.speed.conv_gn_bench": True,
+    "benchmarks.speed.conv_autotune": True,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
@@ -59,7 +60,7 @@ NEEDS = {"benchmarks.quality.fid": ["--run", "RUN"], "benchmarks.speed.norm_benc
          "benchmarks.quality.sde": ["--out", "OUT"], "benchmarks.speed.flops": ["--preset", "tiny"],
          "benchmarks.speed.ddp": ["--device", "cpu"], "benchmarks.quality.digits": ["--out", "OUT", "--work", "WORK"],
          "benchmarks.quality.compress": ["--out", "OUT", "--work", "WORK"],
-         "benchmarks.speed.conv_gn_bench": ["--out", "OUT"]}
+         "benchmarks.speed.conv_gn_bench": ["--out", "OUT"], "benchmarks.speed.conv_autotune": ["--out", "OUT"]}
 
 
 @pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])
@@ -69,7 +70,8 @@ def test_a_bad_override_is_one_line_before_anything_happens(name, tmp_path, caps
             .replace("WORK", str(tmp_path / "work")) for a in NEEDS.get(name, [])]
     # No data to read (their --help says so):
     if name not in ("benchmarks.speed.flops", "benchmarks.speed.norm_bench", "benchmarks.speed.reducer_ops",
-                    "benchmarks.speed.floors", "benchmarks.speed.conv_gn_bench"):
+                    "benchmarks.speed.floors", "benchmarks.speed.conv_gn_bench",
+                    "benchmarks.speed.conv_autotune"):
         argv += ["--data", str(tmp_path)]
     try:
         rc = module.main([*argv, "data.batch_size=0"])
