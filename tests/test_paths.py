@@ -176,7 +176,7 @@ INPUTS = [
      "--png-dir IN/typo: no such folder"),
     ("benchmarks.speed.loaders", ["--data", "IN/x.beton", "--out", "FREE/o"], "--data IN/x.beton: is a file"),
     ("benchmarks.speed.numerics", ["--from-runs", "IN/r1", "IN/r2", "--out", "FREE/o"],
-     "--from-runs IN/r1: no such folder"),
+     "--from-runs: IN/r1 is not a finished run folder"),
     ("benchmarks.speed.floors", ["--profile", "IN/typo", "--out", "FREE/o"], "--profile IN/typo: no such folder"),
     # make_dataset: the input checked before the --out folder is made
     ("tools.make_dataset", ["--source", "png", "--png-dir", "IN/typo", "--out", "FREE/d"],
@@ -233,3 +233,25 @@ def test_loaders_with_no_variant_that_can_run_says_why_before_measuring(small_da
                                                  "--out", str(out), "--quick"])
     assert rc == 2 and len(err) == 1 and "no selected variant has its input" in err[0], err
     assert "PNG folder" in err[0] and not out.exists()
+
+
+def test_the_default_results_folder_is_checked_like_an_out(tmp_path, monkeypatch):
+    """Without --out a benchmark writes under benchmarks/results/<card>/: checked the same way, before the work."""
+    import benchmarks.common as common
+
+    blocker = tmp_path / "results"
+    blocker.write_text("")
+    monkeypatch.setattr(common, "RESULTS", blocker)
+    with pytest.raises(common.BenchError, match=r"^the results folder .*: is under .*results, which is a file"):
+        common.results_out(None, None, "floors")
+    assert common.results_out(tmp_path / "mine", None, "floors") == tmp_path / "mine"  # --out wins, unmade
+    assert not (tmp_path / "mine").exists()
+
+
+def test_a_broken_link_where_a_folder_should_be(tmp_path):
+    from ffcv_ddpm.checks import BadValue, check_out_dir
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(BadValue, match="is a broken link, not a folder"):
+        check_out_dir(tmp_path / "link" / "sub", "--out")
+    assert check_out_dir(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b" and not (tmp_path / "a").exists()

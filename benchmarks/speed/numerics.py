@@ -440,8 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(config.json + stats.jsonl), on their common logged steps")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     args, args.overrides = p.parse_with_overrides(argv)
-    p.check_paths(inputs=[("--from-runs", run, "folder") for run in args.from_runs or []],
-                  outputs=[("--out", args.out)])
+    p.check_paths(outputs=[("--out", args.out)])  # --from-runs: from_runs checks each folder, before any work
     try:
         command = "python -m benchmarks.speed.numerics " + " ".join(argv)
         result = from_runs(args, command) if args.from_runs else measure(args, command)
