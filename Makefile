@@ -96,8 +96,8 @@ sweeps: $(SETUP)
 	$(PY) -m benchmarks.speed.sweeps --data "$(DATA)" $(OUT_ARG) $(ARGS)
 
 train: $(SETUP)
-	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data "$(DATA)/cifar10_train_raw.beton" $(if $(OUT),"train.out_dir=$(OUT)") \
-		$(ARGS)
+	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data "$(DATA)/cifar10_train_raw.beton" \
+		$(if $(OUT),"train.out_dir=$(OUT)") $(ARGS)
 
 clean:
 	rm -rf "$(VENV)" .pytest_cache

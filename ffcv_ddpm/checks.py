@@ -6,8 +6,8 @@
     p.check_paths(inputs=[("--data", args.data, "folder")], outputs=[("--out", args.out)])   # before any work
 
 Every failure is one line that names the field (or option), the value given and what is allowed; a path is checked
-the same way (check_out_dir: a folder this user can write or create; check_input: there, of its kind). No torch import:
-tools/ and the CLIs' argument parsing use this before anything heavy loads.
+the same way (check_out_dir: a folder this user can write or create; check_input: there, of its kind). No torch
+import: tools/ and the CLIs' argument parsing use this before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -231,8 +231,7 @@ def check_input(path, what: str, kind: str = "file or folder", hint: str = ""):
         reason = "is a folder, not a file"
     elif kind == "folder" and not os.path.isdir(path):
         reason = "is a file, not a folder"
-    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0),
-                       effective_ids=_EFFECTIVE_IDS):
+    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0), effective_ids=_EFFECTIVE_IDS):
         reason = "this user cannot read it"
     if reason:
         raise BadValue(f"{what} {os.fspath(path)}: {reason}" + (f"; {hint}" if hint else ""))

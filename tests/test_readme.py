@@ -157,7 +157,8 @@ def test_the_ddpm_table_command_selects_the_rows_it_shows(parse_only):
 @pytest.mark.parametrize("target,assign,expected", [
     *[(target, "OUT", ["--out", "a b"]) for target in ("dataset", "bench", "bench-loaders", "bench-ddp", "profile",
                                                         "numerics", "sweeps", "fid", "quality", "compress")],
-    ("dataset-png", "OUT", ["--export-png", "a b/png"]), ("sde-quality", "OUT", ["out=a b"]), ("train", "OUT", ["train.out_dir=a b"]),
+    ("dataset-png", "OUT", ["--export-png", "a b/png"]), ("sde-quality", "OUT", ["out=a b"]),
+    ("train", "OUT", ["train.out_dir=a b"]),
     # the inputs too: a folder name with a space is one word to the command
     ("bench", "DATA", ["--data", "a b"]), ("quality", "DATA", ["--data", "a b"]),
     ("train", "DATA", ["--data", "a b/cifar10_train_raw.beton"]), ("fid", "RUN", ["--run", "a b"]),
