@@ -18,7 +18,7 @@ DATA ?= $(if $(filter digits mnist,$(SOURCE)),data/$(SOURCE),data)
 # OUT=DIR: where a target writes, for every target that writes (make dataset: the dataset folder, else $(DATA);
 # the benchmarks: their --out; make train: train.out_dir). The digits studies read DATA when it is given, else data/digits.
 OUT ?=
-OUT_ARG = $(if $(OUT),--out $(OUT))
+OUT_ARG = $(if $(OUT),--out "$(OUT)")
 DIGITS = $(if $(filter command line,$(origin DATA)),$(DATA),data/digits)
 JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
@@ -29,32 +29,32 @@ ARGS ?=
 setup: $(SETUP)
 
 $(STAMP): requirements.txt setup/install.sh pyproject.toml
-	VENV=$(VENV) bash setup/install.sh
+	VENV="$(VENV)" bash setup/install.sh
 
 test: $(SETUP)
 	$(PY) -m pytest -q tests
 
 dataset: $(SETUP)
-	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(or $(OUT),$(DATA)) --jpeg-quality $(JPEG_QUALITY) \
-		$(if $(CIFAR),--tarball $(CIFAR)) $(if $(PNG_DIR),--png-dir $(PNG_DIR)) $(if $(MNIST_DIR),--mnist-dir $(MNIST_DIR)) \
-		$(ARGS)
+	$(PY) -m tools.make_dataset --source $(SOURCE) --out "$(or $(OUT),$(DATA))" --jpeg-quality $(JPEG_QUALITY) \
+		$(if $(CIFAR),--tarball "$(CIFAR)") $(if $(PNG_DIR),--png-dir "$(PNG_DIR)") \
+		$(if $(MNIST_DIR),--mnist-dir "$(MNIST_DIR)") $(ARGS)
 
 # The .beton files plus the Kaggle-layout PNG folder <dataset folder>/png, for the PyTorch-DataLoader-from-files
 # baseline (make bench and make bench-loaders use it when present; make bench ARGS="--table loaders-e2e" needs it:
 # without it that table stops before any row runs). Give the SOURCE the .beton files were made from.
 dataset-png: $(SETUP)
-	$(MAKE) dataset ARGS="--export-png $(or $(OUT),$(DATA))/png $(ARGS)"
+	$(MAKE) dataset ARGS="--export-png '$(or $(OUT),$(DATA))/png' $(ARGS)"
 
 bench: $(SETUP)
-	$(PY) -m benchmarks.speed.bench --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.bench --data "$(DATA)" $(OUT_ARG) $(ARGS)
 
 bench-loaders: $(SETUP)
-	$(PY) -m benchmarks.speed.loaders --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.loaders --data "$(DATA)" $(OUT_ARG) $(ARGS)
 
 # DDP scaling of the trainer on 1, 2, 4 GPUs of this host (torchrun; NVLink multicast kept off in every rank).
 bench-ddp: $(SETUP)
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
-		$(PY) -m benchmarks.speed.ddp --data $(DATA) --preset $(PRESET) $(OUT_ARG) $(ARGS)
+		$(PY) -m benchmarks.speed.ddp --data "$(DATA)" --preset $(PRESET) $(OUT_ARG) $(ARGS)
 
 # The index of every committed result (benchmarks/results/README.md), rebuilt from the JSON files after new results
 # land; tests/test_ledger.py fails while it is stale.
@@ -62,10 +62,10 @@ ledger: $(SETUP)
 	$(PY) -m benchmarks.ledger $(ARGS)
 
 profile: $(SETUP)
-	$(PY) -m benchmarks.speed.profile --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.profile --preset $(PRESET) --data "$(DATA)" $(OUT_ARG) $(ARGS)
 
 numerics: $(SETUP)
-	$(PY) -m benchmarks.speed.numerics --preset $(PRESET) --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.numerics --preset $(PRESET) --data "$(DATA)" $(OUT_ARG) $(ARGS)
 
 # The studies sized for one H100/H200 say so up front where there is no CUDA: their training alone is PFLOPs, hours on
 # a CPU (e.g. compress: 1,500 steps of 256 images at 9.5 GFLOP each, ~3.7 PFLOP).
@@ -77,33 +77,34 @@ CPU_NOTE = @$(PY) -c 'import sys, torch; torch.cuda.is_available() or print("mak
 sde-quality: $(SETUP)
 	$(CPU_NOTE)
 	out="$(or $(OUT),$$($(PY) -c 'from benchmarks.common import results_here; print(results_here() / "sde-quality")'))" \
-		&& $(PY) -m benchmarks.quality.sde --data $(DIGITS) --out "$$out" $(ARGS)
+		&& $(PY) -m benchmarks.quality.sde --data "$(DIGITS)" --out "$$out" $(ARGS)
 
 # FID of a run's samples against the train split: make fid RUN=runs/00000-ddpm-cifar10 ARGS="--n 10000"
 # (or ARGS="--images PATH" to score an image set); Inception weights from the torch hub cache (downloaded once, checked).
 fid: $(SETUP)
-	$(PY) -m benchmarks.quality.fid --data $(DATA)/cifar10_train_raw.beton $(if $(RUN),--run $(RUN)) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.quality.fid --data "$(DATA)/cifar10_train_raw.beton" $(if $(RUN),--run "$(RUN)") $(OUT_ARG) \
+		$(ARGS)
 
 # Sample quality on the digits (builds data/digits if missing): judge, class-conditional training, FD-digits and
 # conditional accuracy per guidance weight and sampler. ~7.5 minutes on one H100/H200 (its --budget-s 470: 453 s on an
 # H100, 445 s on an H200); see benchmarks/quality/digits.py.
 quality: $(SETUP)
 	$(CPU_NOTE)
-	$(PY) -m benchmarks.quality.digits --data $(DIGITS) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.quality.digits --data "$(DIGITS)" $(OUT_ARG) $(ARGS)
 
 # Compression study: pruning, grouped/depthwise-separable convs, int8 (torchao) with size, speed and quality. Trains
 # the digits model first, or studies RUN=runs/... (e.g. the run of make quality). ~8.5 minutes on one H100 (its
 # --budget-s 485; the rows it leaves out run in a second call with --continue-from: 13.5 minutes in all).
 compress: $(SETUP)
 	$(CPU_NOTE)
-	$(PY) -m benchmarks.quality.compress $(RUN) --data $(DIGITS) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.quality.compress $(if $(RUN),"$(RUN)") --data "$(DIGITS)" $(OUT_ARG) $(ARGS)
 
 sweeps: $(SETUP)
-	$(PY) -m benchmarks.speed.sweeps --data $(DATA) $(OUT_ARG) $(ARGS)
+	$(PY) -m benchmarks.speed.sweeps --data "$(DATA)" $(OUT_ARG) $(ARGS)
 
 train: $(SETUP)
-	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data $(DATA)/cifar10_train_raw.beton $(if $(OUT),train.out_dir=$(OUT)) \
-		$(ARGS)
+	$(PY) -m ffcv_ddpm.train --preset $(PRESET) --data "$(DATA)/cifar10_train_raw.beton" \
+		$(if $(OUT),"train.out_dir=$(OUT)") $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf "$(VENV)" .pytest_cache

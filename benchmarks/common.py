@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ffcv_ddpm.checks import BadValue, check_input, check_out_dir
 from tools.atomic import Staged
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,8 +21,13 @@ JPEG_BETON = "cifar10_train_jpg.beton"  # the same split, JPEG-encoded
 PNG_TRAIN = Path("png") / "train"  # where `make dataset ... --export-png DATA/png` puts the Kaggle-layout folder
 
 
+# The quick start's dataset folder, the one --data folder that is made when it does not exist (a typo elsewhere,
+# --data dat, must not become a new synthetic dataset). Recognised by where it is, not by whether --data was typed:
+# `make bench` and the README's `--data data` are the quick start too.
+DEFAULT_DATA = Path("data")
 # --data of every command that builds a synthetic dataset when there is none (ensure_dataset).
-DATA_HELP = "dataset folder (`make dataset`; a synthetic one is built there if it has none) or a train .beton file"
+DATA_HELP = (f"dataset folder (`make dataset`) or a train .beton file; a folder without one gets a synthetic dataset "
+             f"(one that does not exist: only {DEFAULT_DATA}/, the quick start)")
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (as train.device)"
 
 
@@ -44,6 +50,17 @@ def results_here() -> Path:
     return results_dir(torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
+def results_out(out: Path | None, device_name: str | None, sub: str = "") -> Path:
+    """Where a benchmark writes: --out, else benchmarks/results/<card>/<sub>; checked writable (check_out_dir)
+    before the work whose result goes there (BenchError if not), and created by the writer."""
+    path = out or results_dir(device_name) / sub
+    try:
+        check_out_dir(path, "--out" if out else "the results folder")
+    except BadValue as e:
+        raise BenchError(str(e)) from None
+    return path
+
+
 def dataset_files(data: Path) -> tuple[Path, tuple[Path, ...]]:
     """(the train .beton ensure_dataset(data) gives, the files it answers for: that .beton, which it requires or
     builds, and the JPEG one a synthetic build writes beside it). Looks only; a check before ensure_dataset runs
@@ -55,16 +72,32 @@ def dataset_files(data: Path) -> tuple[Path, tuple[Path, ...]]:
     return beton, ((beton,) if beton.is_file() else (beton, data / JPEG_BETON))
 
 
-def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
-    """(train .beton, built now?) for --data given as a dataset folder (its cifar10_train_raw.beton, a synthetic one
-    built there first when missing) or as a .beton file (which must exist)."""
+def check_data(data: Path) -> None:
+    """--data is a train .beton, a folder holding cifar10_train_raw.beton, or a folder ensure_dataset may build one in
+    (an existing folder, or the quick start's data/: writable); BenchError otherwise. Looks only: run before any
+    work."""
     data = Path(data)
     beton, _ = dataset_files(data)
-    if data.suffix == ".beton":
-        if not data.is_file():
-            raise BenchError(f"--data {data} does not exist; run `make dataset` or give a dataset folder")
-        return data, False
-    if beton.is_file():
+    try:
+        if data.suffix == ".beton":
+            check_input(data, "--data", "file", "run `make dataset` or give a dataset folder")
+        elif not beton.is_file():
+            if data.resolve() != DEFAULT_DATA.resolve():
+                check_input(data, "--data", "folder", f"make it with `make dataset OUT={data}`, or leave --data out "
+                                                      f"for the quick start's synthetic dataset in {DEFAULT_DATA}/")
+            check_out_dir(data, "--data")  # the synthetic dataset is written there
+    except BadValue as e:
+        raise BenchError(str(e)) from None
+
+
+def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
+    """(train .beton, built now?) for --data given as a dataset folder (its cifar10_train_raw.beton, a synthetic one
+    built there first when missing; a folder that does not exist only if it is the quick start's data/) or as a
+    .beton file (which must exist)."""
+    data = Path(data)
+    beton, _ = dataset_files(data)
+    check_data(data)
+    if data.suffix == ".beton" or beton.is_file():
         return beton, False
     from tools.cifar10 import DatasetError
     from tools.make_dataset import check_one_dataset
@@ -76,7 +109,7 @@ def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
     print(f"bench: NOTE: no {BETON} in {data}/, so building a SYNTHETIC dataset there first "
           f"({num_synthetic} images, tools.make_dataset --source synthetic). Its numbers measure speed only; "
           "run `make dataset` for CIFAR-10.", flush=True)
-    cmd = [sys.executable, "-m", "tools.make_dataset", "--source", "synthetic", "--out", str(data),
+    cmd = [sys.executable, "-m", "tools.make_dataset", "--source", "synthetic", "--out", str(data.absolute()),
            "--num-synthetic", str(num_synthetic), "--num-synthetic-test", str(max(64, num_synthetic // 5))]
     if subprocess.run(cmd, cwd=REPO).returncode != 0 or not beton.is_file():
         raise BenchError(f"building the synthetic dataset failed (command: {' '.join(cmd)})")

@@ -3,9 +3,11 @@
     value = coerce("train.steps", "abc", int, at_least(1))   # BadValue: train.steps=abc: expected an integer >= 1
     p = Parser(prog="python -m benchmarks.x")                  # argparse; a bad option: 'x: error: ...', exit 2
     p.add_argument("--iters", type=option(int, at_least(1)))
+    p.check_paths(inputs=[("--data", args.data, "folder")], outputs=[("--out", args.out)])   # before any work
 
-Every failure is one line that names the field (or option), the value given and what is allowed. No torch import:
-tools/ and the CLIs' argument parsing use this before anything heavy loads.
+Every failure is one line that names the field (or option), the value given and what is allowed; a path is checked
+the same way (check_out_dir: a folder this user can write or create; check_input: there, of its kind). No torch
+import: tools/ and the CLIs' argument parsing use this before anything heavy loads.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import math
+import os
 import sys
 import types
 import typing
@@ -185,6 +188,56 @@ def coerce(name: str, value, typ, rule: Rule | None = None, default=None):
     return parsed
 
 
+# ---- paths -------------------------------------------------------------------------------------------------------
+
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids  # the rights this process writes with (setuid: not the real)
+
+
+def check_out_dir(path, what: str):
+    """`path` if this process can write its outputs there: a writable folder, or one it can create (the nearest
+    existing ancestor is a writable folder, with no file on the way); BadValue otherwise. None passes (an option
+    left out: its default is checked where it is decided).
+
+    Creates nothing, so a command that stops on a later check leaves no empty folder behind. The rights are those of
+    os.access: root passes everywhere but a read-only filesystem, as its writes would."""
+    if path is None:
+        return None
+    given, path = path, os.fspath(path)
+    existing = path
+    while not os.path.lexists(existing):  # lexists: a dangling link is there (mkdir would fail on it)
+        parent = os.path.dirname(existing.rstrip(os.sep)) or os.curdir
+        if parent == existing:
+            break
+        existing = parent
+    if not os.path.isdir(existing):
+        kind = "a broken link" if os.path.islink(existing) and not os.path.exists(existing) else "a file"
+        where = "is" if existing == path else f"is under {existing}, which is"
+        raise BadValue(f"{what} {path}: {where} {kind}, not a folder; choose another folder")
+    if not os.access(existing, os.W_OK | os.X_OK, effective_ids=_EFFECTIVE_IDS):
+        where = "" if existing == path else f" (it would be made in {existing})"
+        raise BadValue(f"{what} {path}: this user cannot write there{where}; choose another folder")
+    return given
+
+
+def check_input(path, what: str, kind: str = "file or folder", hint: str = ""):
+    """`path` if it exists, is a `kind` ("file", "folder" or "file or folder") and can be read; BadValue otherwise,
+    with `hint` (how to make it) after the reason. None passes (an option left out)."""
+    if path is None:
+        return None
+    reason = None
+    if not os.path.exists(path):
+        reason = f"no such {kind}"
+    elif kind == "file" and not os.path.isfile(path):
+        reason = "is a folder, not a file"
+    elif kind == "folder" and not os.path.isdir(path):
+        reason = "is a file, not a folder"
+    elif not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0), effective_ids=_EFFECTIVE_IDS):
+        reason = "this user cannot read it"
+    if reason:
+        raise BadValue(f"{what} {os.fspath(path)}: {reason}" + (f"; {hint}" if hint else ""))
+    return path
+
+
 # ---- command lines -----------------------------------------------------------------------------------------------
 
 def option(typ, rule: Rule | None = None) -> Callable[[str], Any]:
@@ -284,6 +337,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{command_name(self.prog)}: error: {message} (see --help)\n")
+
+    def check_paths(self, inputs=(), outputs=()) -> None:
+        """Each (option, path, kind[, hint]) of `inputs` there (check_input), then each (option, path) of `outputs`
+        writable (check_out_dir), before the command reads or writes anything; the first that is not: self.error.
+        A None path (an option left out) passes."""
+        try:
+            for what, path, *rest in inputs:
+                check_input(path, what, *rest)
+            for what, path in outputs:
+                check_out_dir(path, what)
+        except BadValue as e:
+            self.error(str(e))
 
     def parse_with_overrides(self, argv) -> tuple[argparse.Namespace, list[str]]:
         """(options, KEY=VALUE overrides in the order given); anything else unknown is the usual one-line error.

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ffcv_ddpm.checks import Parser, fail
+from ffcv_ddpm.checks import Parser, check_out_dir, fail
 from ffcv_ddpm.checkpoint import CheckpointError, list_checkpoints, load_latest, save_checkpoint
 from ffcv_ddpm.config import RunConfig, apply_override, check_config, load_config
 from ffcv_ddpm.data import check_dataset, dataset_info, endless, make_loader, train_beton
@@ -287,6 +287,8 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     """
     # ---- set-up ---------------------------------------------------------------------------------------------
     check_config(cfg)
+    if ddp.main and not cfg.train.resume:  # the new run folder's parent (a resumed run writes in its own folder)
+        check_out_dir(cfg.train.out_dir, "train.out_dir")
     if cfg.train.tensorboard and (why := missing_package()):
         raise TrainingError(why)
     device = resolve_device(cfg.train.device, ddp)

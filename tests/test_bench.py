@@ -308,6 +308,7 @@ def test_quick_table_end_to_end(tmp_path):
     One row (tiny preset): the harness code is the same for every loader and model, and each row costs a process
     start; the FFCV loader itself is tested in tests/test_data.py."""
     out = tmp_path / "out"
+    (tmp_path / "data").mkdir()  # a folder that does not exist is a typo unless it is the quick start's data/
     cmd = [sys.executable, "-m", "benchmarks.speed.bench", "--table", "quick", "--data", str(tmp_path / "data"),
            "--num-synthetic", "128", "--rows", "1", "--iters", "2", "--warmup", "0", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -50,8 +50,9 @@ def test_missing_png_folder_skips_the_torch_files_rows(small_dataset, tmp_path, 
 
 
 def test_bad_data_is_a_clear_error_not_a_traceback(small_dataset, tmp_path, capsys):
-    assert main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), "--quick"]) == 2
-    assert "make dataset" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused with the arguments
+        main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), "--quick"])
+    assert e.value.code == 2 and "make dataset" in capsys.readouterr().err
     assert main(["--data", str(small_dataset), "--out", str(tmp_path / "out"), "data.batch_size=100000"]) == 2
     assert "lower data.batch_size" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -109,9 +109,9 @@ def test_digits_preprocessing():
     np.testing.assert_array_equal(test, digits_split(labels))  # seeded: the same split every time
 
 
-def test_default_folders_keep_one_dataset_each():
+def test_default_folders_keep_one_dataset_each(tmp_path):
     assert tools.make_dataset.parse_args(["--source", "digits"]).out == Path("data/digits")
-    assert tools.make_dataset.parse_args(["--source", "mnist", "--mnist-dir", "x"]).out == Path("data/mnist")
+    assert tools.make_dataset.parse_args(["--source", "mnist", "--mnist-dir", str(tmp_path)]).out == Path("data/mnist")
     assert tools.make_dataset.parse_args(["--source", "synthetic"]).out == Path("data")
     for bad in (["--source", "digits", "--mnist-dir", "x"], ["--source", "digits", "--export-png", "p"]):
         with pytest.raises(SystemExit):
@@ -199,7 +199,8 @@ def test_bad_mnist_folder_is_one_clear_error(mnist_dir, tmp_path, capsys, case, 
 def test_mnist_without_folder_or_files(tmp_path, capsys):
     assert main(["--source", "mnist", "--out", str(tmp_path / "o")]) == 2
     assert "MNIST_DIR=" in capsys.readouterr().err
-    assert main(["--source", "mnist", "--mnist-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused with the arguments, before anything is read or made
+        main(["--source", "mnist", "--mnist-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "no such folder" in capsys.readouterr().err and not (tmp_path / "o").exists()
     assert read_idx(write_idx(tmp_path / "x.gz", np.arange(6, dtype=np.uint8).reshape(2, 3)), 2).tolist() == \
         [[0, 1, 2], [3, 4, 5]]

@@ -318,17 +318,23 @@ def test_every_relative_link_reaches_its_target(page):
 
 # ---- make: where every target writes ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("target,expected", [
-    ("dataset", "--out x"), ("dataset-png", "--export-png x/png"), ("bench", "--out x"), ("bench-loaders", "--out x"),
-    ("bench-ddp", "--out x"), ("profile", "--out x"), ("numerics", "--out x"), ("sweeps", "--out x"),
-    ("fid", "--out x"), ("quality", "--out x"), ("compress", "--out x"), ("sde-quality", 'out="x"'),
-    ("train", "train.out_dir=x")])
-def test_out_names_where_every_target_writes(target, expected):
-    """`make dataset OUT=x` used to write into data/ (the target read DATA=): OUT is every target's output."""
-    done = subprocess.run(["make", "-n", "--no-print-directory", target, "OUT=x", "NO_SETUP=1", "PY=python"],
+@pytest.mark.parametrize("target,assign,expected", [
+    *[(target, "OUT", ["--out", "a b"]) for target in ("dataset", "bench", "bench-loaders", "bench-ddp", "profile",
+                                                        "numerics", "sweeps", "fid", "quality", "compress")],
+    ("dataset-png", "OUT", ["--export-png", "a b/png"]), ("sde-quality", "OUT", ["out=a b"]),
+    ("train", "OUT", ["train.out_dir=a b"]),
+    # the inputs too: a folder name with a space is one word to the command
+    ("bench", "DATA", ["--data", "a b"]), ("quality", "DATA", ["--data", "a b"]),
+    ("train", "DATA", ["--data", "a b/cifar10_train_raw.beton"]), ("fid", "RUN", ["--run", "a b"]),
+    ("compress", "RUN", ["a b", "--data"]), ("dataset", "PNG_DIR", ["--png-dir", "a b"])])
+def test_out_and_every_path_reach_the_command_as_one_word(target, assign, expected):
+    """`make dataset OUT=x` used to write into data/ (the target read DATA=): OUT is every target's output. Every
+    path reaches the command as one word (`make dataset OUT="a b"` used to give it two)."""
+    done = subprocess.run(["make", "-n", "--no-print-directory", target, f"{assign}=a b", "NO_SETUP=1", "PY=python"],
                           cwd=ROOT, capture_output=True, text=True, check=True)
-    assert expected in done.stdout, done.stdout
-    if target == "dataset":
+    words = shlex.split(re.sub(r"\\\n\s*", " ", done.stdout))
+    assert any(words[i:i + len(expected)] == expected for i in range(len(words))), done.stdout
+    if target == "dataset" and assign == "OUT":
         assert "--out data" not in done.stdout
 
 
@@ -336,7 +342,7 @@ def test_make_dataset_out_writes_there(tmp_path):
     """End to end: the dataset lands in OUT, and DATA's default (data/) is not created."""
     import sys
 
-    out = tmp_path / "x"
+    out = tmp_path / "x y"  # a space: the Makefile quotes it
     done = subprocess.run(["make", "--no-print-directory", "dataset", "SOURCE=synthetic", f"OUT={out}", "NO_SETUP=1",
                            f"PY={sys.executable}", "DATA=" + str(tmp_path / "not-here"),
                            "ARGS=--num-synthetic 64 --num-synthetic-test 64"],

@@ -133,8 +133,8 @@ def test_every_bad_option_is_one_line_before_anything_runs(args, message, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_plan_gives_every_sampler_a_row_before_any_gets_a_second():
-    args = sde_quality.parse_args(["--data", "d", "--out", "o"])
+def test_the_plan_gives_every_sampler_a_row_before_any_gets_a_second(tmp_path):
+    args = sde_quality.parse_args(["--data", str(tmp_path), "--out", str(tmp_path / "o")])
     rows = sde_quality.plan_rows(args, 1000)
     groups = {("ddpm", "em", None), ("ddpm", "pc", None), ("ddpm", "ode", None), ("ddpm", "ddim", 0.0),
               ("ddpm", "ddim", 1.0), ("ddpm", "ddpm", None), ("ve", "em", None), ("ve", "pc", None),

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ffcv_ddpm.checks import Parser, at_least, fail, in_range, matches, option
-from tools.atomic import (Staged, abort_cleanly, partial_path, release_locks, remove_stale_partials,
+from tools.atomic import (Staged, abort_cleanly, release_locks, remove_stale_partials,
                           remove_stale_segments, write_json)
 from tools.cifar10 import (CIFAR10_MD5, CIFAR10_URL, TARBALL_NAME, ImageDataset, DatasetError, export_png_dir,
                            load_source, png_fingerprint, synthetic_fingerprint, synthetic_spec, tarball_fingerprint)
@@ -137,22 +137,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--export-png writes CIFAR-10's Kaggle layout (class names in the CSV); not for digit sources")
     if args.out is None:
         args.out = Path("data") / (args.source if args.source in DIGIT_SOURCES else "")
+    # Every path before any work: a bad one used to fail after the four .beton files were written (--export-png), or
+    # leave an empty --out folder behind (it was made first).
+    p.check_paths(inputs=[("--tarball", args.tarball, "file", f"CIFAR= must point to {TARBALL_NAME}"),
+                          ("--png-dir", args.png_dir, "folder"),
+                          ("--mnist-dir", args.mnist_dir, "folder")],
+                  outputs=[("--out", args.out), ("--export-png", args.export_png),
+                           ("--export-png", args.export_png and args.export_png.parent)])  # replaced there
     return args
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Files that appear complete or not at all
-
-def ensure_writable(folder: Path, what: str, how: str) -> None:
-    """Fail before any work if `folder` cannot be created or written (checked by writing, which also holds for root)."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = partial_path(folder / "write-test")
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise DatasetError(f"{what} {folder} is not writable ({e.strerror or e}); {how}") from None
-
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
@@ -172,14 +168,10 @@ def input_fingerprint(args) -> str:
     if args.source == "tarball":
         if args.tarball is None:
             raise DatasetError("--source tarball needs a file: make dataset CIFAR=/path/to/cifar-10-python.tar.gz")
-        if not args.tarball.is_file():
-            raise DatasetError(f"tarball {args.tarball} does not exist (CIFAR= must point to {TARBALL_NAME})")
         return tarball_fingerprint(args.tarball)
     if args.source == "png":
         if args.png_dir is None:
             raise DatasetError("--source png needs a folder: make dataset PNG_DIR=/path/to/folder")
-        if not args.png_dir.is_dir():
-            raise DatasetError(f"PNG folder {args.png_dir} does not exist")
         return png_fingerprint(args.png_dir)
     if args.source == "digits":
         return digits_fingerprint()
@@ -277,24 +269,29 @@ def convert(data: ImageDataset, out: Path, wanted: dict, jpeg_quality: int, work
     return manifest
 
 
+def check_export_folder(folder: Path) -> None:
+    """The export replaces `folder` as a whole: refused unless it is missing, empty or an earlier export."""
+    if folder.is_dir() and not (folder / EXPORT_MARKER).is_file() and any(folder.iterdir()):
+        raise DatasetError(f"--export-png: {folder} exists and was not written by this tool (no {EXPORT_MARKER}); "
+                           f"remove it or choose another folder")
+
+
 def export_png(data: ImageDataset, folder: Path, workers: int) -> None:
     """The PNG-folder layout of `data` in `folder`, replaced as a whole; skipped if its marker says it is current."""
     marker = folder / EXPORT_MARKER
     want = {"tool_version": TOOL_VERSION, "source": data.source, "synthetic": data.synthetic,
             "counts": {s: len(getattr(data, s)) for s in SPLITS},
             "content_sha256": {s: getattr(data, s).sha256() for s in SPLITS}}  # the pixels and labels written
-    if folder.exists():
-        if marker.is_file():
-            try:
-                if json.loads(marker.read_text()) == want:
-                    print(f"{folder}: PNG export is up to date - nothing to do")
-                    return
-            except ValueError:
-                pass  # our marker, damaged: rewrite the folder
-        elif any(folder.iterdir()):
-            raise DatasetError(f"--export-png: {folder} exists and was not written by this tool (no {EXPORT_MARKER}); "
-                               f"remove it or choose another folder")
+    check_export_folder(folder)
+    if marker.is_file():
+        try:
+            if json.loads(marker.read_text()) == want:
+                print(f"{folder}: PNG export is up to date - nothing to do")
+                return
+        except ValueError:
+            pass  # our marker, damaged: rewrite the folder
     t0 = time.perf_counter()
+    folder.parent.mkdir(parents=True, exist_ok=True)
     with Staged() as staged:
         tmp = staged.path(folder)
         export_png_dir(data, tmp, workers=workers)
@@ -305,21 +302,21 @@ def export_png(data: ImageDataset, folder: Path, workers: int) -> None:
 
 
 def run(args) -> int:
-    out: Path = args.out
+    out: Path = args.out  # checked writable by parse_args; made once the input is checked too
     check_one_dataset(out, dataset_name(args.source), f"--source {args.source}")
-    ensure_writable(out, "output folder", "choose another with DATA=path (make) or --out")
     stale = remove_stale_partials(out)
     if args.export_png is not None:
-        ensure_writable(args.export_png.parent, "--export-png parent folder", "choose another --export-png folder")
         stale += remove_stale_partials(args.export_png.parent)
         if args.source == "png" and args.export_png.resolve() == args.png_dir.resolve():
             raise DatasetError("--export-png must differ from --png-dir (the export replaces its folder)")
+        check_export_folder(args.export_png)  # before the .beton files are written, not after
     if stale:
         print(f"removed {len(stale)} partial file(s) left by an interrupted run: {', '.join(p.name for p in stale)}")
     if segments := remove_stale_segments():
         print(f"removed {len(segments)} shared-memory segment(s) left by a killed run: {', '.join(segments)}")
     t0 = time.perf_counter()
     wanted = wanted_state(args, input_fingerprint(args))
+    out.mkdir(parents=True, exist_ok=True)
     files = beton_files(dataset_name(args.source))
     reason = "--force" if args.force else why_stale(out, wanted)
     if reason is None:

@@ -72,7 +72,8 @@ import torch
 from torch import nn
 
 from benchmarks.quality.compress_report import BASELINE, FAMILIES, SCRATCH_REFERENCE, by_model, findings, write_report
-from ffcv_ddpm.checks import Parser, Rule, above, at_least, float_list, in_range, matches, one_of, option, str_list
+from ffcv_ddpm.checks import (Parser, Rule, above, at_least, check_input, float_list, in_range, matches, one_of, option,
+                              str_list)
 from ffcv_ddpm.timing import timed_call
 
 WARMUP_STEPS = 10  # training steps left out of a step-time median (cuDNN's algorithm search, the allocator)
@@ -80,7 +81,7 @@ WARMUP_STEPS = 10  # training steps left out of a step-time median (cuDNN's algo
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Every option checked, and the config the study will use built from the overrides, before anything runs."""
-    from benchmarks.quality.digits import TRAIN_DEFAULTS
+    from benchmarks.quality.digits import DIGITS_DATA, TRAIN_DEFAULTS, check_digits
     from ffcv_ddpm.unet import PRESETS
 
     count = option(int, at_least(1))
@@ -91,7 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       "the network's shape is refused).")
     p.add_argument("run_dir", nargs="?", type=Path, metavar="RUN_DIR",
                    help="a run folder to study (default: train the digits model here)")
-    p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (without RUN_DIR)")
+    p.add_argument("--data", type=Path, default=DIGITS_DATA,
+                   help=f"digits data folder (without RUN_DIR; {DIGITS_DATA} is built if missing)")
     p.add_argument("--out", type=Path, help="report folder (default benchmarks/results/<card>/compress)")
     p.add_argument("--work", type=Path, default=Path("runs"), help="where trained runs and the judge go")
     p.add_argument("--judge", type=Path, help="a saved digits judge (default: the run's, or trained here)")
@@ -134,9 +136,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.judge is not None and not args.judge.is_file():
         p.error(f"--judge {args.judge}: no such file (leave it out to use the run's judge or train one)")
     try:  # a bad override is one line before anything is built, trained or written
+        check_input(args.run_dir, "RUN_DIR", "folder", "give a run folder written by ffcv_ddpm.train")
         args.cfg = study_config(args)
+        if args.run_dir is None:
+            check_digits(args.data)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
+    p.check_paths(outputs=[("--out", args.out), ("--work", args.work)])
     if args.ft_steps and args.ft_steps < 2:
         p.error(f"--ft-steps {args.ft_steps}: 0 (no fine-tuning) or at least 2")
     if args.continue_from is not None:
@@ -441,6 +447,13 @@ def train_scratch(study: Study, override: dict, steps: int) -> nn.Module:
     return load_run(run_dir, study.device, ema=False)[1]
 
 
+def report_dir(args, device) -> Path:
+    """--out, or benchmarks/results/<card>/compress; BenchError if it cannot be written."""
+    from benchmarks.common import results_out
+
+    return results_out(args.out, torch.cuda.get_device_name(device) if device.type == "cuda" else None, "compress")
+
+
 def dense_run(args, stop) -> tuple:
     """(run config, EMA model, process, run info) of RUN_DIR, or of the digits model trained here."""
     from benchmarks.quality.digits import ensure_digits
@@ -450,6 +463,7 @@ def dense_run(args, stop) -> tuple:
     from ffcv_ddpm.step import resolve_device
 
     device = resolve_device(args.cfg.train.device)
+    report_dir(args, device)  # checked before the model is loaded or trained
     if args.run_dir is not None:
         stop.where = f"loading {args.run_dir}"
         cfg, model, diffusion, step = load_run(args.run_dir, device, overrides=args.overrides)
@@ -496,7 +510,6 @@ def load_or_train_judge(args, cfg, device, n: int) -> tuple:
 
 
 def run(args, argv: list[str], t_start: float, stop) -> dict:
-    from benchmarks.common import results_dir
     from benchmarks.quality.study import saved_when_stopped
     from ffcv_ddpm import compress, quality
     from ffcv_ddpm.env import environment
@@ -508,7 +521,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # every row: each conv shape's fastest algorithm (warm-up call pays)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    out = args.out or results_dir(card) / "compress"
+    out = report_dir(args, device)
     try:
         torchao_version = compress.import_torchao().__version__
     except ImportError:

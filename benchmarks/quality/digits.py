@@ -48,12 +48,14 @@ import numpy as np
 import torch
 
 from benchmarks.quality.digits_report import best_row, write_report
-from ffcv_ddpm.checks import Parser, at_least, float_list, int_list, one_of, option
+from ffcv_ddpm.checks import (BadValue, Parser, at_least, check_input, check_out_dir, float_list, int_list, one_of,
+                              option)
 
 # The trainer's settings for this report, before the command's own KEY=VALUE overrides (which win).
 TRAIN_DEFAULTS = ("data.batch_size=256", "train.lr=5e-4", "train.ema_decay=0.998")  # 0.998^4000: 0.03% of the init
 
 TRAIN, TEST = "digits_train_raw.beton", "digits_test_raw.beton"
+DIGITS_DATA = Path("data/digits")  # the one folder where missing digits files are built rather than refused
 BEST = "best"  # the guidance of a DDPM row decided when it runs: the w whose main DDIM row did best
 
 
@@ -65,7 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = Parser(prog="python -m benchmarks.quality.digits", doc=__doc__, overrides=True,
                epilog=f"The overrides go to the trainer after this report's own settings: {' '.join(TRAIN_DEFAULTS)} "
                       "(peak learning rate after 200 warm-up steps).")
-    p.add_argument("--data", type=Path, default=Path("data/digits"), help="digits data folder (built if missing)")
+    p.add_argument("--data", type=Path, default=DIGITS_DATA,
+                   help=f"digits data folder (`make dataset SOURCE=digits`; {DIGITS_DATA} is built if missing)")
     p.add_argument("--out", type=Path, help="report folder (default benchmarks/results/<card>/quality-digits)")
     p.add_argument("--work", type=Path, default=Path("runs"), help="where the training run and the judge go")
     p.add_argument("--preset", default="digits", type=option(str, one_of(lambda: tuple(PRESETS))),
@@ -85,9 +88,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args, args.overrides = p.parse_with_overrides(argv)
     try:
         args.cfg = train_config(args, args.data / TRAIN, args.data / TEST, args.work / "quality-judge.pt")
+        check_digits(args.data)
     except ValueError as e:
         p.error(str(e))
+    p.check_paths(outputs=[("--out", args.out), ("--work", args.work)])
     return args
+
+
+def check_digits(data: Path) -> None:
+    """--data holds the digits .beton files, or ensure_digits may build them there: a writable folder with no other
+    dataset in it, which exists unless it is data/digits; BadValue otherwise (a typo or a CIFAR-10 folder is refused,
+    not filled with digits). Looks only."""
+    if (data / TRAIN).is_file() and (data / TEST).is_file():
+        return
+    make = f"make it with `make dataset SOURCE=digits OUT={data}`"
+    if data.resolve() != DIGITS_DATA.resolve():
+        check_input(data, "--data", "folder", f"{make}, or leave --data out for {DIGITS_DATA}")
+    if other := sorted(p.name for p in data.glob("*_train_raw.beton") if p.name != TRAIN):
+        raise BadValue(f"--data {data}: holds another dataset ({', '.join(other)}), not the digits ({TRAIN}); give "
+                       f"a digits folder ({make})")
+    check_out_dir(data, "--data")  # the digits are built there
 
 
 def ensure_digits(data: Path) -> bool:
@@ -161,7 +181,7 @@ def train_config(args, train_beton: Path, test_beton: Path, judge_path: Path):
 
 
 def run(args, argv: list[str], t_start: float, stop) -> dict:
-    from benchmarks.common import results_dir
+    from benchmarks.common import results_out
     from benchmarks.quality.study import saved_when_stopped, train_run
     from ffcv_ddpm.train import read_stats
     from ffcv_ddpm import quality
@@ -175,10 +195,10 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
     train_beton, test_beton = args.data / TRAIN, args.data / TEST
     judge_path = Path(cfg.train.eval_judge)
     device = resolve_device(cfg.train.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    out = results_out(args.out, card, "quality-digits")
     stop.where = "building the digits dataset"
     built = ensure_digits(args.data)
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    out = args.out or results_dir(card) / "quality-digits"
     info = dataset_info(train_beton)
     manifest = info.pop("manifest") or {}
     result = {
@@ -204,6 +224,8 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         # ---- judge and floor ------------------------------------------------------------------------------------
         stop.where = "training the judge"
         n = args.n_per_class * cfg.model.num_classes
+        print(f"digits: [{time.perf_counter() - t_start:.0f} s] training the judge ({args.judge_steps} steps)",
+              flush=True)  # the first phase that takes long: without a line the command looks stuck
         t0 = time.perf_counter()
         judge = quality.train_judge(train_beton, device, steps=args.judge_steps, seed=args.seed, hold_out=n)
         args.work.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEVICE_HELP, commit_text, results_dir, write_json, write_text
+from benchmarks.common import DEVICE_HELP, commit_text, results_out, write_json, write_text
 from ffcv_ddpm import fid
 from ffcv_ddpm.env import environment
 from ffcv_ddpm.checks import Parser, at_least, one_of, option
@@ -72,6 +72,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         load_config("ddpm-cifar10", args.overrides)  # a bad KEY=VALUE is one line before anything is loaded
     except ValueError as e:
         p.error(str(e))
+    p.check_paths(inputs=[("--data", args.data, "file or folder"), ("--run", args.run, "folder"),
+                          ("--images", args.images, "file or folder"), ("--weights", args.weights, "file")],
+                  outputs=[("--out", args.out)])
     return args
 
 
@@ -171,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(stop) -> None:
         device = resolve_device(args.device)
+        out = results_out(args.out, torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         result = score(args, device, stop)
         stop.phase = "stopping"  # scored: the files are written whatever comes
         result["command"] = "python -m benchmarks.quality.fid " + " ".join(argv)
-        out = args.out or results_dir(result["device"] if device.type == "cuda" else None)
         out.mkdir(parents=True, exist_ok=True)
         json_path = out / f"fid-{result['name']}.json"
         write_json(json_path, result, indent=2)

@@ -324,6 +324,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("model.num_classes must be >= 2: the rows are scored by conditional accuracy")
     if max(args.ddim_steps) > args.base.diffusion.timesteps:
         p.error(f"--ddim-steps {max(args.ddim_steps)}: at most diffusion.timesteps={args.base.diffusion.timesteps}")
+    p.check_paths(inputs=[("--data", args.data, "folder", "build the digits with `make dataset SOURCE=digits`")],
+                  outputs=[("--out", args.out), ("--runs", args.runs)])
     return args
 
 

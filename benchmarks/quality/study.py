@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.common import BenchError
 from ffcv_ddpm.checks import fail
 from ffcv_ddpm.step import TrainingError
 from ffcv_ddpm.train import Interrupted, StopRequest, train
@@ -83,7 +84,7 @@ def run_study(prog: str, body: Callable[[StudyStop], object]) -> int:
     stop = StudyStop()
     try:
         body(stop)
-    except (TrainingError, ValueError, FileNotFoundError, OSError) as e:
+    except (BenchError, TrainingError, ValueError, FileNotFoundError, OSError) as e:
         stop.phase = "stopping"
         return fail(prog, str(e))
     except Interrupted as e:

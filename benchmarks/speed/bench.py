@@ -41,7 +41,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--list", action="store_true", help="print the rows and their overrides and exit")
     p.add_argument("--name", help="output file stem (default: the table name)")
     add_options(p)
-    return p.parse_with_overrides(argv)
+    args, overrides = p.parse_with_overrides(argv)
+    if not args.list:  # --data is checked when a row reads it (run_table)
+        p.check_paths(outputs=[("--out", args.out)])
+    return args, overrides
 
 
 def main(argv: list[str] | None = None) -> int:

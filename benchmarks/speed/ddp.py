@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, pyplot,
-                               results_dir, save_figure, write_json, write_text)
+from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, commit_text, ensure_dataset, md_table,
+                               pyplot, results_out, save_figure, write_json, write_text)
 from benchmarks.speed.flops import train_flops_per_image
 from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
@@ -535,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m benchmarks.speed.ddp", doc=__doc__, overrides=True,
                epilog="The overrides go to every trainer process. data.batch_size (default here 512) is the batch per "
                       "GPU in per-gpu mode and the global batch, split among the processes, in global mode.")
-    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--gpus", type=int_list(at_least(1)), default="1,2,4", help="process counts (comma-separated)")
     p.add_argument("--mode", choices=("per-gpu", "global", "both"), default="both",
@@ -576,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
                 return fail("ddp", f"--rederive: {e}")
             print(f"bench-ddp: wrote {folder / REDERIVED}")
         return 0
+    p.check_paths(outputs=[("--out", args.out)])
     import torch
 
     counts = args.gpus
@@ -606,11 +607,12 @@ def main(argv: list[str] | None = None) -> int:
             return fail("ddp", "no CUDA GPU; use --device cpu (gloo) for a functional check")
         if max(counts) > have:
             return fail("ddp", f"--gpus asks for {max(counts)} GPUs but this machine has {have}")
+    device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
     try:
+        out = results_out(args.out, device_name) / "ddp.json"
         beton, built = ensure_dataset(args.data, num_synthetic=50_000)
     except BenchError as e:
         return fail("ddp", str(e))
-    device_name = torch.cuda.get_device_name(0) if args.device != "cpu" else None
     peak = lookup_peak(device_name, cfg.train.precision).tflops if device_name else None
     modes = {"per-gpu": ["per-GPU"], "global": ["global"], "both": ["per-GPU", "global"]}[args.mode]
     result = {"preset": args.preset, "device_name": device_name, "precision": cfg.train.precision,
@@ -618,7 +620,6 @@ def main(argv: list[str] | None = None) -> int:
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
               "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
               "points": {}}
-    out = (args.out or results_dir(device_name)) / "ddp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     many = many_of(counts)
     # (mode, process counts, per-rank batch rule, how a point runs, overrides, batch): the default first, so a call

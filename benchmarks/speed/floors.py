@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.common import commit_text, md_table, results_dir, write_json, write_text
-from ffcv_ddpm.checks import Parser, fail
+from benchmarks.common import BenchError, commit_text, md_table, results_out, write_json, write_text
+from ffcv_ddpm.checks import Parser, at_least, fail, option
 
 RECORD_BATCH = 5  # the recorded forward's batch: a size no weight dimension of these models has (it is scaled)
 
@@ -312,9 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path,
                    help="folder for floors.json and .md (default: benchmarks/results/<card>/floors)")
     p.add_argument("--profile", type=Path, help="a benchmarks.speed.profile folder (summary.json) at the same batch")
-    p.add_argument("--iters", type=int, default=5, help="calls per timing (CUDA: per graph replay)")
-    p.add_argument("--copy-mib", type=int, default=1024, help="MiB copied to measure the copy rate")
+    p.add_argument("--iters", type=option(int, at_least(1)), default=5,
+                   help="calls per timing (CUDA: per graph replay)")
+    p.add_argument("--copy-mib", type=option(int, at_least(1)), default=1024,
+                   help="MiB copied to measure the copy rate")
     args, overrides = p.parse_with_overrides(argv)
+    p.check_paths(inputs=[("--profile", args.profile, "folder", "give a benchmarks.speed.profile output folder")],
+                  outputs=[("--out", args.out)])
     import torch
 
     from ffcv_ddpm.config import load_config
@@ -333,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
                               f"{' '.join(odd)}")
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name(0) if cuda else None
-    out = args.out or results_dir(device_name) / "floors"
+    try:
+        out = results_out(args.out, device_name, "floors")
+    except BenchError as e:
+        return fail("floors", str(e))
     from benchmarks.speed.peaks import lookup_peak
 
     result = {"preset": args.preset, "overrides": overrides, "device_name": device_name,

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import DEVICE_HELP, commit_text, pyplot, results_dir, save_figure, write_json, write_text
+from benchmarks.common import (DEVICE_HELP, BenchError, commit_text, pyplot, results_out, save_figure, write_json,
+                               write_text)
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader, missing_input
 from ffcv_ddpm.env import environment
@@ -125,6 +126,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.workers = sorted(set(int_list(at_least(0))(args.workers)))
     except argparse.ArgumentTypeError as e:
         p.error(f"argument --workers: {e}")
+    words = [w.strip() for w in (args.loaders or "").split(",") if w.strip()]
+    if unknown := [w for w in words if not any(w in v.name for v in VARIANTS)]:
+        p.error(f"--loaders: {', '.join(unknown)} matches no variant; the variants: "
+                f"{', '.join(v.name for v in VARIANTS)}")
+    args.variants = ([v for v in VARIANTS if any(w in v.name for w in words)] if words
+                     else [v for v in VARIANTS if not args.quick or v.name in QUICK_VARIANTS])
+    p.check_paths(inputs=[("--data", args.data, "folder", "make it with `make dataset`"),
+                          ("--png-dir", args.png_dir, "folder", "write it with `make dataset-png`")],
+                  outputs=[("--out", args.out)])
     args.png_dir = args.png_dir or args.data / "png" / "train"
     return args
 
@@ -191,13 +201,8 @@ def run(args, device: torch.device, json_path: Path) -> dict:
         "rows": [],
     }
     rows = result["rows"]
-    if args.loaders:
-        words = [w.strip() for w in args.loaders.split(",")]
-        variants = [v for v in VARIANTS if any(w in v.name for w in words)]
-    else:
-        variants = [v for v in VARIANTS if not args.quick or v.name in QUICK_VARIANTS]
     skipped = set()
-    for v in variants:
+    for v in args.variants:
         for workers in (args.workers if v.uses_workers else [None]):
             reason = skip_reason(v, workers, args, cores)
             if reason is not None:
@@ -321,10 +326,13 @@ def main(argv=None) -> int:
         if num_images < args.batch_size:
             raise ValueError(f"{args.data}/cifar10_train_raw.beton holds {num_images} images, fewer than one batch "
                              f"of {args.batch_size}; lower data.batch_size")
+        lacking = [missing_input(variant_config(v, None, args)) for v in args.variants]
+        if all(lacking):  # nothing would be measured: say why now, not "no finite rate" after the sweep
+            raise ValueError("no selected variant has its input: " + "; ".join(dict.fromkeys(lacking)))
         device = resolve_device(args.device)
-    except (FileNotFoundError, ValueError, RuntimeError, TrainingError) as e:  # RuntimeError: a bad --device
+        out = results_out(args.out, torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+    except (BenchError, FileNotFoundError, ValueError, RuntimeError, TrainingError) as e:  # RuntimeError: --device
         return fail("loaders", str(e))
-    out = args.out or results_dir(torch.cuda.get_device_name(device) if device.type == "cuda" else None)
     out.mkdir(parents=True, exist_ok=True)
     result = run(args, device, out / "loaders.json")
     for path in write_outputs(result, out):

@@ -49,8 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, pyplot,
-                               results_dir, save_figure, write_json, write_text)
+from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, commit_text, ensure_dataset, md_table,
+                               pyplot, results_out, save_figure, write_json, write_text)
 from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, int_list, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m benchmarks.speed.numerics", doc=__doc__, overrides=True,
                epilog="The overrides (anywhere but right after --ref or --control) go to every leg; data.batch_size "
                       "is the preset's (128) unless given.")
-    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=DATA_HELP)
     p.add_argument("--preset", default="ddpm-cifar10")
     p.add_argument("--precision", choices=("bf16", "fp16"), default="bf16", help="the candidate precision")
     p.add_argument("--steps", type=option(int, at_least(1)), default=2000, help="training steps per leg (train.steps)")
@@ -440,13 +440,16 @@ def main(argv: list[str] | None = None) -> int:
                         "(config.json + stats.jsonl), on their common logged steps")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     args, args.overrides = p.parse_with_overrides(argv)
+    p.check_paths(outputs=[("--out", args.out)])  # --from-runs: from_runs checks each folder, before any work
     try:
         command = "python -m benchmarks.speed.numerics " + " ".join(argv)
         result = from_runs(args, command) if args.from_runs else measure(args, command)
     except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
         return fail("numerics", str(e))
-    out = args.out or results_dir(result["device"])
-    out = out / f"numerics-{result['candidate']['precision']}.json"
+    try:
+        out = results_out(args.out, result["device"]) / f"numerics-{result['candidate']['precision']}.json"
+    except BenchError as e:  # --from-runs: the card is the runs' (measure checked it before training)
+        return fail("numerics", str(e))
     out.parent.mkdir(parents=True, exist_ok=True)
     for leg, text in result.pop("leg_logs", {}).items():
         out.with_name(f"{out.stem}-{leg}.log").write_text(text)
@@ -484,11 +487,12 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     if args.control:
         legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
     cfg = load_config(args.preset, common)
-    beton, built = ensure_dataset(args.data, num_synthetic=50_000)  # only once the config is known to be good
     device = resolve_device(cfg.train.device)
     import torch
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    results_out(args.out, name or "CPU")  # where main writes the report: checked before the legs train
+    beton, built = ensure_dataset(args.data, num_synthetic=50_000)  # only once the config is known to be good
     with tempfile.TemporaryDirectory(prefix="numerics-") as tmp:  # the runs' checkpoints are not kept
         tmp = Path(tmp)
         for leg in legs:

@@ -36,8 +36,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from benchmarks.common import (DATA_HELP, BenchError, commit_text, ensure_dataset, results_dir, write_json,
-                               write_text)
+from benchmarks.common import (DATA_HELP, DEFAULT_DATA, BenchError, commit_text, ensure_dataset,
+                               results_out, write_json, write_text)
 from benchmarks.speed.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                                reanalyse, top_ops_lines)
 from ffcv_ddpm.checks import Parser, fail
@@ -169,7 +169,7 @@ def telemetry_lines(t: dict) -> list[str]:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = Parser(prog="python -m benchmarks.speed.profile", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
-    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=DATA_HELP)
     p.add_argument("--iters", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
     p.add_argument("--warmup", type=int, help="iterations before profiling, the first compiles (default: 20 / 3)")
     p.add_argument("--telemetry-iters", type=int, help="iterations per telemetry block (default: 100 / 2)")
@@ -182,7 +182,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--from-trace", type=Path, metavar="TRACE",
                    help="run nothing: analyse a saved trace.json.gz again and write reanalysis.md/.json beside it "
                         "(or under --out)")
-    return p.parse_with_overrides(argv)
+    args, overrides = p.parse_with_overrides(argv)
+    trace_dir = args.from_trace and args.from_trace.parent  # where a re-analysis goes without --out
+    p.check_paths(outputs=[("--out" if args.out else "the trace's folder", args.out or trace_dir)])
+    return args, overrides  # --data, --from-trace: checked before anything runs (ensure_dataset, reanalyse)
 
 
 def main(argv: list[str] | None = None, source_factory=None) -> int:
@@ -235,6 +238,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
         raise BenchError("--iters, --telemetry-iters, --telemetry-rounds and --top must be >= 1, --warmup >= 0 "
                            f"and --interval > 0 (got {steps}, {tsteps}, {rounds}, {args.top}, {warmup}, "
                            f"{args.interval})")
+    device_name = torch.cuda.get_device_name(device) if cuda else None
+    out = results_out(args.out, device_name, f"profile-{args.preset}")
     if not ddp.main:  # rank 0 builds a missing dataset; the others read it once it is complete
         torch.distributed.barrier()
     beton, built = ensure_dataset(args.data, args.num_synthetic or (50_000 if cuda else 1024))
@@ -242,8 +247,6 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
         torch.distributed.barrier()
     dataset = dataset_info(beton)
     cfg.data.path = str(beton)
-    device_name = torch.cuda.get_device_name(device) if cuda else None
-    out = args.out or results_dir(device_name) / f"profile-{args.preset}"
     if not ddp.main:
         out = Path(tempfile.mkdtemp(prefix=f"profile-rank{ddp.rank}-"))  # its telemetry samples are not kept
     out.mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks.common import (DATA_HELP, PNG_TRAIN, REPO, BenchError, dataset_files, ensure_dataset, lock_output,
-                               results_dir, write_json)
+from benchmarks.common import (DATA_HELP, DEFAULT_DATA, PNG_TRAIN, REPO, BenchError, check_data, dataset_files,
+                               ensure_dataset, lock_output, results_out, write_json)
 from benchmarks.speed.rows import BATCH_LADDER, Row, row_overrides
 from ffcv_ddpm.checks import above, at_least, choice_list, matches, option
 from ffcv_ddpm.folder_lock import unlock_folder
@@ -35,7 +35,7 @@ SAMPLING_MODES = ("eager", "default", "reduce-overhead", "max-autotune-no-cudagr
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of a table run, for every command that runs one (bench, sweeps)."""
     p.add_argument("--rows", help="run only these rows: 1-based indices or name substrings, comma-separated")
-    p.add_argument("--data", type=Path, default=Path("data"), help=DATA_HELP)
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=DATA_HELP)
     p.add_argument("--iters", type=option(int, at_least(1)),
                    help="timed iterations per row, after the warm-up (default: 50 on CUDA, 5 on CPU)")
     p.add_argument("--warmup", type=option(int, at_least(0)),
@@ -309,11 +309,12 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
     sample_presets = sampling_presets(args, cuda, list(dict.fromkeys(r.preset for r in rows))) if sampling else []
     check_overrides([Row("sampling", preset, (), 1) for preset in sample_presets], overrides)  # their configs too
     if rows:  # the sampling rows read no data
+        check_data(args.data)
         check_row_data(rows, args.data, overrides, table_rows)
 
     # ---- first lines: what runs, on what, with which data --------------------------------------------------------
     env, gpu = environment(cuda)
-    out_dir = args.out or results_dir(gpu if cuda else None)
+    out_dir = results_out(args.out, gpu if cuda else None)
     lock_output(out_dir)  # before the first timing: two tables into one folder would time each other's load
     where = f"CUDA ({gpu})" if cuda else "CPU only: MFU is n/a (no CUDA)"
     print(f"bench: {where}; table '{table}', {len(rows)} rows; {warmup} warm-up + {iters} timed iterations per row, "

@@ -149,7 +149,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="model preset (default: ddpm-cifar10 with CUDA, tiny without)")
     p.add_argument("--list", action="store_true", help="print each sweep's rows and their overrides and exit")
     add_options(p)
-    return p.parse_with_overrides(argv)
+    args, overrides = p.parse_with_overrides(argv)
+    if not args.list:  # --data is checked when a row reads it (run_table)
+        p.check_paths(outputs=[("--out", args.out)])
+    return args, overrides
 
 
 def main(argv: list[str] | None = None) -> int:
