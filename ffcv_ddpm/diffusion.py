@@ -1,7 +1,7 @@
 """The Gaussian diffusion process: β schedules, q_sample, the ε-MSE training loss, DDPM and DDIM samplers.
 
 The model is any ``model(x_t, t, y=None) -> ε estimate``; only this module knows the schedule. Images live in
-[-1, 1]. ``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync,
+[-1, 1], and every sampler of the project clips its x0 prediction to that range by default (``clip_x0``; CLIPS). ``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync,
 no data-dependent Python branching, so it can sit inside a compiled training step. The samplers are plain loops
 over Python-float coefficients (read from the schedule once per call) and are seeded by their own generator.
 """
@@ -61,6 +61,28 @@ def timesteps_for_sampling(timesteps: int, steps: int) -> list[int]:
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """[-1, 1] floats -> uint8 [0, 255], rounding to nearest."""
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+CLIPS = ("static", "dynamic", "off")  # what a sampler does to its x0 prediction at every step (clip_x0)
+DYNAMIC_PERCENTILE = 0.995  # dynamic thresholding's quantile of |x0| per sample (Saharia et al. 2022, Imagen)
+
+
+def clip_x0(x0: torch.Tensor, mode: str) -> torch.Tensor:
+    """A sampler's x0 prediction kept to the data's range [-1, 1]: "static" clamps it; "dynamic" divides each sample
+    by s = max(1, the DYNAMIC_PERCENTILE quantile of its |x0|) after clamping to [-s, s] (a sample inside the range is
+    left as it is); "off" returns it unchanged.
+
+    Why every sampler does it by default: an ε-network's error e becomes an x0 error (s/a) e, up to ~80x at the high
+    noise levels where a digit's class is decided; a clipped x0 bounds it by the data's range."""
+    if mode == "static":
+        return x0.clamp(-1, 1)
+    if mode == "dynamic":
+        s = torch.quantile(x0.flatten(1).abs(), DYNAMIC_PERCENTILE, dim=1).clamp_min(1.0)  # (B,), no host sync
+        s = s.view(-1, *([1] * (x0.dim() - 1)))  # (B,) -> (B, 1, 1, 1)
+        return torch.minimum(torch.maximum(x0, -s), s) / s
+    if mode == "off":
+        return x0
+    raise ValueError(f"clip={mode!r}: use one of {', '.join(CLIPS)}")
 
 
 def drop_labels(y: torch.Tensor, p_uncond: float, null_label: int | None) -> torch.Tensor:
@@ -162,7 +184,7 @@ class GaussianDiffusion(nn.Module):
         null_label: int | None = None,
         shape: tuple[int, int, int] = (3, 32, 32),
         device: torch.device | str | None = None,
-        clip_denoised: bool = True,
+        clip: str = "static",
         memory_format: torch.memory_format = torch.contiguous_format,
     ) -> torch.Tensor:
         """n images as a uint8 (n, C, H, W) tensor on `device` (default: the schedule's device).
@@ -171,12 +193,14 @@ class GaussianDiffusion(nn.Module):
         sampler="ddim": `steps` evenly spaced steps, σ_t = eta · sqrt((1-ᾱ_prev)/(1-ᾱ_t)) · sqrt(1-ᾱ_t/ᾱ_prev);
         eta=0 is deterministic given the starting noise, eta=1 matches DDPM's posterior variance.
         With labels y and guidance_scale != 1, ε = ε_uncond + s (ε_cond - ε_uncond), conditional and unconditional
-        halves batched in one forward; null_label defaults to the model's ``num_classes``. clip_denoised clamps the
-        predicted x0 to [-1, 1] at each step. The same seed on the same device gives the same images. The model is
+        halves batched in one forward; null_label defaults to the model's ``num_classes``. clip: what is done to the
+        predicted x0 at each step (clip_x0: "static" clamps it to [-1, 1], "dynamic", "off"). The same seed on the same device gives the same images. The model is
         put in eval mode for the call (dropout off) and restored after."""
         device = torch.device(device) if device is not None else self.betas.device
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: use 'ddpm' or 'ddim'")
+        if clip not in CLIPS:
+            raise ValueError(f"clip={clip!r}: use one of {', '.join(CLIPS)}")
         if n < 1:
             raise ValueError(f"n={n} must be >= 1")
         eps_fn = eps_predictor(model, n, device, y, guidance_scale, null_label)
@@ -197,7 +221,7 @@ class GaussianDiffusion(nn.Module):
                 a_t, a_prev = abar[t], (abar[t_prev] if t_prev >= 0 else 1.0)
                 eps = eps_fn(x, t)
                 x0 = (x - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
-                x0 = x0.clamp(-1, 1) if clip_denoised else x0
+                x0 = clip_x0(x0, clip)
                 if sampler == "ddpm":
                     # Posterior mean of q(x_{t-1} | x_t, x0) (Ho et al. eq. 7), σ_t² = β_t.
                     b_t = betas[t]

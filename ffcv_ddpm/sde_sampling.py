@@ -8,7 +8,10 @@ that score from an ε-network, draws the prior noise from its own seeded generat
 also runs the DDPM and DDIM samplers of a DDPM process, so one call covers every sampler of both processes.
 
 All three run from t = 1 down to t = 0 and finish with the Tweedie denoising step x0 = (x + s(0)² score) / a(0)
-(Song et al.'s noise removal). em and pc visit `steps` evenly spaced times, so `steps` network evaluations per sample
+(Song et al.'s noise removal). Every sampler, ddpm and ddim included, clips its x0 prediction by default
+(SamplerOptions.clip, ffcv_ddpm.diffusion.clip_x0): the score is replaced by the score of the clipped prediction,
+(a clip(x0) - x) / s² with x0 = (x + s² score) / a, at every evaluation, so the final denoising step's output is
+clipped too. clip="off" integrates the score as given. em and pc visit `steps` evenly spaced times, so `steps` network evaluations per sample
 for "em" (steps - 1 SDE steps, then the denoise) and steps · (1 + corrector_steps) for "pc".
 - em: Euler–Maruyama on the reverse SDE dx = [f x - g² score] dt + g dW̄.
 - pc: per time, `corrector_steps` Langevin steps x += ε score + sqrt(2ε) z with ε = 2α (snr ||z|| / ||score||)²,
@@ -29,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ffcv_ddpm.diffusion import GaussianDiffusion, eps_predictor, timesteps_for_sampling, to_uint8
+from ffcv_ddpm.diffusion import CLIPS, GaussianDiffusion, clip_x0, eps_predictor, timesteps_for_sampling, to_uint8
 from ffcv_ddpm.sde import VEDiffusion, sde_of
 
 DDPM_SAMPLERS = ("ddpm", "ddim")
@@ -46,8 +49,11 @@ class SamplerOptions:
     rtol: float = 1e-5  # ode: relative tolerance of the adaptive solver (Song et al.: 1e-5 with RK45)
     atol: float = 1e-5  # ode: absolute tolerance
     method: str = "dopri5"  # ode: torchdiffeq adaptive method, one of ADAPTIVE_METHODS
+    clip: str = "static"  # every sampler: the x0 prediction clamped to [-1, 1] (the data's range), "dynamic" or "off"
 
     def validate(self) -> None:
+        if self.clip not in CLIPS:
+            raise ValueError(f"clip={self.clip!r}: use one of {', '.join(CLIPS)}")
         if self.snr <= 0 or self.corrector_steps < 0:
             raise ValueError(f"snr={self.snr} must be > 0 and corrector_steps={self.corrector_steps} >= 0")
         if self.rtol <= 0 or self.atol <= 0:
@@ -69,6 +75,7 @@ def solve(sde, score: Score, x: torch.Tensor, *, sampler: str, steps: int = 100,
     if sampler != "ode" and steps < 2:
         raise ValueError(f"steps={steps}: {sampler} needs at least 2 evaluation times (t = 1 and t = 0)")
     nfe = 0
+    score = clipped(sde, score, options.clip)
 
     def counted(x: torch.Tensor, t: float) -> torch.Tensor:
         nonlocal nfe
@@ -91,6 +98,18 @@ def solve(sde, score: Score, x: torch.Tensor, *, sampler: str, steps: int = 100,
             x = langevin(sde, counted, x, 0.0, options, randn)
     s0 = sde.std(0.0)
     return (x + s0**2 * counted(x, 0.0)) / sde.scale(0.0), nfe
+
+
+def clipped(sde, score: Score, mode: str) -> Score:
+    """The score of the clipped x0 prediction (ffcv_ddpm.diffusion.clip_x0), or `score` itself for mode "off"."""
+    if mode == "off":
+        return score
+
+    def clipped_score(x: torch.Tensor, t: float) -> torch.Tensor:
+        a, s2 = sde.scale(t), sde.std(t) ** 2
+        return (a * clip_x0((x + s2 * score(x, t)) / a, mode) - x) / s2
+
+    return clipped_score
 
 
 def langevin(sde, score: Score, x, t: float, options: SamplerOptions, randn):
@@ -158,16 +177,18 @@ def sample(
 ) -> tuple[torch.Tensor, int]:
     """(n uint8 images (n, C, H, W), NFE per image) from any sampler of either process.
 
-    ddpm/ddim (DDPM process only) go to GaussianDiffusion.sample (eta is DDIM's); em/pc/ode integrate the
-    process's SDE with `options`. The same seed on the same device gives the same images. A guided call
+    ddpm/ddim (DDPM process only) go to GaussianDiffusion.sample (eta is DDIM's; of `options` only clip applies);
+    em/pc/ode integrate the process's SDE with `options`. The same seed on the same device gives the same images. A guided call
     (labels and guidance_scale != 1) is one forward of a 2n batch per evaluation, counted as one NFE."""
     if sampler in DDPM_SAMPLERS:
         if not isinstance(process, GaussianDiffusion):
             raise ValueError(f"sampler={sampler!r} needs a DDPM model (diffusion.process='ddpm'); this is a "
                              f"diffusion.process='ve' model: use sampler {', '.join(SDE_SAMPLERS)}")
+        options = options or SamplerOptions()
+        options.validate()
         images = process.sample(model, n, sampler=sampler, steps=steps, eta=eta, seed=seed, y=y,
                                 guidance_scale=guidance_scale, null_label=null_label, shape=shape, device=device,
-                                memory_format=memory_format)
+                                clip=options.clip, memory_format=memory_format)
         nfe = process.num_timesteps if sampler == "ddpm" else len(timesteps_for_sampling(process.num_timesteps, steps))
         return images, nfe
     if sampler not in SDE_SAMPLERS:

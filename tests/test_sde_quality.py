@@ -52,13 +52,15 @@ def test_every_sampler_row_of_both_processes(digits_dataset, tmp_path, scales, m
     result = json.loads((out / "sde_quality.json").read_text())
     assert result["complete"] and not result["skipped"] and set(scales) == {1.0}  # w = 0: no guidance
     ok = [r for r in result["rows"] if r["status"] == "ok"]
-    nfe = {(r["process"], r["sampler"], r["eta"]): r["nfe"] for r in ok if r["sampler"] != "ode"}
-    assert nfe == {("ddpm", "em", None): 3, ("ve", "em", None): 3, ("ddpm", "pc", None): 4, ("ve", "pc", None): 4,
-                   ("ddpm", "ddim", 0.0): 2, ("ddpm", "ddim", 1.0): 2, ("ddpm", "ddpm", None): 20}
-    odes = {(r["process"], r["tol"]): r for r in result["rows"] if r["sampler"] == "ode"}
-    assert odes[("ddpm", 0.3)]["nfe"] > 5 and odes[("ve", 0.3)]["nfe"] > 5
-    for proc in ("ddpm", "ve"):  # the failed row is in the report with its error; the rows after it ran
-        assert odes[(proc, 0.01)]["status"] == "failed: AssertionError: underflow in dt 0.0"
+    nfe = {(r["process"], r["sampler"], r["eta"], r["clip"]): r["nfe"] for r in ok if r["sampler"] != "ode"}
+    expected = {("ddpm", "em", None): 3, ("ve", "em", None): 3, ("ddpm", "pc", None): 4, ("ve", "pc", None): 4,
+                ("ddpm", "ddim", 0.0): 2, ("ddpm", "ddim", 1.0): 2, ("ddpm", "ddpm", None): 20}
+    assert nfe == {(*k, clip): v for k, v in expected.items() for clip in ("static", "off")}  # clipped and not
+    odes = {(r["process"], r["tol"], r["clip"]): r for r in result["rows"] if r["sampler"] == "ode"}
+    for proc, clip in [(p, c) for p in ("ddpm", "ve") for c in ("static", "off")]:
+        assert odes[(proc, 0.3, clip)]["nfe"] > 5
+        # the failed row is in the report with its error; the rows after it ran
+        assert odes[(proc, 0.01, clip)]["status"] == "failed: AssertionError: underflow in dt 0.0"
     for r in ok:
         assert r["img_per_s"] > 0 and np.isfinite(r["fd_digits"]) and 0 <= r["cond_acc"] <= 1
     assert result["models"]["ve"]["config"]["diffusion"]["process"] == "ve"
@@ -66,8 +68,8 @@ def test_every_sampler_row_of_both_processes(digits_dataset, tmp_path, scales, m
     assert ref["floor_n"] == 10 and ref["fd_floor"] > 0 and 0 <= ref["judge_test_acc"] <= 1
     assert "10 class-balanced images held out" in ref["judge"]
     md = (out / "sde_quality.md").read_text()
-    assert md.count("\n| ve |") == 4 and md.count("\n| ddpm |") == 7 and "rtol=atol=0.3" in md
-    assert "| ddpm | ddim eta 1 | 2 steps |" in md and "failed: AssertionError: underflow in dt" in md
+    assert md.count("\n| ve |") == 8 and md.count("\n| ddpm |") == 14 and "rtol=atol=0.3" in md
+    assert "| ddpm | ddim eta 1 | off | 2 steps |" in md and "failed: AssertionError: underflow in dt" in md
     assert "ve model: best conditional accuracy" in md and "the 90% target" in md
     # tools.atomic's writer lock (.writer-<pid>.lock) stays until this process exits: not an output.
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".writer-")) == [
@@ -81,10 +83,11 @@ def test_the_sampling_budget_starts_after_the_trainings(digits_dataset, tmp_path
     argv = ["--data", str(digits_dataset), "--out", str(out), *TOY, "--budget-s", "0", "--guidance", "0.5"]
     assert sde_quality.main(argv) == 0
     result = json.loads((out / "sde_quality.json").read_text())
-    assert set(result["models"]) == {"ve", "ddpm"} and result["rows"] == [] and len(result["skipped"]) == 9
+    assert set(result["models"]) == {"ve", "ddpm"} and result["rows"] == [] and len(result["skipped"]) == 18
     assert set(scales) == {1.5} and len(scales) == 2  # the two untimed warm-up calls
     md = (out / "sde_quality.md").read_text()
-    assert "Not run (sampling budget 0 s): ddpm/ddim/2, ddpm/ddim eta 1/2, ddpm/em/3," in md  # cheapest first
+    assert ("Not run (sampling budget 0 s): ddpm/ddim/2/clip static, ddpm/ddim eta 1/2/clip static, "
+            "ddpm/ddim/2/clip off, ddpm/ddim eta 1/2/clip off, ddpm/em/3/clip static,") in md  # cheapest first
 
 
 def test_a_signal_during_a_training_stops_the_command(digits_dataset, tmp_path, monkeypatch, capsys):
@@ -136,17 +139,18 @@ def test_every_bad_option_is_one_line_before_anything_runs(args, message, tmp_pa
 def test_the_plan_gives_every_sampler_a_row_before_any_gets_a_second():
     args = sde_quality.parse_args(["--data", "d", "--out", "o"])
     rows = sde_quality.plan_rows(args, 1000)
-    groups = {("ddpm", "em", None), ("ddpm", "pc", None), ("ddpm", "ode", None), ("ddpm", "ddim", 0.0),
-              ("ddpm", "ddim", 1.0), ("ddpm", "ddpm", None), ("ve", "em", None), ("ve", "pc", None),
-              ("ve", "ode", None)}
-    assert {(r["process"], r["sampler"], r.get("eta")) for r in rows[:9]} == groups
-    assert len(rows) == 2 * (4 + 4 + 4) + 2 * 4 + 1
-    assert [r["guess"] for r in rows[:9]] == sorted(r["guess"] for r in rows[:9])  # cheapest first in a round
-    assert rows[9]["sampler"] == "ddim" and rows[9]["steps"] == 20  # the second round starts cheap again
+    groups = {(*g, clip) for clip in ("static", "off") for g in [
+        ("ddpm", "em", None), ("ddpm", "pc", None), ("ddpm", "ode", None), ("ddpm", "ddim", 0.0), ("ddpm", "ddim", 1.0),
+        ("ddpm", "ddpm", None), ("ve", "em", None), ("ve", "pc", None), ("ve", "ode", None)]}
+    key = lambda r: (r["process"], r["sampler"], r.get("eta"), r["clip"])  # noqa: E731
+    assert {key(r) for r in rows[:18]} == groups
+    assert len(rows) == 2 * (2 * (4 + 4 + 4) + 2 * 4 + 1)
+    assert [r["guess"] for r in rows[:18]] == sorted(r["guess"] for r in rows[:18])  # cheapest first in a round
+    assert rows[18]["sampler"] == "ddim" and rows[18]["steps"] == 20  # the second round starts cheap again
     # Every sampler but the one-point ancestral gets 3 settings in the first three rounds.
-    third = rows[:9 + 8 + 8]
-    for group in groups - {("ddpm", "ddpm", None)}:
-        assert sum((r["process"], r["sampler"], r.get("eta")) == group for r in third) == 3
+    third = rows[:18 + 16 + 16]
+    for group in groups - {("ddpm", "ddpm", None, c) for c in ("static", "off")}:
+        assert sum(key(r) == group for r in third) == 3
 
 
 def test_a_row_cannot_run_past_the_sampling_budget():

@@ -19,7 +19,9 @@ Rows (each: --n samples with labels 0..9 in turn, guidance weight --guidance, on
 adaptive ODE solver's error control sees the solution and not bf16 rounding):
 - DDPM model: ddim (deterministic, eta 0) and ddim eta 1 (stochastic, DDPM's posterior variance) at --ddim-steps,
   ancestral ddpm (all T steps: one NFE point by definition), and em / pc / ode on its VP-SDE;
-- VE model: em at --em-steps, pc at --pc-steps, ode at --ode-tols.
+- VE model: em at --em-steps, pc at --pc-steps, ode at --ode-tols;
+- each of them once per --clips mode (default static and off: the x0 prediction clamped to [-1, 1] at every step,
+  and not), so that no sampler is compared clipped against another unclipped.
 Per row: NFE per image, images/s (CUDA events around the sampler call), FD-digits to the test set and conditional
 accuracy from the judge. The reference rows: the judge's test accuracy and the floor.
 
@@ -45,7 +47,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.quality.sde_report import TARGET_ACC, best_rows, render
-from ffcv_ddpm.checks import Parser, above, at_least, float_list, int_list, one_of, option
+from ffcv_ddpm.checks import Parser, above, at_least, float_list, int_list, one_of, option, str_list
 from ffcv_ddpm.config import RunConfig, load_config
 
 # The small conditional model both processes train (on top of the ddpm-cifar10 preset); overrides after it win.
@@ -78,16 +80,17 @@ def plan_rows(args, timesteps: int) -> list[dict]:
     cheapest of each, ...; by expected NFE within a round. A budget cut then drops the most expensive settings
     while every sampler of both processes keeps its first rows."""
     groups = []
-    for proc in ("ddpm", "ve"):
-        groups.append([dict(process=proc, sampler="em", steps=s, tol=None, guess=s) for s in args.em_steps])
-        groups.append([dict(process=proc, sampler="pc", steps=s, tol=None, guess=2 * s) for s in args.pc_steps])
-        groups.append([dict(process=proc, sampler="ode", steps=0, tol=t, guess=ODE_NFE_GUESS.get(t, 100))
-                       for t in args.ode_tols])
-    for eta in (0.0, 1.0):
-        groups.append([dict(process="ddpm", sampler="ddim", steps=s, tol=None, eta=eta, guess=s)
-                       for s in args.ddim_steps])
-    if args.ancestral:
-        groups.append([dict(process="ddpm", sampler="ddpm", steps=timesteps, tol=None, guess=timesteps)])
+    for clip in args.clips:  # every sampler with its x0 prediction clipped, and not: a group each
+        row = lambda **kw: {"tol": None, "clip": clip, **kw}  # noqa: E731
+        for proc in ("ddpm", "ve"):
+            groups.append([row(process=proc, sampler="em", steps=s, guess=s) for s in args.em_steps])
+            groups.append([row(process=proc, sampler="pc", steps=s, guess=2 * s) for s in args.pc_steps])
+            groups.append([row(process=proc, sampler="ode", steps=0, tol=t, guess=ODE_NFE_GUESS.get(t, 100))
+                           for t in args.ode_tols])
+        for eta in (0.0, 1.0):
+            groups.append([row(process="ddpm", sampler="ddim", steps=s, eta=eta, guess=s) for s in args.ddim_steps])
+        if args.ancestral:
+            groups.append([row(process="ddpm", sampler="ddpm", steps=timesteps, guess=timesteps)])
     ranked = [(rank, row) for group in groups for rank, row in enumerate(sorted(group, key=lambda r: r["guess"]))]
     return [row for _, row in sorted(ranked, key=lambda rr: (rr[0], rr[1]["guess"]))]
 
@@ -115,7 +118,7 @@ class Capped(torch.nn.Module):
 def row_label(row: dict) -> str:
     setting = f"tol {row['tol']:g}" if row["tol"] else f"{row['steps']}"
     eta = f" eta {row['eta']:g}" if row.get("eta") else ""
-    return f"{row['process']}/{row['sampler']}{eta}/{setting}"
+    return f"{row['process']}/{row['sampler']}{eta}/{setting}/clip {row['clip']}"
 
 
 def base_config(args) -> RunConfig:
@@ -217,7 +220,8 @@ def run(args, argv: list[str], stop) -> Path:
 
         def draw(proc: str, row: dict, limit: int | None = None) -> tuple[torch.Tensor, int, float]:
             process, model = models[proc]
-            opts = dataclasses.replace(options, rtol=row["tol"], atol=row["tol"]) if row["tol"] else options
+            opts = dataclasses.replace(options, clip=row.get("clip", options.clip))
+            opts = dataclasses.replace(opts, rtol=row["tol"], atol=row["tol"]) if row["tol"] else opts
             net = model if limit is None else Capped(model, limit)
 
             def call():
@@ -239,7 +243,7 @@ def run(args, argv: list[str], stop) -> Path:
             if time.perf_counter() - sampling_start + estimate > args.budget_s:
                 result["skipped"].append(label)
                 continue
-            entry = {**{k: row[k] for k in ("process", "sampler", "steps", "tol")}, "eta": row.get("eta")}
+            entry = {**{k: row[k] for k in ("process", "sampler", "steps", "tol", "clip")}, "eta": row.get("eta")}
             per_nfe = sec_per_nfe.get(row["process"])
             left = args.budget_s - (time.perf_counter() - sampling_start)
             t0 = time.perf_counter()
@@ -279,6 +283,7 @@ def run(args, argv: list[str], stop) -> Path:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options, each checked here (and the training config built), before anything is read or written."""
+    from ffcv_ddpm.diffusion import CLIPS
     from ffcv_ddpm.sde_sampling import ADAPTIVE_METHODS, SamplerOptions
     from ffcv_ddpm.unet import PRESETS
 
@@ -296,6 +301,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--pc-steps", type=int_list(at_least(2)), default=[10, 25, 50, 100], help="(default: 10,25,50,100)")
     p.add_argument("--ode-tols", type=float_list(above(0)), default=[1e-2, 1e-3, 1e-4, 1e-5],
                    help="rtol = atol per ODE row (default: 1e-2,1e-3,1e-4,1e-5)")
+    p.add_argument("--clips", type=str_list(one_of(CLIPS)), default=["static", "off"],
+                   help="x0 clipping of every sampler, a row group per mode (default: static,off)")
     p.add_argument("--no-ancestral", dest="ancestral", action="store_false", help="skip the T-step DDPM row")
     p.add_argument("--snr", type=option(float, above(0)), default=SamplerOptions.snr,
                    help="pc: Langevin signal-to-noise ratio")

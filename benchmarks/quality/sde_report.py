@@ -27,6 +27,12 @@ def sampler_name(row: dict) -> str:
     return f"{row['sampler']} eta {row['eta']:g}" if row.get("eta") else row["sampler"]
 
 
+def clip_of(row: dict) -> str:
+    """The row's clip mode; rows of reports made before the option existed: what those samplers did (ddpm and ddim
+    clamped their x0 prediction, em, pc and ode did not)."""
+    return row.get("clip") or ("static" if row["sampler"] in ("ddpm", "ddim") else "off")
+
+
 def measured(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status", "ok") == "ok"]
 
@@ -58,8 +64,10 @@ def markdown(result: dict) -> str:
         f"- Judge: {ref['judge']}; its accuracy on the test set {_pct(ref['judge_test_acc'])}; {floor}",
         f"- Each row: {s['n']} samples, labels 0..9 in turn, guidance weight w={s['guidance']:g} (0: none), sampling "
         f"in {s['sample_precision']}, one seed; img/s from CUDA events around the whole sampler call (CPU: wall "
-        "clock). NFE = network evaluations per image (a guided one is one forward of a doubled batch). ddpm and ddim "
-        "clip their x0 prediction to [-1, 1] at each step (the project's samplers); em, pc and ode do not.",
+        "clock). NFE = network evaluations per image (a guided one is one forward of a doubled batch). clip: what "
+        "every sampler does to its x0 prediction at each step (static: clamped to [-1, 1], the data's range; "
+        "dynamic: Imagen's thresholding; off: nothing); reports made before the option existed clipped ddpm and "
+        "ddim and not em, pc and ode, and are shown so.",
         "- Samplers: ddim (eta 0: deterministic; eta 1: stochastic, DDPM's posterior variance at DDIM's strides), "
         "ddpm = ancestral over all T steps (one NFE point by definition), em = Euler–Maruyama, pc = reverse-diffusion "
         f"predictor + Langevin corrector (snr {s['snr']}, NFE = 2 x steps), ode = probability flow "
@@ -76,16 +84,20 @@ def markdown(result: dict) -> str:
     for proc, r in best_rows(result["rows"]).items():
         verdict = "meets" if r["cond_acc"] >= TARGET_ACC else "does NOT meet"
         lines.append(f"- **{proc} model: best conditional accuracy {_pct(r['cond_acc'])}** ({sampler_name(r)}, "
-                     f"{setting(r)}, FD-digits {r['fd_digits']:.3f}): {verdict} the {TARGET_ACC:.0%} target")
-    lines += ["", "| process | sampler | setting | NFE | img/s | FD-digits | cond. acc | status |", "|" + "---|" * 8]
+                     f"{setting(r)}, clip {clip_of(r)}, FD-digits {r['fd_digits']:.3f}): {verdict} the "
+                     f"{TARGET_ACC:.0%} target")
+    lines += ["", "| process | sampler | clip | setting | NFE | img/s | FD-digits | cond. acc | status |",
+              "|" + "---|" * 9]
     order = {"ok": 0}
-    for r in sorted(result["rows"], key=lambda r: (r["process"], sampler_name(r), order.get(r.get("status", "ok"), 1),
-                                                   r.get("nfe", 0), r.get("tol") or 0)):
+    for r in sorted(result["rows"], key=lambda r: (r["process"], sampler_name(r), clip_of(r),
+                                                   order.get(r.get("status", "ok"), 1), r.get("nfe", 0),
+                                                   r.get("tol") or 0)):
+        head = f"| {r['process']} | {sampler_name(r)} | {clip_of(r)} | {setting(r)} |"
         if r.get("status", "ok") == "ok":
-            lines.append(f"| {r['process']} | {sampler_name(r)} | {setting(r)} | {r['nfe']} | {_num(r['img_per_s'])} | "
-                         f"{r['fd_digits']:.3f} | {_pct(r['cond_acc'])} | ok |")
+            lines.append(f"{head} {r['nfe']} | {_num(r['img_per_s'])} | {r['fd_digits']:.3f} | "
+                         f"{_pct(r['cond_acc'])} | ok |")
         else:
-            lines.append(f"| {r['process']} | {sampler_name(r)} | {setting(r)} | - | - | - | - | {r['status']} |")
+            lines.append(f"{head} - | - | - | - | {r['status']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,10 +115,11 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in measured(result["rows"]):
-        groups.setdefault((r["process"], sampler_name(r)), []).append(r)
-    for (proc, sampler), rows in sorted(groups.items()):
+        groups.setdefault((r["process"], sampler_name(r), clip_of(r)), []).append(r)
+    for (proc, sampler, clip), rows in sorted(groups.items()):
         rows = sorted(rows, key=lambda r: r["nfe"])
-        style = dict(marker="o", ls="-" if proc == "ve" else "--", label=f"{proc} / {sampler}")
+        style = dict(marker="o" if proc == "ve" else "s", ls=":" if clip == "off" else "-",
+                     label=f"{proc} / {sampler} / clip {clip}")
         axes[0].plot([r["nfe"] for r in rows], [r["fd_digits"] for r in rows], **style)
         if rows[0]["cond_acc"] is not None:
             axes[1].plot([r["nfe"] for r in rows], [100 * r["cond_acc"] for r in rows], **style)
