@@ -14,6 +14,10 @@ SDE dx = f(t) x dt + g(t) dW (Song et al. 2021). The network is an ε-predictor 
   interpolated linearly between integers, so β(τ) = -d ln ᾱ/dτ is piecewise constant and the marginals equal DDPM's
   at every integer τ, for the linear and the cosine schedule alike. The network sees x_t and τ, as in training.
 
+Both also map t to EDM's noise level σ(t) = s(t) / a(t) (the noise-to-signal ratio: x / a = x0 + σ ε) and back
+(`sigma`, `time_of_sigma`), which is how the σ-space samplers (Heun, DPM-Solver++) run on either process: VE's σ is
+its std, DDPM's is sqrt((1 - ᾱ) / ᾱ), from 0.01 at τ = 0 to ~157 at τ = 999 for the linear schedule.
+
 Coefficients are Python floats for one t (what the samplers in ffcv_ddpm.sde_sampling use: no device tensors, no
 host sync); VESDE's also work on a tensor of per-sample t (the training loss).
 """
@@ -56,6 +60,12 @@ class VESDE:
     def diffusion2(self, t):
         return 2 * self.std(t) ** 2 * self._log_ratio
 
+    def sigma(self, t: float) -> float:
+        return self.std(t)
+
+    def time_of_sigma(self, sigma: float) -> float:
+        return math.log(sigma / self.sigma_min) / self._log_ratio
+
     def net_inputs(self, t):
         """(c_in, c_noise): the network gets x · c_in and c_noise as its time input."""
         return (1 + self.std(t) ** 2) ** -0.5, NET_TIME * t
@@ -93,6 +103,15 @@ class VPSDE:
 
     def std(self, t: float) -> float:
         return math.sqrt(-math.expm1(self._log_abar(t)))
+
+    def sigma(self, t: float) -> float:
+        return math.sqrt(math.expm1(-self._log_abar(t)))  # sqrt((1 - ᾱ) / ᾱ)
+
+    def time_of_sigma(self, sigma: float) -> float:
+        """The t with sigma(t) = sigma: ln ᾱ = -ln(1 + σ²) located on the piecewise-linear ln ᾱ(τ) (decreasing, so
+        the arrays are reversed for np.interp); σ outside [sigma(0), sigma(1)] maps to the nearest end."""
+        tau = np.interp(-math.log1p(sigma * sigma), self.log_abar[::-1], np.arange(self.T - 1, -1, -1.0))
+        return float(tau) / (self.T - 1)
 
     def drift(self, t: float) -> float:
         return -0.5 * self.diffusion2(t)
