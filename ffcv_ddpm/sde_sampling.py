@@ -5,9 +5,9 @@ EDM's Heun sampler and DPM-Solver++(2M) in σ-space.
 
 `solve` is the numerical core: it takes any score function score(x, t) -> ∇ log p_t(x) (the tests give it the exact
 score of Gaussian data) and returns the float samples and the number of score evaluations (NFE). `sample` builds
-that score from the process's network (ffcv_ddpm.sde.network_denoiser), draws the prior noise from its own seeded
-generator and returns uint8 images; it also runs the DDPM and DDIM samplers of a DDPM process, so one call covers
-every sampler of both processes.
+that score from the process's network (ffcv_ddpm.sde.network_score: an ε-network or EDM's preconditioned one,
+diffusion.param), draws the prior noise from its own seeded generator and returns uint8 images; it also runs the
+DDPM and DDIM samplers of a DDPM process, so one call covers every sampler of both processes.
 
 All of them run from t = 1 down to t = 0, from the same prior draw, and end on an x0 prediction (the Tweedie
 denoising step). Every sampler, ddpm and ddim included, clips that prediction by default (SamplerOptions.clip,
@@ -48,8 +48,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ffcv_ddpm.diffusion import CLIPS, GaussianDiffusion, clip_x0, eps_predictor, timesteps_for_sampling, to_uint8
-from ffcv_ddpm.sde import VEDiffusion, sde_of
+from ffcv_ddpm.diffusion import CLIPS, GaussianDiffusion, clip_x0, timesteps_for_sampling, to_uint8
+from ffcv_ddpm.sde import VEDiffusion, network_score, sde_of
 
 DDPM_SAMPLERS = ("ddpm", "ddim")
 SDE_SAMPLERS = ("em", "pc", "ode", "heun", "dpm2m")
@@ -227,18 +227,6 @@ def _probability_flow(sde, score: Score, x, options: SamplerOptions):
                   options={"step_t": span[1:]})[-1]
 
 
-def network_score(sde, model: nn.Module, n: int, device, y=None, guidance_scale: float = 1.0,
-                  null_label: int | None = None) -> Score:
-    """score(x, t) = -ε̂ / s(t) of an ε-network fed the inputs the process trained it on (sde.net_inputs)."""
-    eps = eps_predictor(model, n, device, y, guidance_scale, null_label)
-
-    def score(x: torch.Tensor, t: float) -> torch.Tensor:
-        c_in, c_noise = sde.net_inputs(t)
-        return eps(x * c_in if c_in != 1.0 else x, c_noise) / -sde.std(t)
-
-    return score
-
-
 @torch.no_grad()
 def sample(
     process: GaussianDiffusion | VEDiffusion,
@@ -279,7 +267,8 @@ def sample(
         raise ValueError(f"n={n} must be >= 1")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     sde = sde_of(process)
-    score = network_score(sde, model, n, device, y, guidance_scale, null_label)
+    score = network_score(sde, model, n, device, y, guidance_scale, null_label, process.cfg.param,
+                          process.cfg.sigma_data)
     gen = torch.Generator(device=device).manual_seed(seed)
     randn = lambda: torch.randn((n, *shape), generator=gen, device=device).contiguous(  # noqa: E731
         memory_format=memory_format
