@@ -1,9 +1,11 @@
 """The Gaussian diffusion process: β schedules, q_sample, the ε-MSE training loss, DDPM and DDIM samplers.
 
 The model is any ``model(x_t, t, y=None) -> ε estimate``; only this module knows the schedule. Images live in
-[-1, 1], and every sampler of the project clips its x0 prediction to that range by default (``clip_x0``; CLIPS). ``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync,
-no data-dependent Python branching, so it can sit inside a compiled training step. The samplers are plain loops
-over Python-float coefficients (read from the schedule once per call) and are seeded by their own generator.
+[-1, 1], and every sampler of the project clips its x0 prediction to that range by default (``clip_x0``; CLIPS).
+``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync, no
+data-dependent Python branching, so it can sit inside a compiled training step. The samplers are plain loops over
+Python-float coefficients (read from the schedule once per call) and are seeded by their own generator. With
+DiffusionConfig.param="edm" the network is EDM's preconditioned denoiser instead of an ε-predictor (edm_scalings).
 """
 
 from __future__ import annotations
@@ -235,8 +237,9 @@ class GaussianDiffusion(nn.Module):
         eta=0 is deterministic given the starting noise, eta=1 matches DDPM's posterior variance.
         With labels y and guidance_scale != 1, ε = ε_uncond + s (ε_cond - ε_uncond), conditional and unconditional
         halves batched in one forward; null_label defaults to the model's ``num_classes``. clip: what is done to the
-        predicted x0 at each step (clip_x0: "static" clamps it to [-1, 1], "dynamic", "off"). The same seed on the same device gives the same images. The model is
-        put in eval mode for the call (dropout off) and restored after."""
+        predicted x0 at each step (clip_x0: "static" clamps it to [-1, 1], "dynamic", "off"). The same seed on the
+        same device gives the same images. The model is put in eval mode for the call (dropout off) and restored
+        after."""
         device = torch.device(device) if device is not None else self.betas.device
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: use 'ddpm' or 'ddim'")
@@ -275,9 +278,8 @@ class GaussianDiffusion(nn.Module):
             model.train(was_training)
         return to_uint8(x)
 
-
     def predict_x0(self, net: Callable[[torch.Tensor, float], torch.Tensor], x: torch.Tensor, abar: float,
-                   t: float) -> torch.Tensor:
+                   t: int | float) -> torch.Tensor:
         """The x0 prediction at x_t = sqrt(ᾱ) x0 + sqrt(1 - ᾱ) ε from net(input, t) (eps_predictor: the network
         with guidance), read as the config's param says."""
         if self.cfg.param == "eps":

@@ -101,6 +101,8 @@ def solve(sde, score: Score, x: torch.Tensor, *, sampler: str, steps: int = 100,
         raise ValueError(f"sampler={sampler!r}: use one of {', '.join(SDE_SAMPLERS)}")
     if sampler != "ode" and steps < 2:
         raise ValueError(f"steps={steps}: {sampler} needs at least 2 evaluation times (t = 1 and t = 0)")
+    if randn is None and (sampler in ("em", "pc") or (sampler == "heun" and options.churn > 0)):
+        raise ValueError(f"sampler={sampler!r} draws noise: pass randn")
     nfe = 0
 
     def counted(x: torch.Tensor, t: float) -> torch.Tensor:
@@ -248,8 +250,9 @@ def sample(
     """(n uint8 images (n, C, H, W), NFE per image) from any sampler of either process.
 
     ddpm/ddim (DDPM process only) go to GaussianDiffusion.sample (eta is DDIM's; of `options` only clip applies);
-    em/pc/ode integrate the process's SDE with `options`. The same seed on the same device gives the same images. A guided call
-    (labels and guidance_scale != 1) is one forward of a 2n batch per evaluation, counted as one NFE."""
+    em/pc/ode/heun/dpm2m integrate the process's SDE with `options`. The same seed on the same device gives the
+    same images. A guided call (labels and guidance_scale != 1) is one forward of a 2n batch per evaluation, counted
+    as one NFE."""
     if sampler in DDPM_SAMPLERS:
         if not isinstance(process, GaussianDiffusion):
             raise ValueError(f"sampler={sampler!r} needs a DDPM model (diffusion.process='ddpm'); this is a "

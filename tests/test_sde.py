@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from conftest import host_syncs, write_beton
-from ffcv_ddpm.diffusion import (DYNAMIC_PERCENTILE, DiffusionConfig, GaussianDiffusion, clip_x0, edm_scalings, make_betas,
-                                 to_uint8)
+from ffcv_ddpm.diffusion import (DYNAMIC_PERCENTILE, DiffusionConfig, GaussianDiffusion, clip_x0, edm_scalings,
+                                 make_betas, to_uint8)
 from ffcv_ddpm.sde import NET_TIME, VEDiffusion, VESDE, VPSDE, load_for_sampling, make_diffusion, network_score, sde_of
 from ffcv_ddpm.sde_sampling import SamplerOptions, langevin, sample, solve
 from ffcv_ddpm.unet import PRESETS, build_model
@@ -226,8 +226,8 @@ def test_sample_runs_every_sampler_end_to_end(process):
     assert (images.int() - to_uint8(ref).int()).abs().max() <= 1
     assert abs(nfe - ref_nfe) <= 0.2 * ref_nfe  # step control reacts to float-rounding differences (129 vs 147)
     assert not torch.equal(images, sample(proc, net, 256, sampler="ode", seed=4, shape=SHAPE)[0])
-    for sampler, steps, want in (("em", 5, 5), ("pc", 5, 10), ("heun", 3, 5), ("dpm2m", 4, 4)) + ((("ddim", 7, 7), ("ddpm", 0, 1000))
-                                                                   if process == "ddpm" else ()):
+    samplers = (("em", 5, 5), ("pc", 5, 10), ("heun", 3, 5), ("dpm2m", 4, 4))
+    for sampler, steps, want in samplers + ((("ddim", 7, 7), ("ddpm", 0, 1000)) if process == "ddpm" else ()):
         out, nfe = sample(proc, net, 8, sampler=sampler, steps=steps, seed=0, shape=SHAPE)
         assert out.shape == (8, *SHAPE) and nfe == want and out.float().std() > 0
 
@@ -247,6 +247,10 @@ def test_bad_settings_are_one_clear_error():
         solve(sde, gaussian_score(sde), torch.zeros(1, *SHAPE), sampler="em", steps=1)
     with pytest.raises(ValueError, match="adaptive"):
         solve(sde, gaussian_score(sde), torch.zeros(1, *SHAPE), sampler="ode", options=SamplerOptions(method="rk4"))
+    with pytest.raises(ValueError, match="sampler='heun' draws noise: pass randn"):
+        solve(sde, gaussian_score(sde), torch.zeros(1, *SHAPE), sampler="heun", options=SamplerOptions(churn=1))
+    with pytest.raises(ValueError, match="churn=-1 >= 0"):
+        solve(sde, gaussian_score(sde), torch.zeros(1, *SHAPE), sampler="heun", options=SamplerOptions(churn=-1))
     with pytest.raises(ValueError, match="sigma_min"):
         VESDE(1.0, 0.5)
     with pytest.raises(ValueError, match="diffusion.process='vp'"):
