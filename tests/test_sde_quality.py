@@ -128,7 +128,7 @@ def test_targets_name_the_cheapest_row_that_meets_them():
     lines = sde_report.target_lines(result)
     assert lines[0] == ("target >= 97% conditional accuracy at <= 10 NFE: MET by ve (ddim, clip static, NFE 3: 98.0%); "
                         "not by ddpm (best at <= 10 NFE: 96.0%, ddim eta 1, clip static, NFE 10)")
-    assert lines[2].startswith("target FD-digits within 2x the floor at <= 50 NFE (<= 0.300): MET by ve (heun")
+    assert lines[2].startswith("target FD-digits within 2x the floor at <= 50 NFE (<= 0.3): MET by ve (heun")
     result["reference"]["fd_floor"] = None
     assert sde_report.target_lines(result)[2].endswith("not checked (no floor: the judge held no images out)")
 

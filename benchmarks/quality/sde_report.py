@@ -123,7 +123,7 @@ def target_lines(result: dict) -> list[str]:
         missed = [f"{m} (best at <= {target.max_nfe} NFE: " + (f"{_value(target, r)}, {describe(r)})" if r else
                                                                "no row measured)")
                   for m, (ok, r) in per_model.items() if not ok]
-        goal = "" if target.metric == "cond_acc" else f" (<= {target.goal_value(floor):.3f})"
+        goal = "" if target.metric == "cond_acc" else f" (<= {target.goal_value(floor):.3g})"
         lines.append(f"target {target.text}{goal}: " + ("MET by " + "; ".join(met) if met else "NOT MET")
                      + ("; not by " + "; ".join(missed) if missed and met else ": " + "; ".join(missed) if missed
                         else ""))
