@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from ffcv_ddpm import unet
 from ffcv_ddpm.checks import BadValue, Rule, above, at_least, coerce, each, in_range, matches, one_of
 from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
-from ffcv_ddpm.diffusion import DiffusionConfig
+from ffcv_ddpm.diffusion import PARAMS, DiffusionConfig
 from ffcv_ddpm.sampling import SAMPLE_COMPILE_MODES
 from ffcv_ddpm.unet import PRESETS, ModelConfig
 
@@ -138,6 +138,8 @@ RULES = {
     "diffusion.process": one_of(("ddpm", "ve")),
     "diffusion.sigma_min": above(0),  # below sigma_max: check_config
     "diffusion.sigma_max": above(0),
+    "diffusion.param": one_of(PARAMS),
+    "diffusion.sigma_data": above(0),
     "data.path": _NONEMPTY,
     "data.loader": one_of(LOADERS),
     "data.batch_size": at_least(1),

@@ -1,9 +1,11 @@
 """The Gaussian diffusion process: β schedules, q_sample, the ε-MSE training loss, DDPM and DDIM samplers.
 
 The model is any ``model(x_t, t, y=None) -> ε estimate``; only this module knows the schedule. Images live in
-[-1, 1]. ``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync,
-no data-dependent Python branching, so it can sit inside a compiled training step. The samplers are plain loops
-over Python-float coefficients (read from the schedule once per call) and are seeded by their own generator.
+[-1, 1], and every sampler of the project clips its x0 prediction to that range by default (``clip_x0``; CLIPS).
+``loss`` draws timesteps, noise and label dropout with torch's RNG on the data's device: no host sync, no
+data-dependent Python branching, so it can sit inside a compiled training step. The samplers are plain loops over
+Python-float coefficients (read from the schedule once per call) and are seeded by their own generator. With
+DiffusionConfig.param="edm" the network is EDM's preconditioned denoiser instead of an ε-predictor (edm_scalings).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class DiffusionConfig:
     p_uncond: float = 0.1  # probability a training label is replaced by the null label (classifier-free guidance)
     sigma_min: float = 0.01  # ve: smallest noise level σ(0) (Song et al. 2021's 0.01)
     sigma_max: float = 80.0  # ve: largest noise level σ(1), about the largest distance between images in [-1, 1]
+    # What the network predicts: "eps" (the noise ε, DDPM's and NCSN's) or "edm" (EDM's preconditioned denoiser
+    # D = c_skip x̂ + c_out F(c_in x̂, c_noise) with loss weight 1/c_out², Karras et al. 2022; edm_scalings)
+    param: str = "eps"
+    sigma_data: float = 0.5  # edm: the data's standard deviation the scalings assume (EDM's 0.5 for images in [-1, 1])
 
 
 def make_betas(cfg: DiffusionConfig) -> torch.Tensor:
@@ -63,6 +69,58 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
 
 
+PARAMS = ("eps", "edm")  # DiffusionConfig.param
+CLIPS = ("static", "dynamic", "off")  # what a sampler does to its x0 prediction at every step (clip_x0)
+DYNAMIC_PERCENTILE = 0.995  # dynamic thresholding's quantile of |x0| per sample (Saharia et al. 2022, Imagen)
+
+
+def clip_x0(x0: torch.Tensor, mode: str) -> torch.Tensor:
+    """A sampler's x0 prediction kept to the data's range [-1, 1]: "static" clamps it; "dynamic" divides each sample
+    by s = max(1, the DYNAMIC_PERCENTILE quantile of its |x0|) after clamping to [-s, s] (a sample inside the range is
+    left as it is); "off" returns it unchanged.
+
+    Why every sampler does it by default: an ε-network's error e becomes an x0 error (s/a) e, up to ~80x at the high
+    noise levels where a digit's class is decided; a clipped x0 bounds it by the data's range."""
+    if mode == "static":
+        return x0.clamp(-1, 1)
+    if mode == "dynamic":
+        s = torch.quantile(x0.flatten(1).abs(), DYNAMIC_PERCENTILE, dim=1).clamp_min(1.0)  # (B,), no host sync
+        s = s.view(-1, *([1] * (x0.dim() - 1)))  # (B,) -> (B, 1, 1, 1)
+        return torch.minimum(torch.maximum(x0, -s), s) / s
+    if mode == "off":
+        return x0
+    raise ValueError(f"clip={mode!r}: use one of {', '.join(CLIPS)}")
+
+
+def edm_scalings(sigma, sigma_data: float):
+    """(c_skip, c_out, c_in) of EDM's preconditioning at noise level σ (a float or a tensor; Karras et al. 2022,
+    Table 1): D(x̂, σ) = c_skip x̂ + c_out F(c_in x̂, ...) for x̂ = x0 + σ ε. c_in gives the network unit-variance
+    input, c_skip and c_out a unit-variance target for data of standard deviation sigma_data; D -> x̂ as σ -> 0 and
+    -> sigma_data · F as σ -> ∞, so the network's error is never multiplied by σ as an ε-network's is."""
+    total = sigma * sigma + sigma_data * sigma_data
+    return sigma_data * sigma_data / total, sigma * sigma_data / total**0.5, total**-0.5
+
+
+def edm_loss(model: nn.Module, x0: torch.Tensor, sigma: torch.Tensor, c_noise: torch.Tensor,
+             y: torch.Tensor | None, sigma_data: float) -> torch.Tensor:
+    """EDM's loss λ(σ) ||D(x0 + σ n, σ) - x0||² with λ = 1/c_out², at per-sample noise levels σ (B,): written, as
+    EDM trains, as the network's output against its effective target (x0 - c_skip x̂) / c_out, unit-weighted.
+    Against the ε-loss (weight 1/σ² on the same ||D - x0||²) this adds 1/sigma_data²: the high noise levels, where
+    a class is decided, are learned as x0 predictions, not as ε."""
+    sigma = sigma.view(-1, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
+    c_skip, c_out, c_in = edm_scalings(sigma, sigma_data)
+    xh = x0 + sigma * torch.randn_like(x0)  # keeps x0's memory format
+    out = model((xh * c_in).to(x0.dtype), c_noise, y)
+    return F.mse_loss(out.float(), ((x0 - c_skip * xh) / c_out).float())
+
+
+def check_param(cfg: DiffusionConfig) -> None:
+    if cfg.param not in PARAMS:
+        raise ValueError(f"diffusion.param={cfg.param!r}: use one of {', '.join(PARAMS)}")
+    if cfg.sigma_data <= 0:
+        raise ValueError(f"diffusion.sigma_data={cfg.sigma_data} must be > 0")
+
+
 def drop_labels(y: torch.Tensor, p_uncond: float, null_label: int | None) -> torch.Tensor:
     """Replaces a p_uncond fraction of the labels by ``null_label`` (on the device, no host sync), so the same
     network also learns the unconditional ε for classifier-free guidance."""
@@ -76,8 +134,10 @@ def eps_predictor(
     model: nn.Module, n: int, device: torch.device, y: torch.Tensor | None, guidance_scale: float,
     null_label: int | None,
 ) -> Callable[[torch.Tensor, float], torch.Tensor]:
-    """eps(x, t) -> float ε estimate for a batch of n at one network time t (an int timestep or a real number),
-    with classifier-free guidance when labels are given and guidance_scale != 1. Checks the labels once."""
+    """eps(x, t) -> the network's float output (the ε estimate; EDM's F with param="edm") for a batch of n at one
+    network time t (an int timestep or a real number), with classifier-free guidance when labels are given and
+    guidance_scale != 1 (a linear blend of outputs, so it is the same blend of the x0 predictions). Checks the labels
+    once."""
     guided = y is not None and guidance_scale != 1.0
     if y is not None:
         if y.shape != (n,):
@@ -112,6 +172,7 @@ class GaussianDiffusion(nn.Module):
         self.cfg = cfg or DiffusionConfig()
         if not 0.0 <= self.cfg.p_uncond <= 1.0:
             raise ValueError(f"p_uncond={self.cfg.p_uncond} must be in [0, 1]")
+        check_param(self.cfg)
         betas = make_betas(self.cfg)
         abar = torch.cumprod(1 - betas, dim=0)
         self.num_timesteps = self.cfg.timesteps
@@ -121,6 +182,7 @@ class GaussianDiffusion(nn.Module):
             ("alphas_cumprod", abar),
             ("sqrt_alphas_cumprod", abar.sqrt()),
             ("sqrt_one_minus_alphas_cumprod", (1 - abar).sqrt()),
+            ("sigmas", ((1 - abar) / abar).sqrt()),  # EDM's noise level of each timestep: x_t / sqrt(ᾱ) = x0 + σ ε
         ]:
             self.register_buffer(name, value.float(), persistent=False)
         self._betas64 = betas  # exact values for the samplers' Python-float coefficients
@@ -135,15 +197,18 @@ class GaussianDiffusion(nn.Module):
     def loss(
         self, model: nn.Module, x0: torch.Tensor, y: torch.Tensor | None = None, null_label: int | None = None
     ) -> torch.Tensor:
-        """The paper's simple loss: E ||ε - ε_θ(x_t, t)||², t ~ U{0..T-1}, averaged over every element.
+        """The paper's simple loss: E ||ε - ε_θ(x_t, t)||², t ~ U{0..T-1}, averaged over every element; with
+        param="edm", EDM's loss (edm_loss) at the same timesteps' noise levels, the network fed t as its time.
 
         With labels y, a p_uncond fraction is replaced by ``null_label`` (the model's num_classes) so the same
         network also learns the unconditional ε for classifier-free guidance."""
         B = x0.shape[0]
         t = torch.randint(0, self.num_timesteps, (B,), device=x0.device)
-        noise = torch.randn_like(x0)  # keeps x0's memory format (channels_last stays channels_last)
         if y is not None and self.cfg.p_uncond > 0:
             y = drop_labels(y, self.cfg.p_uncond, null_label)
+        if self.cfg.param == "edm":
+            return edm_loss(model, x0, self.sigmas[t], t, y, self.cfg.sigma_data)
+        noise = torch.randn_like(x0)  # keeps x0's memory format (channels_last stays channels_last)
         eps = model(self.q_sample(x0, t, noise), t, y)
         return F.mse_loss(eps.float(), noise.float())
 
@@ -162,7 +227,7 @@ class GaussianDiffusion(nn.Module):
         null_label: int | None = None,
         shape: tuple[int, int, int] = (3, 32, 32),
         device: torch.device | str | None = None,
-        clip_denoised: bool = True,
+        clip: str = "static",
         memory_format: torch.memory_format = torch.contiguous_format,
     ) -> torch.Tensor:
         """n images as a uint8 (n, C, H, W) tensor on `device` (default: the schedule's device).
@@ -171,12 +236,15 @@ class GaussianDiffusion(nn.Module):
         sampler="ddim": `steps` evenly spaced steps, σ_t = eta · sqrt((1-ᾱ_prev)/(1-ᾱ_t)) · sqrt(1-ᾱ_t/ᾱ_prev);
         eta=0 is deterministic given the starting noise, eta=1 matches DDPM's posterior variance.
         With labels y and guidance_scale != 1, ε = ε_uncond + s (ε_cond - ε_uncond), conditional and unconditional
-        halves batched in one forward; null_label defaults to the model's ``num_classes``. clip_denoised clamps the
-        predicted x0 to [-1, 1] at each step. The same seed on the same device gives the same images. The model is
-        put in eval mode for the call (dropout off) and restored after."""
+        halves batched in one forward; null_label defaults to the model's ``num_classes``. clip: what is done to the
+        predicted x0 at each step (clip_x0: "static" clamps it to [-1, 1], "dynamic", "off"). The same seed on the
+        same device gives the same images. The model is put in eval mode for the call (dropout off) and restored
+        after."""
         device = torch.device(device) if device is not None else self.betas.device
         if sampler not in ("ddpm", "ddim"):
             raise ValueError(f"sampler={sampler!r}: use 'ddpm' or 'ddim'")
+        if clip not in CLIPS:
+            raise ValueError(f"clip={clip!r}: use one of {', '.join(CLIPS)}")
         if n < 1:
             raise ValueError(f"n={n} must be >= 1")
         eps_fn = eps_predictor(model, n, device, y, guidance_scale, null_label)
@@ -195,9 +263,7 @@ class GaussianDiffusion(nn.Module):
             for i, t in enumerate(ts):
                 t_prev = ts[i + 1] if i + 1 < len(ts) else -1
                 a_t, a_prev = abar[t], (abar[t_prev] if t_prev >= 0 else 1.0)
-                eps = eps_fn(x, t)
-                x0 = (x - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
-                x0 = x0.clamp(-1, 1) if clip_denoised else x0
+                x0 = clip_x0(self.predict_x0(eps_fn, x, a_t, t), clip)
                 if sampler == "ddpm":
                     # Posterior mean of q(x_{t-1} | x_t, x0) (Ho et al. eq. 7), σ_t² = β_t.
                     b_t = betas[t]
@@ -211,6 +277,16 @@ class GaussianDiffusion(nn.Module):
         finally:
             model.train(was_training)
         return to_uint8(x)
+
+    def predict_x0(self, net: Callable[[torch.Tensor, float], torch.Tensor], x: torch.Tensor, abar: float,
+                   t: int | float) -> torch.Tensor:
+        """The x0 prediction at x_t = sqrt(ᾱ) x0 + sqrt(1 - ᾱ) ε from net(input, t) (eps_predictor: the network
+        with guidance), read as the config's param says."""
+        if self.cfg.param == "eps":
+            return (x - math.sqrt(1 - abar) * net(x, t)) / math.sqrt(abar)
+        c_skip, c_out, c_in = edm_scalings(math.sqrt((1 - abar) / abar), self.cfg.sigma_data)
+        xh = x / math.sqrt(abar)
+        return c_skip * xh + c_out * net(xh * c_in, t)
 
 
 def save_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int | None = None, padding: int = 2) -> None:

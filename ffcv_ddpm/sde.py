@@ -1,8 +1,10 @@
 """Score-SDE processes beside DDPM: a variance-exploding SDE (NCSN-style) and DDPM read as a variance-preserving SDE.
 
 Both are written as x_t = a(t) x0 + s(t) ε on t ∈ [0, 1] (t = 1 is the prior end), the marginals of the forward
-SDE dx = f(t) x dt + g(t) dW (Song et al. 2021). The network is an ε-predictor in both, so its score is
-∇ log p_t(x) = -ε̂ / s(t); only ``net_inputs`` differs, which says what the UNet is fed.
+SDE dx = f(t) x dt + g(t) dW (Song et al. 2021). The network is an ε-predictor in both by default, so its score is
+∇ log p_t(x) = -ε̂ / s(t); only ``net_inputs`` differs, which says what the UNet is fed. With diffusion.param=edm it
+is EDM's preconditioned denoiser instead, in both (diffusion.edm_scalings; the network's time input unchanged), and
+``network_score`` turns either into a score.
 
 - VE: a = 1, s = σ(t) = σ_min (σ_max/σ_min)^t (geometric), f = 0, g² = dσ²/dt = 2 σ² ln(σ_max/σ_min). The
   network sees x / sqrt(1 + σ²) (unit scale at every σ, EDM's input scaling for data of second moment <= 1) and the noise
@@ -13,6 +15,10 @@ SDE dx = f(t) x dt + g(t) dW (Song et al. 2021). The network is an ε-predictor 
 - VP (a DDPM checkpoint, unchanged): τ = t (T - 1) is the DDPM timestep, ln ᾱ(τ) is the schedule's ln ᾱ_k
   interpolated linearly between integers, so β(τ) = -d ln ᾱ/dτ is piecewise constant and the marginals equal DDPM's
   at every integer τ, for the linear and the cosine schedule alike. The network sees x_t and τ, as in training.
+
+Both also map t to EDM's noise level σ(t) = s(t) / a(t) (the noise-to-signal ratio: x / a = x0 + σ ε) and back
+(`sigma`, `time_of_sigma`), which is how the σ-space samplers (Heun, DPM-Solver++) run on either process: VE's σ is
+its std, DDPM's is sqrt((1 - ᾱ) / ᾱ), from 0.01 at τ = 0 to ~157 at τ = 999 for the linear schedule.
 
 Coefficients are Python floats for one t (what the samplers in ffcv_ddpm.sde_sampling use: no device tensors, no
 host sync); VESDE's also work on a tensor of per-sample t (the training loss).
@@ -28,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ffcv_ddpm.diffusion import DiffusionConfig, GaussianDiffusion, drop_labels, make_betas
+from ffcv_ddpm.diffusion import (DiffusionConfig, GaussianDiffusion, check_param, drop_labels, edm_loss, edm_scalings,
+                                 eps_predictor, make_betas)
 
 PROCESSES = ("ddpm", "ve")
 NET_TIME = 999.0  # the network's time input spans [0, NET_TIME], DDPM's timestep range at T = 1000
@@ -55,6 +62,12 @@ class VESDE:
 
     def diffusion2(self, t):
         return 2 * self.std(t) ** 2 * self._log_ratio
+
+    def sigma(self, t: float) -> float:
+        return self.std(t)
+
+    def time_of_sigma(self, sigma: float) -> float:
+        return math.log(sigma / self.sigma_min) / self._log_ratio
 
     def net_inputs(self, t):
         """(c_in, c_noise): the network gets x · c_in and c_noise as its time input."""
@@ -94,6 +107,15 @@ class VPSDE:
     def std(self, t: float) -> float:
         return math.sqrt(-math.expm1(self._log_abar(t)))
 
+    def sigma(self, t: float) -> float:
+        return math.sqrt(math.expm1(-self._log_abar(t)))  # sqrt((1 - ᾱ) / ᾱ)
+
+    def time_of_sigma(self, sigma: float) -> float:
+        """The t with sigma(t) = sigma: ln ᾱ = -ln(1 + σ²) located on the piecewise-linear ln ᾱ(τ) (decreasing, so
+        the arrays are reversed for np.interp); σ outside [sigma(0), sigma(1)] maps to the nearest end."""
+        tau = np.interp(-math.log1p(sigma * sigma), self.log_abar[::-1], np.arange(self.T - 1, -1, -1.0))
+        return float(tau) / (self.T - 1)
+
     def drift(self, t: float) -> float:
         return -0.5 * self.diffusion2(t)
 
@@ -115,20 +137,45 @@ class VEDiffusion(nn.Module):
         self.cfg = cfg
         if not 0.0 <= cfg.p_uncond <= 1.0:
             raise ValueError(f"p_uncond={cfg.p_uncond} must be in [0, 1]")
+        check_param(cfg)
         self.sde = VESDE(cfg.sigma_min, cfg.sigma_max)
 
     def loss(
         self, model: nn.Module, x0: torch.Tensor, y: torch.Tensor | None = None, null_label: int | None = None
     ) -> torch.Tensor:
-        """σ²-weighted denoising score matching = E ||ε - ε_θ(x0 + σε, σ)||², log σ ~ U[ln σ_min, ln σ_max]."""
+        """σ²-weighted denoising score matching = E ||ε - ε_θ(x0 + σε, σ)||², log σ ~ U[ln σ_min, ln σ_max]; with
+        param="edm", EDM's loss (diffusion.edm_loss) at the same noise levels, the same c_noise."""
         t = torch.rand(x0.shape[0], device=x0.device)
-        sigma = self.sde.std(t).view(-1, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
         c_in, c_noise = self.sde.net_inputs(t)
-        noise = torch.randn_like(x0)  # keeps x0's memory format
         if y is not None and self.cfg.p_uncond > 0:
             y = drop_labels(y, self.cfg.p_uncond, null_label)
+        if self.cfg.param == "edm":
+            return edm_loss(model, x0, self.sde.std(t), c_noise, y, self.cfg.sigma_data)
+        sigma = self.sde.std(t).view(-1, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
+        noise = torch.randn_like(x0)  # keeps x0's memory format
         eps = model(((x0 + sigma * noise) * c_in.view(-1, 1, 1, 1)).to(x0.dtype), c_noise, y)
         return F.mse_loss(eps.float(), noise.float())
+
+
+def network_score(sde, model: nn.Module, n: int, device, y=None, guidance_scale: float = 1.0,
+                  null_label: int | None = None, param: str = "eps", sigma_data: float = 0.5):
+    """score(x, t) -> ∇ log p_t(x) of the process's network at SDE time t, fed the inputs it trained on:
+    param="eps": -ε̂ / s(t), the network given x · c_in (sde.net_inputs); param="edm": (a D - x) / s² with EDM's
+    D = c_skip x̂ + c_out F(c_in x̂, c_noise), x̂ = x / a, σ = s / a (diffusion.edm_scalings), c_noise the process's."""
+    net = eps_predictor(model, n, device, y, guidance_scale, null_label)  # guidance is linear in F as in ε
+
+    def eps_score(x: torch.Tensor, t: float) -> torch.Tensor:
+        c_in, c_noise = sde.net_inputs(t)
+        return net(x * c_in if c_in != 1.0 else x, c_noise) / -sde.std(t)
+
+    def edm_score(x: torch.Tensor, t: float) -> torch.Tensor:
+        a, s = sde.scale(t), sde.std(t)
+        c_skip, c_out, c_in = edm_scalings(s / a, sigma_data)
+        xh = x / a
+        d = c_skip * xh + c_out * net(xh * c_in, sde.net_inputs(t)[1])
+        return (a * d - x) / (s * s)
+
+    return eps_score if param == "eps" else edm_score
 
 
 def make_diffusion(cfg: DiffusionConfig) -> GaussianDiffusion | VEDiffusion:
