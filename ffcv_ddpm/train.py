@@ -168,9 +168,11 @@ def resume_point(cfg: RunConfig, run_dir: Path, main: bool) -> dict:
     if why := weights_change(run.model, cfg.model):
         raise TrainingError(f"{why} ({where.name}); a resumed run keeps its model: drop the override, or start a new "
                             "run")
-    if run.diffusion.process != cfg.diffusion.process:
-        raise TrainingError(f"{where} was trained with diffusion.process={run.diffusion.process!r}; a run cannot "
-                            f"continue as {cfg.diffusion.process!r}: drop the override or start a new run")
+    for field in ("process", "param", "sigma_data"):  # what the network's output means: a resume cannot change it
+        was, now = getattr(run.diffusion, field), getattr(cfg.diffusion, field)
+        if was != now:
+            raise TrainingError(f"{where} was trained with diffusion.{field}={was!r}; a run cannot continue as "
+                                f"{now!r}: drop the override or start a new run")
     if state is not None:
         if state["step"] > cfg.train.steps:
             raise TrainingError(f"train.steps={cfg.train.steps} is below step {state['step']} of {path}, the run's "

@@ -302,7 +302,7 @@ def test_ve_loss_is_sync_free_one_graph_and_learns():
 
 # ---- the trainer and checkpoints ---------------------------------------------------------------------------
 
-def test_trainer_runs_ve_and_checkpoints_record_the_process(tmp_path):
+def test_trainer_runs_ve_and_checkpoints_record_the_process(tmp_path, capsys):
     from ffcv_ddpm import train as train_mod
     from ffcv_ddpm.checkpoint import list_checkpoints
     from ffcv_ddpm.config import load_config
@@ -323,8 +323,10 @@ def test_trainer_runs_ve_and_checkpoints_record_the_process(tmp_path):
     assert images.shape == (4, 3, 32, 32) and nfe == 3
     with pytest.raises(ValueError, match="holds a diffusion.process='ve' model, not 'ddpm'"):
         load_for_sampling(ckpt, "cpu", process="ddpm")
-    rc = train_mod.main(["--resume", str(run_dir), "diffusion.process=ddpm", "train.steps=6"])
-    assert rc == 2  # "trained with diffusion.process='ve'; a run cannot continue as 'ddpm'"
+    for override, was in (("diffusion.process=ddpm", "process='ve'"), ("diffusion.param=edm", "param='eps'")):
+        rc = train_mod.main(["--resume", str(run_dir), override, "train.steps=6"])
+        assert rc == 2  # what the network's output means cannot change on resume
+        assert f"trained with diffusion.{was}; a run cannot continue" in capsys.readouterr().err
 
 
 # ---- clipping the x0 prediction (SamplerOptions.clip, diffusion.clip_x0) -------------------------------------

@@ -188,6 +188,7 @@ def test_a_folder_without_the_betons_is_one_clear_error(tmp_path, capsys):
 def test_a_report_that_cannot_be_continued_is_one_line_before_any_work(tmp_path, capsys, edit, message):
     argv = ["--data", str(tmp_path / "d"), "--out", str(tmp_path / "o"), "--part", "2", "--continue-from",
             str(tmp_path / "r.json"), "--n", "10"]
+    (tmp_path / "d").mkdir()  # the data folder is checked first (it exists); the report is what is wrong
     (tmp_path / "r.json").write_text("{}")
     report = {"settings": sde_quality.settings_of(sde_quality.parse_args(argv)), "models": {"ve": {}, "ddpm": {}}}
     edit(report)
