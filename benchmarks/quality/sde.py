@@ -165,7 +165,7 @@ def run(args, argv: list[str], stop) -> Path:
     train_u8, test_u8 = as_tensor(train_x, device), as_tensor(test_x, device)
     train_labels, test_labels = torch.from_numpy(train_y).to(device), torch.from_numpy(test_y).to(device)
 
-    stop.where = "training the judge"
+    stop.doing("training the judge")
     if args.judge:
         judge, judge_desc = quality.load_judge(args.judge, device), f"loaded from {args.judge}"
     else:
@@ -206,7 +206,7 @@ def run(args, argv: list[str], stop) -> Path:
             process, model, _ = load_for_sampling(ckpts[proc], device, process=proc)
             models[proc] = process, model.to(memory_format=layout)
 
-        stop.where = "sampling"
+        stop.doing("sampling")
         set_precision("fp32" if args.sample_precision == "fp32" else "tf32", device)
         torch.backends.cudnn.benchmark = True  # one batch shape for every row: cuDNN's fastest kernels, chosen once
         amp = AMP_DTYPES[args.sample_precision]
@@ -234,6 +234,7 @@ def run(args, argv: list[str], stop) -> Path:
             draw(proc, dict(sampler="em", steps=2, tol=None))
         sampling_start = time.perf_counter()  # the budget is the sampling's: the trainings' time is not in it
         for row in plan_rows(args, base.diffusion.timesteps):
+            stop.check()  # a signal stops the study between two rows
             label = row_label(row)
             estimate = row["guess"] * sec_per_nfe.get(row["process"], 0.0)
             if time.perf_counter() - sampling_start + estimate > args.budget_s:
@@ -265,7 +266,7 @@ def run(args, argv: list[str], stop) -> Path:
             save()
             print(f"sde: {label}: NFE {nfe}, {args.n / seconds:.0f} img/s, FD-digits "
                   f"{metrics['fd_digits']:.2f}, cond acc {metrics['cond_acc']:.1%}", flush=True)
-        stop.phase = "stopping"  # measured: the last save completes
+        stop.done()  # measured: the last save completes
         result["complete"] = True
         result["sampling_s"] = time.perf_counter() - sampling_start
         result["total_s"] = time.perf_counter() - start
