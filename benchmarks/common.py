@@ -7,11 +7,11 @@ report, flops, peaks; quality: study).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from ffcv_ddpm.checks import BadValue, check_input, check_out_dir
+from ffcv_ddpm import stopping
 from tools.atomic import Staged
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def ensure_dataset(data: Path, num_synthetic: int) -> tuple[Path, bool]:
           "run `make dataset` for CIFAR-10.", flush=True)
     cmd = [sys.executable, "-m", "tools.make_dataset", "--source", "synthetic", "--out", str(data.absolute()),
            "--num-synthetic", str(num_synthetic), "--num-synthetic-test", str(max(64, num_synthetic // 5))]
-    if subprocess.run(cmd, cwd=REPO).returncode != 0 or not beton.is_file():
+    if stopping.run(cmd, cwd=REPO).returncode != 0 or not beton.is_file():  # a signal stops it with the command
         raise BenchError(f"building the synthetic dataset failed (command: {' '.join(cmd)})")
     return beton, True
 

@@ -28,6 +28,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ffcv_ddpm import stopping
+
+# Before the imports below (seconds of torch): a signal while they run gets its line (`python -m ffcv_ddpm.train`).
+if __name__ == "__main__":
+    stopping.catch_early("train", "start-up, before step 1")
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -44,6 +50,7 @@ from ffcv_ddpm.sampling import compile_denoiser
 from ffcv_ddpm.sde_sampling import sample
 from ffcv_ddpm.step import (AMP_DTYPES, Dist, Trainer, TrainingError, build, make_step, noise_seed, resolve_device,
                             set_precision)
+from ffcv_ddpm.stopping import Interrupted, Stop
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
 from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps
@@ -52,14 +59,6 @@ from ffcv_ddpm.unet import ModelConfig, build_model
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
 # symmetric memory and NVSHMEM, in this process and every child. FFCV_DDPM_ALLOW_NVLS=1 leaves the environment alone.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class Interrupted(KeyboardInterrupt):
-    """A signal that stops the run at once (during start-up, or a second one); main exits 128 + signum."""
-
-    def __init__(self, signum: int, when: str):
-        super().__init__(f"{signal.Signals(signum).name} {when}")
-        self.signum = signum
 
 
 def init_distributed(device: str = "auto") -> Dist:
@@ -253,32 +252,19 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-class StopRequest:
-    """SIGTERM/SIGINT, by phase of the run.
+class StopRequest(Stop):
+    """SIGTERM/SIGINT, by phase of the run (ffcv_ddpm.stopping: the handler only records the signal).
 
-    start-up: nothing to save yet, so the signal stops at once (Interrupted). running: the first signal sets a flag
-    the loop checks between steps (checkpoint, exit 0); a second stops at once. stopping (the final checkpoint is
-    being written, or the run is complete): further signals are ignored, so what is under way completes.
+    start-up: nothing to save yet, so the next safe point (stop.check() between the sections of start-up) stops the
+    run: Interrupted, exit 128 + signum. running: the loop looks at the signal between steps (checkpoint, exit 0); a
+    second signal stops at once. stopping (the final checkpoint is being written, or the run is complete): further
+    signals are ignored, so what is under way completes.
     """
 
     def __init__(self):
-        self.signal = None
-        self.phase = "start-up"
+        super().__init__("train", where="start-up, before step 1")
+        self.say = os.environ.get("RANK", "0") == "0"  # under torchrun one line that the stop is pending, not N
         self.run_dir = None  # the run folder once train() has it: a study that stops removes an unfinished one
-        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum, frame):
-        if self.phase == "stopping":
-            return
-        if self.phase == "start-up":
-            raise Interrupted(signum, "during start-up, before step 1")
-        if self.signal is not None:
-            raise Interrupted(signum, f"after {self.signal}: stopped at once")
-        self.signal = signal.Signals(signum).name
-
-    def restore(self):
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None) -> Path:
@@ -312,6 +298,7 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     run_dir = None  # once the run has started in it: a failure then says what is left there
     locked = None  # the folder this process locked (rank 0)
     try:
+        stop.check()  # the safe points of start-up: here, before the run folder exists, and between _run's sections
         resumed = None
         if cfg.train.resume:
             # The run folder as it was until the checkpoint has loaded with this config: a refusal changes nothing.
@@ -365,8 +352,10 @@ def _after_failure(run_dir: Path, fresh: bool) -> str:
 def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "StopRequest",
          evaluator: "Evaluator | None", resumed: dict | None) -> Path:
     # ---- data -----------------------------------------------------------------------------------------------
+    stop.check()
     loader = make_loader(cfg.data, device, rank=ddp.rank, world_size=ddp.world_size)
     steps_per_epoch = len(loader)
+    stop.check()
     global_batch = cfg.data.batch_size * ddp.world_size
 
     # ---- model, optimizer -----------------------------------------------------------------------------------
@@ -375,6 +364,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     # (the EMA is updated in place, so the compiled graph always reads the current weights).
     sampling_net = compile_denoiser(t.ema.module if t.ema is not None else t.model,
                                     cfg.train.sample_compile if device.type == "cuda" else "off")
+    stop.check()
     start_step = 0
     if cfg.train.resume:
         # Taken out of `resumed`, so that the host copy of the checkpoint goes once it is loaded (resume_point
@@ -446,8 +436,9 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
         if progress is not None:
             progress.update()
         # One process stops at once on a signal; ranks of a process group agree on it at the next interval.
-        return stop.signal is not None and ddp.world_size == 1
+        return stop.signum is not None and ddp.world_size == 1
 
+    stop.check()  # the last safe point of start-up; a signal from here on stops after a step, with a checkpoint
     stop.phase = "running"
     try:
         while step < cfg.train.steps:
@@ -459,7 +450,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             step += window
 
             # ---- log interval: the only host-device syncs ------------------------------------------------------
-            flags = torch.stack([first_bad, torch.tensor(int(stop.signal is not None), device=device)])
+            flags = torch.stack([first_bad, torch.tensor(int(stop.signum is not None), device=device)])
             if ddp.world_size > 1:
                 dist.all_reduce(loss_sum)
                 loss_sum /= ddp.world_size
@@ -512,7 +503,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 if board is not None:
                     board.image("samples", run_dir / f"samples-{step:08d}.png", step)
             if stop_now:
-                log(ddp, f"\ntrain: {stop.signal or 'stop'} received; checkpoint written at step {step}, exiting")
+                name = signal.Signals(stop.signum).name if stop.signum else "stop"
+                log(ddp, f"\ntrain: {name} received; checkpoint written at step {step}, exiting")
                 break
         stop.phase = "stopping"  # complete: what follows is bookkeeping
     finally:
@@ -623,18 +615,28 @@ def parse_args(argv: list[str]) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> int:
     ddp = Dist()
-    stop = StopRequest()  # from the first moment after the imports: a signal always gets its message
+    stop = StopRequest()  # from the first moment after the imports (a signal during them: catch_early)
     rank = lambda: f" (rank {ddp.rank})" if ddp.world_size > 1 else ""  # noqa: E731
-    compile_cache()  # before anything compiles: the compiled step is kept for the next run (ffcv_ddpm.env)
+
+    def stopped(e: Interrupted) -> int:
+        print(f"train{rank()}: {e}", file=sys.stderr)
+        return 128 + e.signum
+
     try:
+        stop.check()
+        compile_cache()  # before anything compiles: the compiled step is kept for the next run (ffcv_ddpm.env)
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
         ddp = init_distributed(cfg.train.device)
         train(cfg, ddp, stop)
-    except (TrainingError, ValueError, FileNotFoundError) as e:
-        return fail("train", f"{e}{rank()}")
     except Interrupted as e:
-        print(f"train{rank()}: {e}", file=sys.stderr)
-        return 128 + e.signum
+        return stopped(e)
+    except Exception as e:
+        if stop.signum is not None:  # an error the signal caused (a rank whose peer stopped first): the stop
+            return stopped(Interrupted(stop.signum, f"during {stop.where}" if stop.phase == "start-up"
+                                       else "during training"))
+        if isinstance(e, (TrainingError, ValueError, FileNotFoundError)):
+            return fail("train", f"{e}{rank()}")
+        raise
     except KeyboardInterrupt:
         print("train: interrupted", file=sys.stderr)
         return 130

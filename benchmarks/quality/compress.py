@@ -465,10 +465,10 @@ def dense_run(args, stop) -> tuple:
     device = resolve_device(args.cfg.train.device)
     report_dir(args, device)  # checked before the model is loaded or trained
     if args.run_dir is not None:
-        stop.where = f"loading {args.run_dir}"
+        stop.doing(f"loading {args.run_dir}")
         cfg, model, diffusion, step = load_run(args.run_dir, device, overrides=args.overrides)
         return cfg, model, diffusion, {"run_dir": str(args.run_dir), "step": step, "trained_here": False}
-    stop.where = "building the digits dataset"
+    stop.doing("building the digits dataset")
     built = ensure_digits(args.data)
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -547,7 +547,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
             print(f"compress: [{result['elapsed_s']:.0f} s] {message}", flush=True)
 
     with saved_when_stopped(stop, result, save):
-        stop.where = "training the judge"
+        stop.doing("training the judge")
         n = args.reps * args.sample_batch
         study.judge, study.test_x, result["judge"] = load_or_train_judge(args, cfg, device, n)
         if kept and result["judge"].get("path") != args.previous["judge"].get("path"):
@@ -559,7 +559,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         if study.judge is not None:
             result["floor"] = quality.fd_floor(study.judge, train_x, train_y, study.test_x, n)
         # The dense model's training step, eager like every fine-tuning and from-scratch run: the estimates' unit.
-        stop.where = "timing the dense model's training step"
+        stop.doing("timing the dense model's training step")
         _, iter_ms = fine_tune(copy.deepcopy(dense), cfg, diffusion, study.data, args.time_steps, args.ft_lr,
                                args.ft_ema, args.seed)
         dense_step_ms = step_ms(iter_ms)
@@ -569,7 +569,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
 
         for v in variants(study):
             label = f"{v.model} / {v.name}{' (fine-tuned)' if v.fine_tune else ''}"
-            stop.where = f"row {label}"
+            stop.doing(f"row {label}")
             row = {"model": v.model, "family": v.family, "variant": v.name, "precision": v.precision,
                    "fine_tune_steps": args.ft_steps if v.fine_tune else 0, "rank": v.rank, **v.extra}
             if row_key(row) in kept:  # measured by the call this one continues
@@ -603,7 +603,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
             row["seconds"] = study.row_s[v.model, v.family, v.fine_tune] = time.perf_counter() - t0
             result["rows"].append(row)
             save(f"{label}: {_summary(row)}", draw=len(result["rows"]) % 10 == 0)  # a plot costs ~1 s
-        stop.phase = "stopping"  # measured: the last save completes
+        stop.done()  # measured: the last save completes
         result["complete"] = True
         save("done", draw=True)
     return result

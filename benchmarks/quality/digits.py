@@ -197,7 +197,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
     device = resolve_device(cfg.train.device)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     out = results_out(args.out, card, "quality-digits")
-    stop.where = "building the digits dataset"
+    stop.doing("building the digits dataset")
     built = ensure_digits(args.data)
     info = dataset_info(train_beton)
     manifest = info.pop("manifest") or {}
@@ -222,7 +222,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
 
     with saved_when_stopped(stop, result, lambda: save(draw=False)):
         # ---- judge and floor ------------------------------------------------------------------------------------
-        stop.where = "training the judge"
+        stop.doing("training the judge")
         n = args.n_per_class * cfg.model.num_classes
         print(f"digits: [{time.perf_counter() - t_start:.0f} s] training the judge ({args.judge_steps} steps)",
               flush=True)  # the first phase that takes long: without a line the command looks stuck
@@ -261,13 +261,14 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
         save(f"trained {args.steps} steps in {result['training']['seconds']:.0f} s")
 
         # ---- sampling rows -------------------------------------------------------------------------------------
-        stop.where = "sampling"
+        stop.doing("sampling")
         models = {"EMA": load_run(run_dir, device, ema=True), "raw": load_run(run_dir, device, ema=False)}
         amp_dtype = AMP_DTYPES[cfg.train.precision] if device.type == "cuda" else None
         labels = class_labels(n, cfg.model.num_classes, device)
         per_forward_s = None  # seconds per image per network evaluation, measured on the rows so far
         ddpm_weights = set()  # guidance weights of the DDPM rows so far (run or skipped)
         for row in rows_in_priority_order(args):
+            stop.check()  # a signal stops the study between two rows
             _, model, diffusion, _ = models[row["weights"]]
             if row["sampler"] == "ddpm":
                 if row["guidance"] == BEST:
@@ -307,7 +308,7 @@ def run(args, argv: list[str], t_start: float, stop) -> dict:
             acc = "-" if uncond else f"{scores['cond_acc']:.1%}"
             save(f"{row['weights']} {row['sampler']} {steps} w={row['guidance']}: FD-digits "
                  f"{scores['fd_digits']:.3f}, cond acc {acc} ({seconds:.1f} s)", draw=main_row)
-        stop.phase = "stopping"  # measured: the last save completes
+        stop.done()  # measured: the last save completes
         result["complete"] = True
         save("done")
     return result

@@ -102,7 +102,7 @@ def score(args: argparse.Namespace, device: torch.device, stop) -> dict:
 
     t0 = time.perf_counter()
     plan = sampling_plan(args, device) if args.run is not None else None
-    stop.where = "the reference statistics"
+    stop.doing("the reference statistics")
     inception = fid.load_inception(args.weights, device, random_init_seed=args.random_inception)
     tag = fid.network_tag(args.weights, args.random_inception)
     ref = fid.reference_stats(args.data, inception, tag, args.sample_batch, args.max_ref)
@@ -111,7 +111,7 @@ def score(args: argparse.Namespace, device: torch.device, stop) -> dict:
         from ffcv_ddpm.step import AMP_DTYPES
 
         cfg, model, diffusion, step, sampler, steps = plan
-        stop.where = "sampling"
+        stop.doing("sampling")
         labels = class_labels(args.n, cfg.model.num_classes, device)
         images = generate(model, diffusion, args.n, labels=labels, sampler=sampler, steps=steps,
                           guidance=args.guidance, batch=args.sample_batch, seed=args.seed,
@@ -127,7 +127,7 @@ def score(args: argparse.Namespace, device: torch.device, stop) -> dict:
         samples = {"images": str(args.images), "n": len(images)}
         name = args.images.stem if args.images.is_file() else args.images.name
     t_gen = time.perf_counter()
-    stop.where = "the Inception features of the samples"
+    stop.doing("the Inception features of the samples")
     value = fid.fid_of_images(inception, images, ref, args.sample_batch)
     ref_ds = dataset_info(args.data) if args.data.is_file() else {"path": str(args.data), "synthetic": None}
     notes = []
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
         out = results_out(args.out, torch.cuda.get_device_name(device) if device.type == "cuda" else None)
         result = score(args, device, stop)
-        stop.phase = "stopping"  # scored: the files are written whatever comes
+        stop.done()  # scored: the files are written whatever comes
         result["command"] = "python -m benchmarks.quality.fid " + " ".join(argv)
         out.mkdir(parents=True, exist_ok=True)
         json_path = out / f"fid-{result['name']}.json"

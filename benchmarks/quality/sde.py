@@ -234,7 +234,7 @@ def run(args, argv: list[str], stop) -> Path:
     train_u8, test_u8 = as_tensor(train_x, device), as_tensor(test_x, device)
     train_labels, test_labels = torch.from_numpy(train_y).to(device), torch.from_numpy(test_y).to(device)
 
-    stop.where = "training the judge"
+    stop.doing("training the judge")
     judge_path = args.judge or (args.continue_from.parent / "judge.pt" if prev else None)
     if judge_path:
         judge, judge_desc = quality.load_judge(judge_path, device), f"loaded from {judge_path}"
@@ -288,7 +288,7 @@ def run(args, argv: list[str], stop) -> Path:
             process, model, _ = load_for_sampling(ckpt, device, process=MODELS[model_name][0])
             models[model_name] = process, model.to(memory_format=layout)
 
-        stop.where = "sampling"
+        stop.doing("sampling")
         torch.backends.cudnn.benchmark = True  # one batch shape for every row: cuDNN's fastest kernels, chosen once
         labels = torch.arange(args.n, device=device) % 10
         options = SamplerOptions(snr=args.snr, method=args.ode_method)
@@ -318,6 +318,7 @@ def run(args, argv: list[str], stop) -> Path:
                   "clip": "static", "precision": args.sample_precision})
         sampling_start = time.perf_counter()  # the budget is the sampling's: the trainings' time is not in it
         for row in plan_rows(args, PARTS[args.part], base.diffusion.timesteps):
+            stop.check()  # a signal stops the study between two rows
             label = row_label(row)
             key = (row["model"], row["precision"])
             estimate = row["guess"] * sec_per_nfe.get(key, 0.0)
@@ -351,7 +352,7 @@ def run(args, argv: list[str], stop) -> Path:
             save(with_plot=False)
             print(f"sde: {label}: NFE {nfe}, {args.n / seconds:.0f} img/s, FD-digits "
                   f"{metrics['fd_digits']:.2f}, cond acc {metrics['cond_acc']:.1%}", flush=True)
-        stop.phase = "stopping"  # measured: the last save completes
+        stop.done()  # measured: the last save completes
         part.update(complete=True, sampling_s=time.perf_counter() - sampling_start,
                     total_s=time.perf_counter() - start)
         result["complete"] = all(p["complete"] for p in result["parts"])

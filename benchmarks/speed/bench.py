@@ -29,8 +29,9 @@ import sys
 from benchmarks.common import BenchError
 from benchmarks.speed.rows import TABLES, resolve_rows
 from benchmarks.speed.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
-from ffcv_ddpm.checks import Parser, fail
+from ffcv_ddpm.checks import Parser
 from ffcv_ddpm.env import compile_cache
+from ffcv_ddpm.stopping import run_command
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -48,27 +49,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """SIGTERM/SIGINT stop the rows' processes too (ffcv_ddpm.stopping): one line, exit 128 + signal."""
     argv = sys.argv[1:] if argv is None else argv
     compile_cache()  # the rows' processes inherit the folder: a graph compiled by one row is loaded by the next
-    try:
-        args, overrides = parse_args(argv)
-        table = args.table or ("headline" if cuda_available() else "quick")
-        table_rows = TABLES[table](baseline_loader(args))
-        rows = resolve_rows(table_rows, args.rows)
-        if args.list:
-            check_overrides(rows, overrides)
-            for i, row in enumerate(rows, 1):
-                batch = row.batch if isinstance(row.batch, int) or row.batch == "max" else f"as in '{row.batch}'"
-                print(f"{i:2d}. [{row.preset}] {row.name}  (batch: {batch})\n"
-                      f"    {' '.join([*row.overrides, *overrides])}")
-            return 0
-        rc, _ = run_table(rows, table, args, overrides, argv, name=args.name, table_rows=table_rows)
-        return rc
-    except BenchError as e:
-        return fail("bench", str(e))
-    except KeyboardInterrupt:
-        print("bench: interrupted", file=sys.stderr)
-        return 130
+    return run_command("bench", lambda stop: run(argv), errors=(BenchError,))
+
+
+def run(argv: list[str]) -> int:
+    args, overrides = parse_args(argv)
+    table = args.table or ("headline" if cuda_available() else "quick")
+    table_rows = TABLES[table](baseline_loader(args))
+    rows = resolve_rows(table_rows, args.rows)
+    if args.list:
+        check_overrides(rows, overrides)
+        for i, row in enumerate(rows, 1):
+            batch = row.batch if isinstance(row.batch, int) or row.batch == "max" else f"as in '{row.batch}'"
+            print(f"{i:2d}. [{row.preset}] {row.name}  (batch: {batch})\n"
+                  f"    {' '.join([*row.overrides, *overrides])}")
+        return 0
+    rc, _ = run_table(rows, table, args, overrides, argv, name=args.name, table_rows=table_rows)
+    return rc
 
 
 if __name__ == "__main__":

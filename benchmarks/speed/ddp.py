@@ -43,6 +43,7 @@ from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, commit
                                pyplot, results_out, save_figure, write_json, write_text)
 from benchmarks.speed.flops import train_flops_per_image
 from benchmarks.speed.peaks import lookup_peak
+from ffcv_ddpm import stopping
 from ffcv_ddpm.checks import Parser, above, at_least, fail, int_list, option
 from ffcv_ddpm.config import load_config
 from ffcv_ddpm.env import environment
@@ -142,7 +143,7 @@ def run_point(args, overrides: list[str], beton: Path, nproc: int, per_rank_batc
     cmd = torchrun_cmd(args, overrides, beton, out_dir, nproc, per_rank_batch, workers)
     env = child_env(workers)
     try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = stopping.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as e:  # recorded like a failure: the points after it still run
         return {"nproc": nproc, "error": f"stopped after --timeout {args.timeout:g} s\n" + _text(e.stdout, e.stderr)}
     if proc.returncode != 0:
@@ -204,15 +205,13 @@ def warm_up(args, jobs: list, beton: Path, gpus: int, images_per_gpu: int = WARM
                 warm = argparse.Namespace(**{**vars(args), "steps": 3, "log_every": 1})
                 cmd = torchrun_cmd(warm, list(extra), beton, out_dir, n, per_rank, 2)
                 with open(out_dir / "log.txt", "w") as log:  # a file, not a pipe: no run waits on a full pipe
-                    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+                    proc = stopping.start(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running.append((job, used, proc, time.perf_counter(), out_dir / "log.txt"))
             job, used, proc, started, log_path = running.pop(0)
             note = ""
             try:
-                proc.wait(timeout=max(1.0, args.timeout - (time.perf_counter() - started)))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                stopping.finish(proc, timeout=max(1.0, args.timeout - (time.perf_counter() - started)))
+            except subprocess.TimeoutExpired:  # finish killed it and all it started
                 note = f"\nstopped after --timeout {args.timeout:g} s"
             output = log_path.read_text(errors="replace") + note
             for g in used:
@@ -241,14 +240,12 @@ def run_independent(args, overrides: list[str], beton: Path, nproc: int, per_ran
             env["CUDA_VISIBLE_DEVICES"] = str(i)
         cmd = [sys.executable, "-m", "ffcv_ddpm.train",
                *trainer_args(args, overrides, beton, run_out, per_rank_batch, workers)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+        procs.append(stopping.start(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True))
     try:
-        logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+        logs = [stopping.finish(p, timeout=args.timeout)[0] for p in procs]
     except subprocess.TimeoutExpired as e:
-        for p in procs:
-            p.kill()
-            p.wait()
+        stopping.end(procs, grace=0)
         return {"nproc": nproc, "error": f"stopped after --timeout {args.timeout:g} s\n" + _text(e.stdout)}
     if any(p.returncode != 0 for p in procs):
         return {"nproc": nproc, "error": "\n".join(log[-1500:] for log in logs)}
@@ -323,7 +320,14 @@ def allreduce_point(nproc: int, numel: int, iters: int = 20) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         results = mp.Manager().dict()
-        mp.spawn(_allreduce_worker, args=(nproc, f"{tmp}/store", numel, iters, results), nprocs=nproc)
+        workers = mp.spawn(_allreduce_worker, args=(nproc, f"{tmp}/store", numel, iters, results), nprocs=nproc,
+                           join=False)
+        stopping.track(workers.processes)  # a signal stops them with the command
+        try:
+            while not workers.join(timeout=stopping.POLL_S):
+                stopping.check()
+        finally:
+            stopping.end(workers.processes)
         return {"nproc": nproc, "numel": numel, **dict(results)}
 
 
@@ -532,6 +536,11 @@ def render(result: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """SIGTERM/SIGINT stop the trainer processes too (ffcv_ddpm.stopping): one line, exit 128 + signal."""
+    return stopping.run_command("ddp", lambda stop: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     p = Parser(prog="python -m benchmarks.speed.ddp", doc=__doc__, overrides=True,
                epilog="The overrides go to every trainer process. data.batch_size (default here 512) is the batch per "
                       "GPU in per-gpu mode and the global batch, split among the processes, in global mode.")
@@ -631,12 +640,14 @@ def main(argv: list[str] | None = None) -> int:
              for name, extra, vbatch in variants]
     plan += [(m, counts, m == "per-GPU", run_point, overrides, batch) for m in modes[1:]]
     if args.warm == "on" or (args.warm == "auto" and args.device != "cpu" and cfg.train.compile):
+        stopping.doing("the warm-up")
         cuda = args.device != "cpu"
         result["warm_up"] = warm_up(args, warm_jobs(plan), beton, torch.cuda.device_count() if cuda else 1,
                                     warm_images_per_gpu(torch.cuda.get_device_properties(0).total_memory) if cuda
                                     else WARM_IMAGES_PER_GPU)
         write_json(out, result, indent=2)
     if args.allreduce:
+        stopping.doing("the all-reduce timing")
         result["allreduce"] = []
         numel = sum(p.numel() for p in build_model(cfg.model).parameters() if p.requires_grad)
         for n in many:
@@ -649,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         result["points"].setdefault(mode, [])
         for n in ns:
             per_rank = mode_batch if per_gpu else mode_batch // n
+            stopping.doing(f"the point {mode}, {n} process(es)")
             with tempfile.TemporaryDirectory() as tmp:
                 point = runner(args, extra, beton, n, per_rank, Path(tmp))
             result["points"][mode].append(point)
@@ -657,13 +669,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench-ddp: {mode}, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
             add_metrics(result)
             write_json(out, result, indent=2)
+            stopping.keep("report", f"{out} ({sum(map(len, result['points'].values()))} points)")
     if args.loss_check:
+        stopping.doing("the loss check's control run")
         control = loss_control(args, overrides, beton, batch, cfg, max(counts))
         result["loss_check"] = lc = loss_check(result["points"]["global"], control)
         write_json(out, result, indent=2)
         for c in lc.get("checks", []):
             print(f"bench-ddp: loss curve on {c['nproc']} vs 1: largest deviation {c['max_abs_smoothed']:.2%} at "
                   f"step {c['at_step']}, tolerance {lc['tol']:.2%}: {'within' if c['ok'] else 'OUTSIDE'}", flush=True)
+    stopping.done()  # all measured: the report is written whatever comes
     render(result, out)
     print(f"bench-ddp: wrote {out}, {out.with_suffix('.md').name}, {out.with_suffix('.png').name}")
     failed = any("error" in p for pts in result["points"].values() for p in pts)

@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import (DEVICE_HELP, BenchError, commit_text, pyplot, results_out, save_figure, write_json,
                                write_text)
+from ffcv_ddpm import stopping
 from ffcv_ddpm.checks import Parser, at_least, fail, int_list, option
 from ffcv_ddpm.data import DataConfig, dataset_info, flip_images, make_loader, missing_input
 from ffcv_ddpm.env import environment
@@ -157,6 +158,7 @@ def measure(variant: Variant, workers: int | None, args, device: torch.device) -
     for _ in range(1 + args.epochs):
         images_seen, last, t0 = 0, None, time.perf_counter()
         for images, labels in loader:
+            stopping.check()  # a signal stops the command between two batches (an epoch of PNGs takes minutes)
             if variant.flip == "gpu":
                 images = flip_images(images)
             last = (images, labels)  # noqa: F841  (held so the batch's work cannot be skipped)
@@ -211,12 +213,14 @@ def run(args, device: torch.device, json_path: Path) -> dict:
                     skipped.add(reason)
                 rows.append({**asdict(v), "workers": workers, "skipped": reason})
                 continue
+            stopping.doing(f"{v.name}, {'no' if workers is None else workers} workers")
             row = measure(v, workers, args, device)
             print(f"loaders: {v.name:38s} workers {'-' if workers is None else workers:>2}  "
                   f"{row['img_s_median']:12,.0f} img/s  first epoch {row['first_epoch_s']:6.2f} s  "
                   f"setup {row['setup_s']:5.2f} s", flush=True)
             rows.append(row)
             write_json(json_path, result, indent=2)
+            stopping.keep("report", f"{json_path} ({len(rows)} rows)")
     result["complete"] = True
     return result
 
@@ -320,7 +324,12 @@ def write_outputs(result: dict, out: Path) -> list[Path]:
 
 
 def main(argv=None) -> int:
+    """SIGTERM/SIGINT stop it between two batches (ffcv_ddpm.stopping): one line, exit 128 + signal."""
     args = parse_args(argv)
+    return stopping.run_command("loaders", lambda stop: run_all(args))
+
+
+def run_all(args) -> int:
     try:  # every variant needs the raw .beton (or its size): fail before measuring anything
         num_images = dataset_info(args.data / "cifar10_train_raw.beton")["num_images"]
         if num_images < args.batch_size:
@@ -335,6 +344,7 @@ def main(argv=None) -> int:
         return fail("loaders", str(e))
     out.mkdir(parents=True, exist_ok=True)
     result = run(args, device, out / "loaders.json")
+    stopping.done()  # measured: the report is written whatever comes
     for path in write_outputs(result, out):
         print(f"loaders: wrote {path}")
     measured = [r["img_s_median"] for r in result["rows"] if "skipped" not in r]

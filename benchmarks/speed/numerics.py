@@ -51,7 +51,8 @@ import numpy as np
 
 from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, commit_text, ensure_dataset, md_table,
                                pyplot, results_out, save_figure, write_json, write_text)
-from ffcv_ddpm.checks import Parser, above, at_least, fail, in_range, int_list, option
+from ffcv_ddpm import stopping
+from ffcv_ddpm.checks import Parser, above, at_least, in_range, int_list, option
 from ffcv_ddpm.config import RunConfig, load_config
 from ffcv_ddpm.data import dataset_info
 from ffcv_ddpm.env import compile_cache, environment
@@ -137,11 +138,19 @@ def check_paired(legs: list[Leg]) -> None:
 
 
 def run_sequential(legs: list[Leg]) -> None:
+    """Each leg's training in this process, under the command's signal handling: a signal checkpoints the leg that
+    is training (the trainer's rule) and then stops the command."""
+    stop = stopping.current()
     for leg in legs:
+        stopping.doing(f"the {leg.name} leg")
         try:
-            train(leg.cfg)
+            train(leg.cfg, stop=stop)
         except (TrainingError, ValueError, FileNotFoundError) as e:
             raise LegFailed(f"the {leg.name} leg ({leg.describe()}) failed: {e}") from e
+        finally:
+            if stop is not None:
+                stop.phase = "start-up"  # between the legs a signal stops the command at the next safe point
+        stopping.check()
 
 
 def visible_gpus() -> list[str]:
@@ -189,12 +198,14 @@ def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, t
                    *leg.trainer_overrides(common, tmp)]
             env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": leg.gpu} if leg.gpu is not None else {})}
             with open(tmp / f"{leg.name}.log", "w") as log:  # the child keeps its own handle
-                procs[leg.name] = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+                procs[leg.name] = stopping.start(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
         where = "" if legs[0].gpu is None else " on GPUs " + ", ".join(f"{leg.name}: {leg.gpu}" for leg in legs)
         print(f"numerics: {', '.join(procs)} running in parallel{where} (logs in {tmp})", flush=True)
+        stopping.doing(f"the legs ({', '.join(procs)})")
         t0, running, shown = time.perf_counter(), set(procs), 0.0
         while running:
             time.sleep(0.5)
+            stopping.check()  # a signal: the legs are stopped on the way out (below, and by the command)
             now = time.perf_counter() - t0
             if time_limit is not None and stopped_at is None and now > time_limit:
                 stopped_at = now
@@ -220,15 +231,7 @@ def run_parallel(legs: list[Leg], preset: str, common: list[str], beton: Path, t
                 how = "stopped" if stopped_at is not None else "finished"
                 print(f"numerics: the {leg.name} leg {how} after {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
-        for p in procs.values():  # a failure or an interrupt: the other legs would only burn the device
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stopping.end(list(procs.values()))  # a failure or a signal: the other legs would only burn the device
     return stopped_at
 
 
@@ -441,15 +444,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<card>)")
     args, args.overrides = p.parse_with_overrides(argv)
     p.check_paths(outputs=[("--out", args.out)])  # --from-runs: from_runs checks each folder, before any work
-    try:
-        command = "python -m benchmarks.speed.numerics " + " ".join(argv)
-        result = from_runs(args, command) if args.from_runs else measure(args, command)
-    except (BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError) as e:
-        return fail("numerics", str(e))
-    try:
-        out = results_out(args.out, result["device"]) / f"numerics-{result['candidate']['precision']}.json"
-    except BenchError as e:  # --from-runs: the card is the runs' (measure checked it before training)
-        return fail("numerics", str(e))
+    # SIGTERM/SIGINT stop the legs' processes too (ffcv_ddpm.stopping): one line, exit 128 + signal.
+    return stopping.run_command("numerics", lambda stop: compare_legs(args, argv),
+                                errors=(BenchError, TrainingError, LegFailed, ValueError, FileNotFoundError))
+
+
+def compare_legs(args: argparse.Namespace, argv: list[str]) -> int:
+    command = "python -m benchmarks.speed.numerics " + " ".join(argv)
+    result = from_runs(args, command) if args.from_runs else measure(args, command)
+    stopping.done()  # measured: the report is written whatever comes
+    # --from-runs: the card is the runs' (measure checked its folder before training); BenchError: one line
+    out = results_out(args.out, result["device"]) / f"numerics-{result['candidate']['precision']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     for leg, text in result.pop("leg_logs", {}).items():
         out.with_name(f"{out.stem}-{leg}.log").write_text(text)

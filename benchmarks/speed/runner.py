@@ -25,6 +25,7 @@ from pathlib import Path
 from benchmarks.common import (DATA_HELP, DEFAULT_DATA, PNG_TRAIN, REPO, BenchError, check_data, dataset_files,
                                ensure_dataset, lock_output, results_out, write_json)
 from benchmarks.speed.rows import BATCH_LADDER, Row, row_overrides
+from ffcv_ddpm import stopping
 from ffcv_ddpm.checks import above, at_least, choice_list, matches, option
 from ffcv_ddpm.folder_lock import unlock_folder
 
@@ -169,15 +170,16 @@ def row_name(row: Row, overrides: list[str]) -> str:
 
 def spawn(kind: str, spec: dict, timeout: float, log: Path | None = None) -> dict:
     """Run one job of benchmarks.speed.jobs in a fresh Python process; its output streams through (or into `log`), its
-    result comes back as JSON."""
+    result comes back as JSON. A signal to the command stops the job too (ffcv_ddpm.stopping), and a timeout kills
+    it with every process it started."""
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         cmd = [sys.executable, "-m", "benchmarks.speed.jobs", kind, str(spec_path), str(result_path)]
         try:
             with open(log, "w") if log else contextlib.nullcontext() as out:
-                proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, stdout=out,
-                                      stderr=subprocess.STDOUT if log else None)
+                proc = stopping.run(cmd, cwd=REPO, timeout=timeout, stdout=out,
+                                    stderr=subprocess.STDOUT if log else None)
         except subprocess.TimeoutExpired:
             return {"status": "failed", "error": f"timed out after {timeout:.0f} s (raise --row-timeout)"}
         if not result_path.is_file():
@@ -208,6 +210,7 @@ def warm_rows(rows: list[Row], over: dict, batch_of, args: argparse.Namespace) -
             jobs.append((key, {"preset": row.preset, "overrides": over[key], "batch_size": batch, "iters": 1,
                                "warmup": 0, "mem_fraction": 1 / args.warm}))
     print(f"\nbench: warm-up: compiling {len(jobs)} rows' graphs, {args.warm} at a time, before timing any", flush=True)
+    stopping.doing("the warm-up")
     t0 = time.perf_counter()
 
     def one(job):
@@ -266,6 +269,7 @@ def run_sampling_rows(result: dict, json_path: Path, args: argparse.Namespace, c
         for mode in modes:
             print(f"\nbench: sampling, {preset}, {mode}, {'bf16' if cuda else 'fp32'}, {n} images per call: "
                   f"{', '.join(args.samplers)}", flush=True)
+            stopping.doing(f"the sampling row {preset}, {mode}")
             got = spawn("sampling", {"preset": preset, "overrides": overrides, "mode": mode, "n": n,
                                      "ddim_steps": args.ddim_steps, "samplers": args.samplers}, args.row_timeout)
             if got["status"] != "ok":
@@ -286,6 +290,8 @@ def save(result: dict, json_path: Path) -> None:
 
     write_json(json_path, result)
     write_reports(result, json_path)
+    ok = sum(r["status"] == "ok" for r in [*result["rows"], *(result["sampling"] or [])])
+    stopping.keep(str(json_path), f"the report {json_path} ({ok} rows measured)")
 
 
 def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: list[str], argv: list[str],
@@ -420,6 +426,7 @@ def run_table(rows: list[Row], table: str, args: argparse.Namespace, overrides: 
         entry = {"name": row_name(row, overrides), "group": row.preset,
                  "preset": row.preset, "baseline": row.baseline, "overrides": row_over, "batch_rule": row.batch,
                  "flops": row_f, "status": None, "raw": None, "warm": warmed.get((row.preset, row.name))}
+        stopping.doing(f"row {i} of {len(rows)} ({row.preset}: {entry['name']})")
         batch, batch_note, probe, why = batch_of(row, resolved)
         print(f"\nbench: [{i}/{len(rows)}] {row.preset}: {entry['name']} (batch {batch})", flush=True)
         if batch is None:

@@ -29,6 +29,7 @@ from benchmarks.speed.report import row_peak_mem
 from benchmarks.speed.rows import Row, merge, resolve_rows
 from benchmarks.speed.runner import add_options, baseline_loader, check_overrides, cuda_available, run_table
 from ffcv_ddpm.checks import Parser, fail
+from ffcv_ddpm.stopping import run_command
 from ffcv_ddpm.unet import PRESETS
 
 # Where every sweep row starts: the trainer's defaults, no override (not bench's stack, which carries switches that
@@ -156,7 +157,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """SIGTERM/SIGINT stop the rows' processes too (ffcv_ddpm.stopping): one line, exit 128 + signal."""
     argv = sys.argv[1:] if argv is None else argv
+    return run_command("sweeps", lambda stop: run(argv), errors=(BenchError,))
+
+
+def run(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     names = list(SWEEPS) if args.sweep == "all" else [s.strip() for s in args.sweep.split(",") if s.strip()]
     unknown = [n for n in names if n not in SWEEPS]
@@ -166,31 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     cuda = cuda_available()  # no CUDA context here: the rows' processes own the GPU
     preset = args.preset or ("ddpm-cifar10" if cuda else "tiny")
     rc = 0
-    try:
-        loader = baseline_loader(args)
-        for name in names:
-            table = f"sweep-{name}"
-            table_rows = SWEEPS[name].rows(preset, loader, cuda)
-            rows = resolve_rows(table_rows, args.rows)
-            if args.list:
-                check_overrides(rows, overrides)
-                print(f"{table} ({preset}):")
-                for i, row in enumerate(rows, 1):
-                    print(f"{i:2d}. {row.name}  (batch: {row.batch})\n    {' '.join([*row.overrides, *overrides])}")
-                continue
-            print(f"\nsweeps: {table} ({preset})", flush=True)
-            stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
-            code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.speed.sweeps",
-                                        name=stem, note=NOTE, table_rows=table_rows)
-            rc = max(rc, code)
-            result = json.loads(json_path.read_text())
-            png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
-            print(f"sweeps: wrote {png}", flush=True)
-    except BenchError as e:
-        return fail("sweeps", str(e))
-    except KeyboardInterrupt:
-        print("sweeps: interrupted", file=sys.stderr)
-        return 130
+    loader = baseline_loader(args)
+    for name in names:
+        table = f"sweep-{name}"
+        table_rows = SWEEPS[name].rows(preset, loader, cuda)
+        rows = resolve_rows(table_rows, args.rows)
+        if args.list:
+            check_overrides(rows, overrides)
+            print(f"{table} ({preset}):")
+            for i, row in enumerate(rows, 1):
+                print(f"{i:2d}. {row.name}  (batch: {row.batch})\n    {' '.join([*row.overrides, *overrides])}")
+            continue
+        print(f"\nsweeps: {table} ({preset})", flush=True)
+        stem = table + ("" if preset == "ddpm-cifar10" else f"-{preset}")
+        code, json_path = run_table(rows, table, args, overrides, argv, command="benchmarks.speed.sweeps",
+                                    name=stem, note=NOTE, table_rows=table_rows)
+        rc = max(rc, code)
+        result = json.loads(json_path.read_text())
+        png = plot_sweep(result, SWEEPS[name], json_path.with_name(f"{stem}-curve.png"))
+        print(f"sweeps: wrote {png}", flush=True)
     return rc
 
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.common import (DATA_HELP, REPO, BenchError, commit_text, ensure_dataset, md_table, results_dir,
                                write_json, write_text)
+from ffcv_ddpm import stopping
 from ffcv_ddpm.checks import Parser, above, at_least, option
 
 KEPT = ("stats.jsonl", "config.json", "environment.json", "telemetry-summary.json")  # of the trainer's run folder
@@ -108,11 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-timeout", type=option(float, above(0)), default=1800, help="seconds for each of the runs")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>)")
     args, overrides = p.parse_with_overrides(argv)
-    try:
-        result, out = run(args, overrides, argv)
-    except (BenchError, ValueError) as e:
-        print(f"trainer_vs_bench: error: {e}", file=sys.stderr)
-        return 2
+    # SIGTERM/SIGINT stop the row's or the trainer's process too (ffcv_ddpm.stopping): one line, 128 + signal.
+    return stopping.run_command("trainer_vs_bench", lambda stop: compare_runs(args, overrides, argv),
+                                errors=(BenchError, ValueError))
+
+
+def compare_runs(args, overrides: list[str], argv: list[str]) -> int:
+    result, out = run(args, overrides, argv)
     c = result["comparison"]
     print(f"trainer_vs_bench: bench row {result['bench']['img_per_s']:,.1f} img/s, trainer "
           f"{result['trainer']['img_per_s']:,.1f} img/s: {c['img_per_s_ratio'] - 1:+.1%} -> "
@@ -140,6 +143,7 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
 
     print(f"trainer_vs_bench: the bench row ({args.preset}, batch {batch}, {' '.join(overrides) or 'defaults'})",
           flush=True)
+    stopping.doing("the bench row")
     got = spawn("row", {"preset": args.preset, "overrides": row_over, "batch_size": batch, "iters": args.iters,
                         "warmup": args.warmup}, args.row_timeout)
     if got["status"] != "ok":
@@ -152,6 +156,7 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
              "mfu": m.get("mfu"), "raw": raw}
 
     print(f"trainer_vs_bench: the trainer, {args.steps} steps", flush=True)
+    stopping.doing("the trainer's run")
     out = (args.out or results_dir(gpu if cuda else None)) / "trainer-vs-bench.json"
     kept = out.parent / "trainer-vs-bench"
     with tempfile.TemporaryDirectory(prefix="trainer-vs-bench-") as tmp:
@@ -160,7 +165,7 @@ def run(args, overrides: list[str], argv: list[str]) -> tuple[dict, Path]:
                f"train.steps={args.steps}", f"train.log_every={args.log_every}", f"train.ckpt_every={args.steps}",
                "train.sample_every=0", "train.progress=False", f"train.out_dir={tmp}", "train.desc=trainer-vs-bench"]
         try:
-            proc = subprocess.run(cmd, cwd=REPO, timeout=args.row_timeout)
+            proc = stopping.run(cmd, cwd=REPO, timeout=args.row_timeout)
         except subprocess.TimeoutExpired:
             raise BenchError(f"the trainer did not finish in {args.row_timeout:.0f} s (raise --row-timeout)") from None
         if proc.returncode != 0:
