@@ -8,8 +8,9 @@
 - "fused": Triton kernels (ffcv_ddpm.gn_kernels) for GroupNorm + the optional add before it + the optional FiLM
   after it + SiLU + dropout, behind the custom op ffcv_ddpm::group_norm_act that torch.compile keeps as one call.
   Statistics in fp32, output in the input's dtype, the dropout mask recomputed in the backward from a seed instead
-  of stored. On CPU tensors the op runs `reference_forward`, plain torch with the same mask. How the kernels split
-  the work (their plan: `model.norm_plan`, DEFAULT_PLAN when empty) is part of every call, not module state.
+  of stored (or kept as a bit per element: model.norm_mask_bits). On CPU tensors the op runs `reference_forward`,
+  plain torch with the same mask. How the kernels split the work (their plan: `model.norm_plan`, DEFAULT_PLAN when
+  empty) is part of every call, not module state.
 
 All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them. Each takes a
 tensor or the parts of a channel concatenation (the up path's (h, skip) with model.concat_free) and returns the
@@ -140,7 +141,7 @@ class GroupNormAct(nn.GroupNorm):
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
-                 parts: bool = False):
+                 parts: bool = False, saved_means: bool = False, mask_bits: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -148,18 +149,22 @@ class GroupNormAct(nn.GroupNorm):
             raise ValueError(f"plan={plan} is the fused kernels' plan; norm_impl={impl!r} has none: pass plan=None")
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
-        if parts and impl != "fused":
-            raise ValueError(f"parts=True is the fused kernels' two-part read; norm_impl={impl!r} has none")
+        for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits)):
+            if on and impl != "fused":
+                raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
         # The fused kernels' (tile, chunk, warps[, stages]), DEFAULT_PLAN unless given; None for the other ones.
         self.plan = (tuple(plan) if plan is not None else DEFAULT_PLAN) if impl == "fused" else None
         self.parts = parts  # fused: two parts of a concatenation read where they are, not concatenated first
+        self.saved_means = saved_means  # fused, with an add: the backward's sum of xhat from the forward's means
+        self.mask_bits = mask_bits  # fused, with dropout: the mask kept as bits by the forward, not hashed again
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
-        return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}"
+        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits") if getattr(self, k))
+        return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
     def forward(self, x: Tensor | Sequence[Tensor], add: Tensor | None = None,
                 film: tuple[Tensor, Tensor] | None = None) -> Tensor:
@@ -192,13 +197,14 @@ class GroupNormAct(nn.GroupNorm):
             scale, shift = film[0].to(dt), film[1].to(dt)
             a, b = a * (scale + 1), b * (scale + 1) + shift
         p = self.p if self.training else 0.0
-        # A fresh mask per call, drawn on the device (no host sync); the backward recomputes it from this seed.
+        # A fresh mask per call, drawn on the device (no host sync); the backward recomputes it from this seed (or
+        # reads the forward's bits: mask_bits).
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
-        out, _, _ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
-                                                       None if add is None else add.to(dt).contiguous(),
-                                                       seed, self.num_groups, self.eps, self.silu, p,
-                                                       *plan_args(self.plan), x2)
+        out, *_ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
+                                                     None if add is None else add.to(dt).contiguous(),
+                                                     seed, self.num_groups, self.eps, self.silu, p,
+                                                     *plan_args(self.plan), x2, self.saved_means, self.mask_bits)
         return out
 
 
@@ -225,30 +231,38 @@ def _on_triton(x: Tensor) -> bool:
 # work, not what they compute: the plain-torch path (reference_*) has nothing to split and leaves it unused.
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
-                   silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward. x2: None,
-    or the second part of a channel concatenation [x, x2] that is never materialised (model.fused_parts)."""
+                   silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
+                   saved_means: bool, mask_bits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, mean, rstd, cmean, bits): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the
+    backward. x2: None, or the second part of a channel concatenation [x, x2] that is never materialised
+    (model.fused_parts). cmean, bits: what the backward takes instead of a third sum and of the mask's hash
+    (model.norm_saved_means, model.norm_mask_bits; _extra_outputs), empty where off or without an add / dropout."""
     if _on_triton(x):
-        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2)
-    return reference_forward(_joined(x, x2), a, b, e, seed, groups, eps, silu, p)
+        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
+                              mask_bits)
+    return reference_forward(_joined(x, x2), a, b, e, seed, groups, eps, silu, p, saved_means, mask_bits)
 
 
 @group_norm_act.register_fake
-def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2):
+def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
-    return _output_like(x, x2), stats, stats.clone()
+    out = _output_like(x, x2)
+    n, c = out.shape[:2]
+    return (out, stats, stats.clone(),
+            *_extra_outputs(x, n, c, out[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits))
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
-                            chunk: int, warps: int, stages: int, x2: Tensor | None
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part."""
+                            chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
+                            bits: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part. cmean, bits: the
+    forward's, None where it kept none."""
     if _on_triton(x):
-        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2)
-    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p)
+        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
+                               cmean, bits)
+    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits)
     if x2 is None:
         return dx, da, db, de, dx.new_empty(0)
     dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
@@ -256,7 +270,7 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2):
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0))
 
@@ -275,16 +289,18 @@ def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2 = inputs
-    ctx.save_for_backward(x, a, b, e, seed, output[1], output[2], x2)
+    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits = inputs
+    _, mean, rstd, cmean, bits = output
+    ctx.save_for_backward(x, a, b, e, seed, mean, rstd, x2, cmean if cmean.numel() else None,
+                          bits if bits.numel() else None)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
 
 
-def _backward(ctx, dout, _dmean, _drstd):
-    x, a, b, e, seed, mean, rstd, x2 = ctx.saved_tensors
-    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2)
+def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits):
+    x, a, b, e, seed, mean, rstd, x2, cmean, bits = ctx.saved_tensors
+    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean, bits)
     return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
-            dx2 if x2 is not None else None)
+            dx2 if x2 is not None else None, None, None)
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -331,7 +347,7 @@ def plan_for(n: int, c: int, hw: int, groups: int, tile: int, chunk: int, sms: i
     rows = triton.cdiv(triton.cdiv(hw, k), block_r) * block_r  # a sample's rows per reduction program
     k = triton.cdiv(hw, rows)
     return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=rows, BLOCK_R=block_r, BLOCK_C=block_c,
-                BLOCK_G=block_g, BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k))
+                BLOCK_G=block_g, BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k), WORD=min(32, block_c))
 
 
 def _nchw_strides(t: Tensor) -> tuple[int, int, int]:
@@ -339,6 +355,19 @@ def _nchw_strides(t: Tensor) -> tuple[int, int, int]:
     if t.dim() == 4 and t.shape[3] > 1 and t.shape[2] > 1 and t.stride(2) != t.shape[3] * t.stride(3):
         raise ValueError(f"fused GroupNorm: H and W of a tensor with strides {t.stride()} cannot be merged")
     return t.stride(0), t.stride(1), t.stride(-1)
+
+
+def mask_words(c: int) -> int:
+    """Int32 words a row of the dropout mask takes as bits (model.norm_mask_bits): 32 channels a word."""
+    return -(-c // 32)
+
+
+def _extra_outputs(x: Tensor, n: int, c: int, hw: int, means: bool, bits: bool) -> tuple[Tensor, Tensor]:
+    """The op's (cmean, bits) outputs, empty where not asked for: (N, C) fp32 per-channel means of x + e, and the
+    dropout mask as (N * HW, mask_words(C)) int32 words, bit b of word j the keep of channel 32 j + b (the layout of
+    ffcv_ddpm.conv_gn.keep_bits)."""
+    return (x.new_empty((n, c) if means else 0, dtype=torch.float32),
+            x.new_empty((n * hw, mask_words(c)) if bits else 0, dtype=torch.int32))
 
 
 def _dropout_args(p: float) -> tuple[int, float]:
@@ -357,9 +386,12 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
     return x2, x.shape[1], _nchw_strides(x2), True
 
 
-def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None):
+def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None, saved_means=False,
+                   mask_bits=False):
     """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
-    second part of a channel concatenation (None: x is all of it)."""
+    second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits): cmean the
+    per-channel means of x + e with saved_means and an add, bits the dropout mask with mask_bits and p > 0 (their
+    layout: mask_words), each empty otherwise."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -378,21 +410,26 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     k = pl["K"]
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
+    cmean, bits = _extra_outputs(x, n, c, hw, e is not None and saved_means, p > 0 and mask_bits)
     K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
                             BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps)
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
+                             cmean_ptr=cmean if cmean.numel() else mean, SAVE_MEANS=cmean.numel() > 0,
                              num_warps=warps)
-    K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        x, x2_, out, coef, seed, c, hw, *xs, *os, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-        SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
-    return out, mean, rstd
+    K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
+        x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"],
+        BLOCK_C=pl["BLOCK_C"], SILU=silu, DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0, WORD=pl["WORD"],
+        num_warps=warps)
+    return out, mean, rstd, cmean, bits
 
 
-def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None):
+def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None,
+                    cmean=None, bits=None):
     """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
-    (dx, da, db, de, dx2), dx2 empty without a second part."""
+    (dx, da, db, de, dx2), dx2 empty without a second part. cmean, bits: what triton_forward kept with saved_means
+    and mask_bits (None: the backward sums xhat itself, hashes the mask again)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -406,22 +443,33 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
     e_ = a if e is None else e
     xs, ds = (*_nchw_strides(x), c1, *x2s), _nchw_strides(dout)
-    common = (c, hw, groups, pl["CPG"])
-    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
+    from_means, use_bits = e is not None and cmean is not None, p > 0 and bits is not None
+    for name, kept, shape in (("means", cmean if from_means else None, (n, c)),
+                              ("bits", bits if use_bits else None, (n * hw, mask_words(c)))):
+        if kept is not None and kept.shape != shape:
+            raise ValueError(f"fused GroupNorm backward: the forward's {name} {tuple(kept.shape)} are not {shape}, "
+                             f"those of (N, C, H*W) = {(n, c, hw)}")
+    bits_ = bits if use_bits else x  # never read when BITS is off
+    common = (c, hw, mask_words(c), groups, pl["CPG"])
+    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, BITS=use_bits, WORD=pl["WORD"],
+                 num_warps=warps)
     dx2_ = dx2 if two else dx  # never written when TWO is off
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
     coef = x.new_empty((n, 3, c), dtype=torch.float32)
-    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
+    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, bits_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-                                 STAGES=stages or None, **flags)
-    K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
+                                 STAGES=stages or None, SUM_XHAT=e is not None and not from_means, **flags)
+    K._bwd_finalize_kernel[(n,)](part, a, mean, rstd, cmean if from_means else mean, da, db,
+                                 de if e is not None else da, coef, c, hw, groups, pl["CPG"], k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
-                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=warps)
+                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, FROM_MEANS=from_means,
+                                 num_warps=warps)
     K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        dout, x, x2_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1),
-        e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
+        dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0),
+        a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
+        **flags)
     return dx, da, db, de, dx2
 
 
@@ -447,6 +495,16 @@ def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float) -> Tensor:
     return torch.from_numpy(keep).view(n, h, w, c).permute(0, 3, 1, 2)
 
 
+def pack_bits(keep: Tensor) -> Tensor:
+    """A boolean (N, C, H, W) keep mask as the op's bits (_extra_outputs' layout; ffcv_ddpm.conv_gn.unpack_bits
+    reads them back)."""
+    n, c, h, w = keep.shape
+    words = mask_words(c)
+    k = F.pad(keep.permute(0, 2, 3, 1).reshape(n * h * w, c).long(), (0, 32 * words - c)).view(n * h * w, words, 32)
+    packed = (k << torch.arange(32, device=k.device)).sum(-1)  # distinct bits: the sum is their OR, < 2^32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).int()  # the same 32 bits as a signed int32
+
+
 def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
     """(out, mean, rstd, xhat, y): the forward in x's precision (fp32 at least), keeping what the backward needs."""
     n, c = x.shape[:2]
@@ -463,20 +521,33 @@ def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
     return out, mean, rstd, xhat, y
 
 
-def reference_forward(x, a, b, e, seed, groups, eps, silu, p):
-    """The op in plain torch (its CPU kernel)."""
+def reference_forward(x, a, b, e, seed, groups, eps, silu, p, saved_means=False, mask_bits=False):
+    """The op in plain torch (its CPU kernel), with the outputs triton_forward gives."""
     out, mean, rstd, _, _ = _reference_math(x, a, b, e, seed, groups, eps, silu, p)
-    return out.to(x.dtype).contiguous(memory_format=_format(x)), mean.float(), rstd.float()
+    n, c, h, w = x.shape
+    cmean, bits = _extra_outputs(x, n, c, h * w, False, False)
+    if e is not None and saved_means:
+        cmean = (x.to(mean.dtype).mean((2, 3)) + e.to(mean.dtype)).float()
+    if p > 0 and mask_bits:
+        bits = pack_bits(keep_mask(seed, tuple(x.shape), p).to(x.device))
+    return out.to(x.dtype).contiguous(memory_format=_format(x)), mean.float(), rstd.float(), cmean, bits
 
 
-def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p):
-    """The op's backward in plain torch (its CPU kernel): the same formulas as the Triton kernel. (Not autograd: a
-    custom op's kernel runs below the autograd dispatch key.)"""
+def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p, bits=None):
+    """The op's backward in plain torch (its CPU kernel): the same formulas as the Triton kernel, the dropout mask
+    read from `bits` where the forward kept it. (Not autograd: a custom op's kernel runs below the autograd dispatch
+    key.)"""
     n, c = x.shape[:2]
     _, _, rstd, xhat, y = _reference_math(x, a, b, e, seed, groups, eps, silu, 0.0)
     dy = dout.to(xhat.dtype)
     if p > 0:
-        dy = torch.where(keep_mask(seed, tuple(x.shape), p).to(dy.device), dy * _dropout_args(p)[1], 0.0)
+        if bits is not None:
+            from ffcv_ddpm.conv_gn import unpack_bits
+
+            keep = unpack_bits(bits, tuple(x.shape))
+        else:
+            keep = keep_mask(seed, tuple(x.shape), p)
+        dy = torch.where(keep.to(dy.device), dy * _dropout_args(p)[1], 0.0)
     if silu:
         sig = torch.sigmoid(y)
         dy = dy * sig * (1 + y * (1 - sig))

@@ -73,6 +73,13 @@ class ModelConfig:
     # 2.7 GiB less peak memory on an H100, within the spread on an H200 (NOTES items 24, 26). Not in
     # REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
+    # norm_impl=fused, the GroupNorms with an add ("ddpm" res blocks' norm2): the backward's per-channel sum of xhat
+    # from the per-channel means the forward saves, instead of a third sum in its reduction (168 -> fewer registers
+    # a thread at the 22 add sites; NOTES item 29). Exact up to fp32 summation order.
+    norm_saved_means: bool = False
+    # norm_impl=fused, the GroupNorms with dropout: the forward keeps the mask as bits (1 a element) and both
+    # backward kernels read them instead of hashing (seed, index) again (NOTES item 29). The same mask: exact.
+    norm_mask_bits: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -89,6 +96,10 @@ class ModelConfig:
     def fused_norm_plan(self) -> tuple[int, ...] | None:
         """norm_plan as GroupNormAct takes it: (tile, chunk, warps[, stages]), or None for the default plan."""
         return parse_plan(self.norm_plan) if self.norm_plan else None
+
+    def norm_switches(self) -> dict:
+        """The fused kernels' switches as GroupNormAct takes them (for the GroupNorms with an add or dropout)."""
+        return dict(saved_means=self.norm_saved_means, mask_bits=self.norm_mask_bits)
 
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent field, so a bad config fails before building."""
@@ -136,6 +147,10 @@ class ModelConfig:
         if self.conv_bias_in_norm and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("conv_bias_in_norm=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set conv_bias_in_norm=False")
+        for name in ("norm_saved_means", "norm_mask_bits"):
+            if getattr(self, name) and self.norm_impl != "fused":
+                raise ValueError(f"{name}=True is a switch of the fused GroupNorm kernels: it needs norm_impl='fused' "
+                                 f"(got {self.norm_impl!r}); set {name}=False")
         if self.fused_parts and not (self.norm_impl == "fused" and self.concat_free):
             raise ValueError(f"fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
                              f"needs norm_impl='fused' and concat_free=True (got {self.norm_impl!r}, "
@@ -385,7 +400,7 @@ class DDPMResBlock(nn.Module):
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout
-                                  plan=cfg.fused_norm_plan())
+                                  plan=cfg.fused_norm_plan(), **cfg.norm_switches())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
         self.bias_in_norm = cfg.conv_bias_in_norm  # conv1's bias added with the time embedding, inside norm2
@@ -418,7 +433,7 @@ class AnnotatedResBlock(nn.Module):
         self.conv1 = res_conv3x3(cfg, cin, cout)
         # GroupNorm, FiLM, SiLU, then a dropout before conv2 (not in the original; off at the preset's dropout=0)
         self.norm1 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,
-                                  plan=cfg.fused_norm_plan())
+                                  plan=cfg.fused_norm_plan(), **cfg.norm_switches())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, plan=cfg.fused_norm_plan())  # GroupNorm + SiLU
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()

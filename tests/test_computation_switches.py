@@ -351,3 +351,39 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
         assert rel_max(a, b) < 10 * tol, name
     with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs norm_impl='fused'"):
         load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift"])
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
+def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
+    """model.norm_saved_means and model.norm_mask_bits (the fused GroupNorm's backward from the forward's means and
+    mask bits) reach the res blocks' norm2 (an add and dropout) and give the network's function and gradients, with
+    the same dropout masks: through the op's plain-torch path and through its Triton kernels (interpreted without a
+    GPU; 8x8 images keep that fast). Refused without the fused kernels."""
+    from ffcv_ddpm import norm
+
+    if kernels:
+        import triton
+
+        if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+        monkeypatch.setattr(norm, "_on_triton", lambda x: True)
+    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", image_size=8, base_channels=8, norm_groups=4,
+                              channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.3)
+    switch = dict(norm_saved_means=True, norm_mask_bits=True)
+    ref, new = pair(cfg, switch, channels_last=True)
+    norm2 = [m.norm2 for m in new.modules() if isinstance(m, DDPMResBlock)]
+    assert norm2 and all(m.saved_means and m.mask_bits for m in norm2)
+    ref, new = (m.float() for m in (ref, new)) if kernels else (ref, new)  # the kernels take fp32, not fp64
+    dtype = torch.float32 if kernels else torch.float64
+    x = torch.randn(2, 3, 8, 8, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([3, 700])
+    (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
+    tol = 1e-5 if kernels else 1e-12
+    assert rel_max(out_n, out_r) < tol
+    names = ["input"] + [n for n, _ in ref.named_parameters()]
+    for name, a, b in zip(names, grads_n, grads_r):
+        assert rel_max(a, b) < 10 * tol, name
+    for key in switch:
+        with pytest.raises(BadValue, match=f"{key}=True is a switch of the fused GroupNorm kernels"):
+            load_config("ddpm-cifar10", [f"model.{key}=True", "model.norm_impl=scale-shift",
+                                         "model.fused_parts=False"])

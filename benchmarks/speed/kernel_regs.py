@@ -10,7 +10,8 @@ registers a thread, shared memory a program, and how many programs an SM can hol
 Why it exists: a variant's registers decide how many of its programs an SM runs at once, which a GPU profile shows
 only after the call. The backward reduction's add + dropout + SiLU variant builds here to 168 registers, 3 programs
 an SM, as the H100 trace of benchmarks/results/h100/profile-best-0c88903 reports it (168, 19% occupancy; NOTES item
-27). The counts are those of the installed Triton (requirements.txt pins it); the GPU machine's may differ.
+27); with its sum of xhat from the forward's means (model.norm_saved_means) 128, 4 programs an SM (NOTES item 29).
+The counts are those of the installed Triton (requirements.txt pins it); the GPU machine's may differ.
 """
 
 from __future__ import annotations
@@ -24,18 +25,24 @@ import tempfile
 
 from ffcv_ddpm.checks import Parser, fail
 
-# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO).
+# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO), and the res
+# blocks' norm2 again under the switches model.norm_saved_means (no third sum in the backward reduction: SUM_XHAT
+# off) and model.norm_mask_bits (the mask read from bits: BITS on).
+FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
     "up block norm1 (two parts)": (True, False, False, True),
     "attention norm": (False, False, False, False),
+    "norm2, saved means": (True, True, True, False, False, False),
+    "norm2, mask bits": (True, True, True, False, True, True),
+    "norm2, saved means + mask bits": (True, True, True, False, False, True),
 }
 KERNELS = ("_stats_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
 # 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites.
 UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec"}
-NOT_DIVISIBLE = {"K", "CPG", "C1", "thr24", "eps", "inv_keep"}
+NOT_DIVISIBLE = {"K", "CPG", "C1", "CW", "thr24", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
 # programs (CUDA's occupancy tables: 8.0 is the A100, 9.0 the H100 and H200).
@@ -70,7 +77,8 @@ def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int]:
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            signature[name] = "*bf16" if name in BF16_POINTERS else "*i64" if name == "seed_ptr" else "*fp32"
+            signature[name] = ("*bf16" if name in BF16_POINTERS else "*i64" if name == "seed_ptr" else
+                               "*i32" if name == "bits_ptr" else "*fp32")
         else:
             signature[name] = "fp32" if name in ("eps", "inv_keep") else "i32"
         if name not in NOT_DIVISIBLE:
@@ -100,14 +108,18 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
     tile, chunk, warps, stages = plan_args(plan)
     n, c, h, w = site
     pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
-    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None)
+    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
+                 WORD=pl["WORD"])
     out = []
     for name in KERNELS:
         kernel = getattr(gn_kernels, name)
         params = inspect.signature(kernel.fn).parameters
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
-            read = tuple((k, v) for k, v in zip(("SILU", "HAS_ADD", "DROPOUT", "TWO"), flags) if k in params)
+            flags = dict(zip(FLAGS, flags))
+            flags.setdefault("SUM_XHAT", flags["HAS_ADD"])  # the default: the third sum where there is an add
+            flags.setdefault("BITS", False)
+            read = tuple((k, v) for k, v in flags.items() if k in params)
             builds.setdefault(read, []).append(variant)
         for read, variants in builds.items():
             constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}
