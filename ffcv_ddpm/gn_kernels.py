@@ -15,6 +15,9 @@ NCHW works. Each direction is three launches, so that the two passes over the da
   dL/db, dL/de and the per-channel coefficients of dx), `_bwd_dx` (dx = alpha * dy + beta * xhat + gamma). The sum
   of xhat (dL/de alone needs it) can instead come from the per-channel means the forward's finalize saves
   (model.norm_saved_means): it is HW * (channel mean - group mean) * rstd, so the reduction carries two sums.
+- a residual sum folded in (model.norm_residual): x's first part given as the addends of s = h + res (+ res2) (+ a
+  bias per channel); `_stats` writes s while it reads them, the other kernels read s, and `_bwd_dx` adds the
+  gradient s gets from its other readers to dx, so that s and its gradient are each written once.
 Statistics in fp32: shifted sums within a chunk (stable when |mean| >> std), Chan's formula across chunks, the law
 of total variance across the channels of a group.
 
@@ -102,6 +105,33 @@ def _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, 
 
 
 @triton.jit
+def _load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c,
+              s_2hw, TWO: tl.constexpr, RES: tl.constexpr, RBIAS: tl.constexpr, STORE: tl.constexpr):
+    """_load_x with the first part (channels below C1) the residual sum s = x + res (+ res2) (+ rb per channel),
+    rounded to x's dtype as a tensor of it would be and, with STORE, written to s_ptr (model.norm_residual). The
+    residual tensors and s have x's strides. RES: how many residual tensors (0: _load_x)."""
+    if RES == 0:  # (Triton's compiler has no early return: the sum is the else branch)
+        s = _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+    else:
+        at = n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc
+        m1 = m & (cols < C1)[None, :]
+        s = tl.load(x_ptr + at, mask=m1, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + at, mask=m1, other=0.0).to(tl.float32)
+        if RES == 2:
+            s += tl.load(res2_ptr + at, mask=m1, other=0.0).to(tl.float32)
+        if RBIAS:
+            s += tl.load(rb_ptr + cols, mask=cols < C1, other=0.0)[None, :]
+        s = s.to(x_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(s_ptr + at, s, mask=m1)
+        s = s.to(tl.float32)
+        if TWO:
+            s += tl.load(x2_ptr + n * s_2n + rows[:, None] * s_2hw + (cols - C1)[None, :] * s_2c,
+                         mask=m & (cols >= C1)[None, :], other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
 def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO: tl.constexpr):
     """dx into the input's layout: with TWO, channels from C1 on into the second part's gradient."""
     if TWO:
@@ -136,23 +166,26 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, see
 @triton.jit
 def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, res_ptr=None, res2_ptr=None, rb_ptr=None, s_ptr=None,
+                  RES: tl.constexpr = 0, RBIAS: tl.constexpr = False):
     """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]. STAGES: the plan's (norm.PLAN_STAGES), None for
-    the loop as written."""
+    the loop as written. With RES, of the residual sum that _load_sum makes of x's first part, written to s_ptr as it
+    goes (model.norm_residual: the sum's one pass, where a pass of its own would write it and this one read it)."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     r0 = k * CHUNK
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     first = r0 + tl.arange(0, 1)  # the chunk's first row
-    shift = tl.sum(_load_x(x_ptr, x2_ptr, n, first, cols, cmask[None, :], s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
-                           TWO), axis=0)
+    shift = tl.sum(_load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, first, cols, cmask[None, :], s_xn,
+                             s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO, RES, RBIAS, False), axis=0)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = r0 + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+        x = _load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n,
+                      s_2c, s_2hw, TWO, RES, RBIAS, RES > 0)
         d = tl.where(m, x - shift[None, :], 0.0)
         acc1 += d
         acc2 += d * d
@@ -330,8 +363,11 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                    s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
-                   BITS: tl.constexpr, WORD: tl.constexpr):
-    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n."""
+                   BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
+                   HAS_DS: tl.constexpr = False):
+    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n. With HAS_DS plus ds, the
+    gradient the first part (x a residual sum, model.norm_residual) gets from its other readers: one write of the
+    sum's whole gradient where a pass of its own would read dx and ds and write their sum."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -346,4 +382,7 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                           inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
                           DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
+    if HAS_DS:
+        dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],
+                      other=0.0).to(tl.float32)
     _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)

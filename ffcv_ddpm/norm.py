@@ -166,17 +166,19 @@ class GroupNormAct(nn.GroupNorm):
         switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits") if getattr(self, k))
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
-    def forward(self, x: Tensor | Sequence[Tensor], add: Tensor | None = None,
+    def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
                 film: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor.
         "scale-shift" normalises the parts as they are, "fused" two parts with `parts` (model.fused_parts); the
-        others concatenate them first."""
-        if not isinstance(x, Tensor):
+        others concatenate them first. A Pending residual sum (model.norm_residual), as x or as the first part, is
+        computed by "fused" while it takes the statistics, by the others first; either way its value() is set."""
+        if not isinstance(x, (Tensor, Pending)):
             as_parts = self.impl == "scale-shift" or (self.parts and len(x) == 2)
             if len(x) == 1 or not as_parts:
-                x = x[0] if len(x) == 1 else torch.cat(tuple(x), 1)
+                x = resolved(x[0]) if len(x) == 1 else torch.cat(resolved(tuple(x)), 1)
         if self.impl == "fused":
             return self._fused(x, add, film)
+        x = resolved(x)
         if add is not None:
             x = x + add[:, :, None, None] if isinstance(x, Tensor) else _add_per_part(x, add)  # (N, C) -> (N, C, 1, 1)
         norm = F.group_norm if self.impl == "torch" else scale_shift_group_norm
@@ -187,8 +189,11 @@ class GroupNormAct(nn.GroupNorm):
             y = F.silu(y)
         return F.dropout(y, self.p, self.training) if self.p else y
 
-    def _fused(self, x: Tensor | Sequence[Tensor], add: Tensor | None, film: tuple[Tensor, Tensor] | None) -> Tensor:
-        x, x2 = (x, None) if isinstance(x, Tensor) else x
+    def _fused(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None,
+               film: tuple[Tensor, Tensor] | None) -> Tensor:
+        x, x2 = (x, None) if isinstance(x, (Tensor, Pending)) else (x[0], resolved(x[1]))
+        fold = x if isinstance(x, Pending) and x.computed is None else None  # a sum this call computes
+        x, res, res2, rbias = fold.terms if fold else (resolved(x), None, None, None)
         n = x.shape[0]
         dt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
         # The affine after normalisation, per (sample, channel): y = xhat * a + b.
@@ -201,11 +206,44 @@ class GroupNormAct(nn.GroupNorm):
         # reads the forward's bits: mask_bits).
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
-        out, *_ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
-                                                     None if add is None else add.to(dt).contiguous(),
-                                                     seed, self.num_groups, self.eps, self.silu, p,
-                                                     *plan_args(self.plan), x2, self.saved_means, self.mask_bits)
+        out, *_, s = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
+                                                        None if add is None else add.to(dt).contiguous(),
+                                                        seed, self.num_groups, self.eps, self.silu, p,
+                                                        *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
+                                                        res, res2, rbias)
+        if fold:
+            fold.computed = s
         return out
+
+
+class Pending:
+    """A residual sum h + res (+ res2) (+ bias per channel) left to its reader (model.norm_residual): a block returns
+    it instead of computing it, so that the fused GroupNorm reading it next writes it while it takes its statistics
+    (and, backward, adds the sum's other gradients to its own in one write) instead of a pass of its own writing it
+    and another reading it. Any other reader calls value(), which computes it in torch. Either way it is computed
+    once, and value() gives it to the readers after (the block's skip, the UNet's skip connections)."""
+
+    def __init__(self, h: Tensor, res: Tensor, res2: Tensor | None = None, bias: Tensor | None = None):
+        self.terms = (h, res, res2, bias)  # bias: (C,), any float dtype
+        self.computed: Tensor | None = None  # the sum, once a reader has computed it
+
+    def value(self) -> Tensor:
+        if self.computed is None:
+            self.computed = residual_sum(*self.terms)
+        return self.computed
+
+
+def residual_sum(h: Tensor, res: Tensor, res2: Tensor | None, bias: Tensor | None) -> Tensor:
+    """h + res (+ res2) (+ bias per channel, in h's dtype) in torch."""
+    s = h + res if res2 is None else h + res + res2
+    return s if bias is None else s + bias.to(s.dtype)[None, :, None, None]
+
+
+def resolved(x):
+    """x with every Pending sum in it (x itself, or the parts of a tuple) replaced by its value."""
+    if isinstance(x, Pending):
+        return x.value()
+    return tuple(resolved(t) for t in x) if isinstance(x, (tuple, list)) else x
 
 
 def _add_per_part(parts: Sequence[Tensor], add: Tensor) -> list[Tensor]:
@@ -232,45 +270,54 @@ def _on_triton(x: Tensor) -> bool:
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
-                   saved_means: bool, mask_bits: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, mean, rstd, cmean, bits): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the
+                   saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the
     backward. x2: None, or the second part of a channel concatenation [x, x2] that is never materialised
     (model.fused_parts). cmean, bits: what the backward takes instead of a third sum and of the mask's hash
-    (model.norm_saved_means, model.norm_mask_bits; _extra_outputs), empty where off or without an add / dropout."""
+    (model.norm_saved_means, model.norm_mask_bits; _extra_outputs), empty where off or without an add / dropout.
+    res (res2, rbias): the first part is the residual sum s = x + res (+ res2) (+ rbias per channel), returned as s
+    (model.norm_residual; else s is empty)."""
     if _on_triton(x):
         return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
-                              mask_bits)
-    return reference_forward(_joined(x, x2), a, b, e, seed, groups, eps, silu, p, saved_means, mask_bits)
+                              mask_bits, res, res2, rbias)
+    s = residual_sum(x, res, res2, rbias).contiguous(memory_format=_format(x)) if res is not None else None
+    return (*reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p, saved_means,
+                               mask_bits), x.new_empty(0) if s is None else s)
 
 
 @group_norm_act.register_fake
-def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits):
+def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
+      rbias):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out = _output_like(x, x2)
     n, c = out.shape[:2]
     return (out, stats, stats.clone(),
-            *_extra_outputs(x, n, c, out[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits))
+            *_extra_outputs(x, n, c, out[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
+            torch.empty_like(x) if res is not None else x.new_empty(0))
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
-                            bits: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            bits: Tensor | None, ds: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part. cmean, bits: the
-    forward's, None where it kept none."""
+    forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
+    to dx."""
     if _on_triton(x):
         return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
-                               cmean, bits)
+                               cmean, bits, ds)
     dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits)
-    if x2 is None:
-        return dx, da, db, de, dx.new_empty(0)
-    dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
-    return (dx.contiguous(memory_format=_format(x)), da, db, de, dx2.contiguous(memory_format=_format(x2)))
+    dx2 = dx.new_empty(0)
+    if x2 is not None:
+        dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
+        dx, dx2 = dx.contiguous(memory_format=_format(x)), dx2.contiguous(memory_format=_format(x2))
+    return (dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))), da, db, de, dx2
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits):
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0))
 
@@ -289,18 +336,26 @@ def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits = inputs
-    _, mean, rstd, cmean, bits = output
-    ctx.save_for_backward(x, a, b, e, seed, mean, rstd, x2, cmean if cmean.numel() else None,
-                          bits if bits.numel() else None)
+    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias = inputs
+    _, mean, rstd, cmean, bits, s = output
+    # With a residual sum the kernels after the statistics read s, not x: the backward too.
+    ctx.save_for_backward(s if res is not None else x, a, b, e, seed, mean, rstd, x2,
+                          cmean if cmean.numel() else None, bits if bits.numel() else None)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
+    ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
 
 
-def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits):
+def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
     x, a, b, e, seed, mean, rstd, x2, cmean, bits = ctx.saved_tensors
-    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean, bits)
+    has_res, has_res2, rbias_dtype = ctx.residual
+    ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
+    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean, bits,
+                                                  ds)
+    # The sum's terms share its gradient; its bias, the sum of it over samples and pixels.
+    dbias = (dx.sum((0, 2, 3), dtype=torch.promote_types(dx.dtype, torch.float32)).to(rbias_dtype)
+             if rbias_dtype is not None else None)
     return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
-            dx2 if x2 is not None else None, None, None)
+            dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias)
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -387,11 +442,12 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
 
 
 def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None, saved_means=False,
-                   mask_bits=False):
+                   mask_bits=False, res=None, res2=None, rbias=None):
     """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
-    second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits): cmean the
+    second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits, s): cmean the
     per-channel means of x + e with saved_means and an add, bits the dropout mask with mask_bits and p > 0 (their
-    layout: mask_words), each empty otherwise."""
+    layout: mask_words), each empty otherwise. res (and res2, rbias): the first part is the residual sum
+    s = x + res (+ res2) (+ rbias per channel), written while the statistics are taken and returned (else empty)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -402,6 +458,8 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     out = _output_like(x, x2)
     if out.stride() != x.stride() and not two:
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
+    addends = _residual_addends(x, res, res2)
+    s_out = torch.empty_like(x) if addends else x.new_empty(0)
     mean = x.new_empty((n, groups), dtype=torch.float32)
     rstd = torch.empty_like(mean)
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
@@ -412,24 +470,47 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
     cmean, bits = _extra_outputs(x, n, c, hw, e is not None and saved_means, p > 0 and mask_bits)
     K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps)
+                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps,
+                            **_residual_args(x, addends, rbias, s_out, a))
+    x = s_out if addends else x  # what the kernels after the statistics read
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
                              cmean_ptr=cmean if cmean.numel() else mean, SAVE_MEANS=cmean.numel() > 0,
                              num_warps=warps)
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
-        x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"],
-        BLOCK_C=pl["BLOCK_C"], SILU=silu, DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0, WORD=pl["WORD"],
-        num_warps=warps)
-    return out, mean, rstd, cmean, bits
+        x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os, *_dropout_args(p),
+        BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu, DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0,
+        WORD=pl["WORD"], num_warps=warps)
+    return out, mean, rstd, cmean, bits, s_out
+
+
+def _residual_addends(x: Tensor, res: Tensor | None, res2: Tensor | None) -> tuple[Tensor, ...]:
+    """The residual tensors the statistics kernel adds to x, in x's layout (what it reads them with)."""
+    addends = tuple(t for t in (res, res2) if t is not None)
+    for t in addends:
+        if t.shape != x.shape or t.dtype != x.dtype:
+            raise ValueError(f"fused GroupNorm: a residual {tuple(t.shape)} {t.dtype} is not like the input "
+                             f"{tuple(x.shape)} {x.dtype}")
+    return tuple(t if t.stride() == x.stride() else t.contiguous(memory_format=_format(x)) for t in addends)
+
+
+def _residual_args(x: Tensor, addends: tuple[Tensor, ...], rbias: Tensor | None, s_out: Tensor, a: Tensor) -> dict:
+    """_stats_kernel's residual arguments: none without addends (its defaults)."""
+    if not addends:
+        return {}
+    # The bias rounded to x's dtype first, as Pending.value() adds it.
+    rb = rbias.to(x.dtype).float().contiguous() if rbias is not None else a
+    return dict(res_ptr=addends[0], res2_ptr=addends[-1], rb_ptr=rb, s_ptr=s_out, RES=len(addends),
+                RBIAS=rbias is not None)
 
 
 def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None,
-                    cmean=None, bits=None):
+                    cmean=None, bits=None, ds=None):
     """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
     (dx, da, db, de, dx2), dx2 empty without a second part. cmean, bits: what triton_forward kept with saved_means
-    and mask_bits (None: the backward sums xhat itself, hashes the mask again)."""
+    and mask_bits (None: the backward sums xhat itself, hashes the mask again). ds: a gradient of x (the first part)
+    from elsewhere, added to dx (a residual sum's other readers: model.norm_residual)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -442,7 +523,7 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
     de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
     e_ = a if e is None else e
-    xs, ds = (*_nchw_strides(x), c1, *x2s), _nchw_strides(dout)
+    xs, dstr = (*_nchw_strides(x), c1, *x2s), _nchw_strides(dout)
     from_means, use_bits = e is not None and cmean is not None, p > 0 and bits is not None
     for name, kept, shape in (("means", cmean if from_means else None, (n, c)),
                               ("bits", bits if use_bits else None, (n * hw, mask_words(c)))):
@@ -457,7 +538,7 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
     coef = x.new_empty((n, 3, c), dtype=torch.float32)
-    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, bits_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
+    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, bits_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *dstr,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
                                  STAGES=stages or None, SUM_XHAT=e is not None and not from_means, **flags)
@@ -466,10 +547,16 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
                                  BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, FROM_MEANS=from_means,
                                  num_warps=warps)
+    if ds is not None and ds.shape != x.shape:
+        raise ValueError(f"fused GroupNorm backward: ds {tuple(ds.shape)} is not the first part's {tuple(x.shape)}")
+    extra = {}
+    if ds is not None:
+        s_gn, s_gc, s_ghw = _nchw_strides(ds)
+        extra = dict(ds_ptr=ds, s_gn=s_gn, s_gc=s_gc, s_ghw=s_ghw, HAS_DS=True)
     K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0),
+        dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *dstr, a.stride(0),
         a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-        **flags)
+        **flags, **extra)
     return dx, da, db, de, dx2
 
 

@@ -25,10 +25,13 @@ import tempfile
 
 from ffcv_ddpm.checks import Parser, fail
 
-# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO), and the res
-# blocks' norm2 again under the switches model.norm_saved_means (no third sum in the backward reduction: SUM_XHAT
-# off) and model.norm_mask_bits (the mask read from bits: BITS on).
-FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS")
+# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO), then under the
+# switches of NOTES item 29: the res blocks' norm2 with model.norm_saved_means (no third sum in the backward
+# reduction: SUM_XHAT off) and model.norm_mask_bits (the mask read from bits: BITS on), and with model.norm_residual
+# the first GroupNorms reading a residual sum (RES terms and a bias added in the statistics kernel, which writes
+# the sum; HAS_DS: the sum's other gradients added in the dx kernel): a down block's (one term, its skip), an up
+# block's (two terms, its skip convolution over the parts) with its second part.
+FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
@@ -37,13 +40,19 @@ VARIANTS = {
     "norm2, saved means": (True, True, True, False, False, False),
     "norm2, mask bits": (True, True, True, False, True, True),
     "norm2, saved means + mask bits": (True, True, True, False, False, True),
+    "res block norm1, residual sum": (True, False, False, False, False, False, 1, True, True),
+    "up block norm1, residual sum": (True, False, False, True, False, False, 2, True, True),
 }
-KERNELS = ("_stats_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
+# The residual sum's pointers (norm.py passes None, a constant, where a variant reads none of them).
+RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
+KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
+           "_bwd_dx_kernel")
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
 # 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites.
-UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec"}
-NOT_DIVISIBLE = {"K", "CPG", "C1", "CW", "thr24", "eps", "inv_keep"}
-BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr"}
+UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
+NOT_DIVISIBLE = {"K", "CPG", "C1", "CW", "G", "thr24", "eps", "inv_keep"}
+BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
+                 "ds_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
 # programs (CUDA's occupancy tables: 8.0 is the A100, 9.0 the H100 and H200).
 SM = {80: dict(registers=65536, shared=167936, threads=2048, programs=32),
@@ -109,17 +118,20 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
     n, c, h, w = site
     pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
     given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
-                 WORD=pl["WORD"])
+                 WORD=pl["WORD"], BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"])
     out = []
     for name in KERNELS:
         kernel = getattr(gn_kernels, name)
         params = inspect.signature(kernel.fn).parameters
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
-            flags = dict(zip(FLAGS, flags))
-            flags.setdefault("SUM_XHAT", flags["HAS_ADD"])  # the default: the third sum where there is an add
-            flags.setdefault("BITS", False)
-            read = tuple((k, v) for k, v in flags.items() if k in params)
+            flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False),  # the defaults
+                     **dict(zip(FLAGS, flags))}
+            # the finalize kernels keep and read the means where the reduction does not sum xhat
+            flags["SAVE_MEANS"] = flags["FROM_MEANS"] = flags["HAS_ADD"] and not flags["SUM_XHAT"]
+            unused = tuple((k, None) for k, on in RESIDUAL_POINTERS.items() if k in params and not (
+                flags[on] if isinstance(on, str) else flags["RES"] >= on))
+            read = tuple((k, v) for k, v in flags.items() if k in params) + unused
             builds.setdefault(read, []).append(variant)
         for read, variants in builds.items():
             constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}
