@@ -114,7 +114,7 @@ def _load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, rows, cols, m,
         s = _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
     else:
         at = n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc
-        m1 = m & (cols < C1)[None, :]
+        m1 = m & (cols < C1)[None, :] if TWO else m  # (one part: C1 is C, and m's own mask keeps the loads plain)
         s = tl.load(x_ptr + at, mask=m1, other=0.0).to(tl.float32)
         s += tl.load(res_ptr + at, mask=m1, other=0.0).to(tl.float32)
         if RES == 2:

@@ -48,9 +48,11 @@ RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS",
 KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
            "_bwd_dx_kernel")
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
-# 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites.
+# 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites. C1 (the first part's channels: 128 or
+# 256) among them: built as not divisible, the up blocks' two-part variants lost their vector loads and pipelining
+# here, where the H100 trace of profile-best-0c88903 shows them with both (its reduction 125 registers, 36 KB).
 UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
-NOT_DIVISIBLE = {"K", "CPG", "C1", "CW", "G", "thr24", "eps", "inv_keep"}
+NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr24", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
                  "ds_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
