@@ -1,5 +1,5 @@
 """The fused GroupNorm's levers (NOTES item 29) in the step, in one process: row 24 of the DDPM table (today's
-defaults), the same row with each variant, then row 24 again.
+defaults), the same row with each variant, then all of them again, from the compile cache.
 
     python -m benchmarks.speed.levers --data data --out runs/levers data.batch_size=1024      # CUDA
     python -m benchmarks.speed.levers --data data --out runs/levers --variant bits:model.norm_mask_bits=True
@@ -9,10 +9,12 @@ which on an H100 cost ~60 s besides its compilation (113 s a new variant, 152 s 
 so a 9-minute call held four rows. Here a row costs its compilation (~50 s with the Triton cache warm) and its
 timing, and the convolutions keep the algorithms cuDNN's search chose in the first row (one choice for every row).
 Each row is benchmarks.speed.jobs.run_row, the bench's own row (its warm-up, its timed iterations, its figures);
-between rows the compiled graphs, their CUDA graphs and the cached memory are let go. Rows run in the order given
-while --budget seconds last (a row starts only with as much time left as the longest new row took), each written to
-OUT/levers.json and printed as it ends. The last row repeats the first: two rows of the same settings say how far
-the call drifted. Without --variant: every lever together, then each alone, in order of predicted gain.
+between rows the compiled graphs, their CUDA graphs and the cached memory are let go. Rows run in rounds (the
+defaults, then each variant in the order given) while --budget seconds last, each written to OUT/levers.json and
+printed as it ends: the first round compiles (a row starts only with as much time left as the longest new row took),
+the second loads its graphs from the compile cache (~20 s a row) and gives each setting a second sample, the defaults
+first, so that two rows of the same settings also say how far the call drifted. Without --variant: every lever
+together, then each alone, in order of predicted gain.
 """
 
 from __future__ import annotations
@@ -45,29 +47,32 @@ def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     return name, overrides
 
 
-def plan_rows(variants: list[tuple[str, tuple[str, ...]]]) -> list[tuple[str, tuple[str, ...]]]:
-    """The rows in the order they run: the defaults, each variant, the defaults again."""
-    return [("defaults", ()), *variants, ("defaults-again", ())]
+def plan_rows(variants: list[tuple[str, tuple[str, ...]]], rounds: int = 2) -> list[tuple[str, tuple[str, ...]]]:
+    """The rows in the order they run: `rounds` times the defaults, then each variant."""
+    return [("defaults", ()), *variants] * rounds
 
 
 def run_rows(rows: list[tuple[str, tuple[str, ...]]], run, budget: float, clock=time.perf_counter) -> list[dict]:
     """Each row's `run(name, overrides)` entry, in order, while `budget` seconds last: a row starts only if the time
-    left is at least the longest a new row (not a repeated one) has taken so far; skipped rows are listed as such.
-    Each entry gets its name, overrides and seconds."""
-    t0, longest, done = clock(), 0.0, []
-    seen: set[tuple[str, ...]] = set()
+    left is at least the longest a row of its kind has taken so far (a new one: it compiles; a repeated one: its
+    graphs come from the compile cache; before any repeat, half the longest new row); skipped rows are listed as
+    such. Each entry gets its name, overrides, round (1 for a setting's first row) and seconds."""
+    t0, longest, done = clock(), {True: 0.0, False: 0.0}, []
+    seen: dict[tuple[str, ...], int] = {}
     for name, overrides in rows:
+        new = overrides not in seen
+        need = longest[new] or longest[True] / 2
         left = budget - (clock() - t0)
-        if left < longest:
-            done.append({"name": name, "overrides": list(overrides), "status": "skipped",
-                         "error": f"{left:.0f} s of the budget left, a new row took up to {longest:.0f} s"})
+        round_ = seen.get(overrides, 0) + 1
+        if left < need:
+            done.append({"name": name, "overrides": list(overrides), "round": round_, "status": "skipped",
+                         "error": f"{left:.0f} s of the budget left, such a row took up to {need:.0f} s"})
             continue
         start = clock()
-        entry = {"name": name, "overrides": list(overrides), **run(name, overrides)}
+        entry = {"name": name, "overrides": list(overrides), "round": round_, **run(name, overrides)}
         entry["seconds"] = clock() - start
-        if overrides not in seen:
-            longest = max(longest, entry["seconds"])
-        seen.add(overrides)
+        longest[new] = max(longest[new], entry["seconds"])
+        seen[overrides] = round_
         done.append(entry)
     return done
 
@@ -80,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                    help="a row: row 24 with these overrides (repeatable; default: " +
                         "; ".join(f"{n}: {' '.join(o)}" for n, o in DEFAULT_VARIANTS) + ")")
-    p.add_argument("--budget", type=option(float, at_least(60)), default=480,
-                   help="seconds the rows may take, compilation included (default 480: a 9-minute call)")
+    p.add_argument("--budget", type=option(float, at_least(60)), default=450,
+                   help="seconds the rows may take, compilation included (default 450: a 9-minute call with the "
+                        "dataset built)")
+    p.add_argument("--rounds", type=option(int, at_least(1)), default=2,
+                   help="times each setting runs (the first compiles it; later ones load it from the cache)")
     p.add_argument("--iters", type=option(int, at_least(1)), default=50, help="timed iterations per row")
     p.add_argument("--warmup", type=option(int, at_least(0)), default=10, help="warm-up iterations per row")
     args, overrides = p.parse_with_overrides(argv)
     try:
         variants = [parse_variant(v) for v in args.variant] or list(DEFAULT_VARIANTS)
-        return measure(args, overrides, plan_rows(variants))
+        return measure(args, overrides, plan_rows(variants, args.rounds))
     except (ValueError, BenchError) as e:
         return fail("levers", str(e))
 
@@ -144,7 +152,7 @@ def measure(args, overrides: list[str], rows: list[tuple[str, tuple[str, ...]]])
     write_json(args.out / "levers.json", result)
     for r in done:
         figure = f"{r['metrics']['ms_median']:.2f} ms" if r["status"] == "ok" else f"{r['status']}: {r['error']}"
-        print(f"levers: {r['name']:16s} {figure}")
+        print(f"levers: {r['name']:12s} round {r['round']}  {figure}")
     return 0 if all(r["status"] == "ok" for r in done) else 1
 
 
