@@ -323,11 +323,10 @@ def test_conv_bias_in_norm_takes_every_res_blocks_first_bias_into_the_norm():
     assert rec.no_bias == len(blocks) - 1
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
-def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
-    """model.fused_parts: the up blocks' first fused GroupNorm reads (h, skip) as two tensors (no cat; a group
-    straddles them in STRADDLE): the concatenating network's function and gradients, through the op's plain-torch
-    path and through its Triton kernels (interpreted without a GPU)."""
+def fused_switch_matches(cfg, switch: dict, kernels: bool, monkeypatch, size: int) -> torch.nn.Module:
+    """The fused network with `switch` against it without, in training mode with the same dropout masks, forward and
+    every gradient: through the op's plain-torch path in fp64, or its Triton kernels in fp32 (interpreted without a
+    GPU). Returns the switched model."""
     from ffcv_ddpm import norm
 
     if kernels:
@@ -336,19 +335,27 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
         if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
             pytest.skip("needs a GPU or TRITON_INTERPRET=1")
         monkeypatch.setattr(norm, "_on_triton", lambda x: True)
-    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, base_channels=8, norm_groups=4,
-                              channel_mult=(1, 2), attn_resolutions=(16,))
-    ref, new = pair(cfg, dict(fused_parts=True), channels_last=True)
+    ref, new = pair(cfg, switch, channels_last=True)
     ref, new = (m.float() for m in (ref, new)) if kernels else (ref, new)  # the kernels take fp32, not fp64
-    dtype = torch.float32 if kernels else torch.float64
-    x = torch.randn(2, 3, 32, 32, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    t = torch.tensor([3, 700])
+    x = torch.randn(2, 3, size, size, dtype=torch.float32 if kernels else torch.float64)
+    x, t = x.contiguous(memory_format=torch.channels_last), torch.tensor([3, 700])
     (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
     tol = 1e-5 if kernels else 1e-12
     assert rel_max(out_n, out_r) < tol
     names = ["input"] + [n for n, _ in ref.named_parameters()]
     for name, a, b in zip(names, grads_n, grads_r):
         assert rel_max(a, b) < 10 * tol, name
+    return new
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
+def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
+    """model.fused_parts: the up blocks' first fused GroupNorm reads (h, skip) as two tensors (no cat; a group
+    straddles them in STRADDLE): the concatenating network's function and gradients, through the op's plain-torch
+    path and through its Triton kernels (interpreted without a GPU)."""
+    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, base_channels=8, norm_groups=4,
+                              channel_mult=(1, 2), attn_resolutions=(16,))
+    fused_switch_matches(cfg, dict(fused_parts=True), kernels, monkeypatch, 32)
     with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs norm_impl='fused'"):
         load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift"])
 
@@ -364,33 +371,17 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     from ffcv_ddpm import norm
     from ffcv_ddpm.unet import Downsample
 
-    if kernels:
-        import triton
-
-        if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
-            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
-        monkeypatch.setattr(norm, "_on_triton", lambda x: True)
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
                               base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.3)
     switch = dict(norm_saved_means=True, norm_mask_bits=True, norm_residual=True)
-    ref, new = pair(cfg, switch, channels_last=True)
-    norm2 = [m.norm2 for m in new.modules() if isinstance(m, DDPMResBlock)]
-    assert norm2 and all(m.saved_means and m.mask_bits for m in norm2)
-    ref, new = (m.float() for m in (ref, new)) if kernels else (ref, new)  # the kernels take fp32, not fp64
-    dtype = torch.float32 if kernels else torch.float64
-    x = torch.randn(2, 3, 8, 8, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    t = torch.tensor([3, 700])
     made, in_torch = [], []
     value = norm.Pending.value
     monkeypatch.setattr(norm.Pending, "value", lambda p: (p.computed is None and in_torch.append(p), value(p))[1])
     init = norm.Pending.__init__
     monkeypatch.setattr(norm.Pending, "__init__", lambda p, *a, **k: (made.append(p), init(p, *a, **k))[0])
-    (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
-    tol = 1e-5 if kernels else 1e-12
-    assert rel_max(out_n, out_r) < tol
-    names = ["input"] + [n for n, _ in ref.named_parameters()]
-    for name, a, b in zip(names, grads_n, grads_r):
-        assert rel_max(a, b) < 10 * tol, name
+    new = fused_switch_matches(cfg, switch, kernels, monkeypatch, 8)
+    norm2 = [m.norm2 for m in new.modules() if isinstance(m, DDPMResBlock)]
+    assert norm2 and all(m.saved_means and m.mask_bits for m in norm2)
     resamplers = [m for m in new.modules() if isinstance(m, (Downsample, Upsample))]
     assert len(in_torch) == len(resamplers) and len(made) > 2 * len(in_torch)
     assert all(p.computed is not None for p in made)
