@@ -212,7 +212,7 @@ class GroupNormAct(nn.GroupNorm):
                                                         *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
                                                         res, res2, rbias)
         if fold:
-            fold.computed = s
+            fold.set(s)
         return out
 
 
@@ -227,9 +227,14 @@ class Pending:
         self.terms = (h, res, res2, bias)  # bias: (C,), any float dtype
         self.computed: Tensor | None = None  # the sum, once a reader has computed it
 
+    def set(self, s: Tensor) -> None:
+        """The sum, computed: the terms are let go (eager mode would keep them alive while the UNet holds the sum
+        as a skip connection)."""
+        self.computed, self.terms = s, None
+
     def value(self) -> Tensor:
         if self.computed is None:
-            self.computed = residual_sum(*self.terms)
+            self.set(residual_sum(*self.terms))
         return self.computed
 
 

@@ -560,8 +560,8 @@ class DDPMUNet(nn.Module):
         temb = self.time(t, y)
         h = self.stem(x)
         hs = [h]
-        # With model.norm_residual a Stage returns a Pending sum: the next Stage's first GroupNorm computes it, any other
-        # module gets its value (resolved); the skips are resolved when the up path takes them, computed by then.
+        # With model.norm_residual a Stage returns a Pending sum: the next Stage's first GroupNorm computes it, any
+        # other module gets its value (resolved); the skips are resolved when the up path takes them, computed by then.
         for m in self.down:
             h = m(h, temb) if isinstance(m, Stage) else m(resolved(h))
             hs.append(h)
