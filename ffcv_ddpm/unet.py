@@ -178,8 +178,9 @@ REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image
 
 def reference_config(cfg: ModelConfig) -> ModelConfig:
     """The same network with every computation switch at its reference value (fused_parts reads concat_free's parts:
-    it goes off with concat_free, else the reference network would be refused)."""
-    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False)
+    it goes off with concat_free, else the reference network would be refused; norm_residual's blocks return their
+    sums uncomputed, which torchinfo's count of the published table cannot follow)."""
+    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, norm_residual=False)
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -212,6 +212,12 @@ def test_flops_count_the_reference_network():
     # a fused_parts row failed on an H200 at 8d99035, its reference network refused by ModelConfig.validate).
     parts = dataclasses.replace(PRESETS["ddpm-cifar10"], fused_parts=True)
     assert reference_config(parts) == base and train_flops_per_image(parts)["fwd_bwd"] == ref["fwd_bwd"]
+    # norm_residual's Pending sums: counted on the reference network (torchinfo cannot follow a Pending), executed
+    # as they are (the same convolutions: the same FLOPs).
+    residual = dataclasses.replace(PRESETS["ddpm-cifar10"], norm_residual=True)
+    assert reference_config(residual) == base
+    assert train_flops_per_image(residual)["executed_fwd_bwd"] == train_flops_per_image(parts)["executed_fwd_bwd"]
+    assert published_style_flops_per_image(residual)["fwd_bwd"] == published_style_flops_per_image(base)["fwd_bwd"]
     # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
     row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
     padded = flops_of(row("model.pad_image_channels=8"), [])
