@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = p.parse_with_overrides(argv)
     try:
         variants = [parse_variant(v) for v in args.variant] or list(DEFAULT_VARIANTS)
-        return measure(args, overrides, plan_rows(variants, args.rounds))
+        return measure(args, overrides, plan_rows(variants, args.rounds), argv)
     except (ValueError, BenchError) as e:
         return fail("levers", str(e))
 
 
-def measure(args, overrides: list[str], rows: list[tuple[str, tuple[str, ...]]]) -> int:
+def measure(args, overrides: list[str], rows: list[tuple[str, tuple[str, ...]]], argv: list[str] | None) -> int:
     import torch
 
     from benchmarks.speed.jobs import run_row
@@ -120,7 +120,10 @@ def measure(args, overrides: list[str], rows: list[tuple[str, tuple[str, ...]]])
     base = row_overrides(row, (f"data.path={beton}",), beton.parent)
     compile_cache()
     device_name = torch.cuda.get_device_name()
-    result = {"command": ["python", "-m", "benchmarks.speed.levers", *(sys.argv[1:])], "environment": environment(),
+    # FLOPs per image of each setting (the reference network's: the same for all), before the budget's clock starts.
+    flops = {over: flops_of(row, [*overrides, *over]) for _, over in rows}
+    result = {"command": ["python", "-m", "benchmarks.speed.levers", *(sys.argv[1:] if argv is None else argv)],
+              "environment": environment(),
               "device_name": device_name, "row": row.name, "batch_size": batch, "rows": []}
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"levers: {device_name}; row {ROW} ({row.name}) at batch {batch}, {len(rows)} rows in one "
@@ -135,7 +138,7 @@ def measure(args, overrides: list[str], rows: list[tuple[str, tuple[str, ...]]])
             entry = {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
         else:
             raw.pop("config")
-            m = row_metrics({"raw": raw}, flops_of(row, [*overrides, *over]), device_name, None)
+            m = row_metrics({"raw": raw}, flops[over], device_name, None)
             entry = {"status": "ok", "metrics": m, "raw": raw}
             print(f"levers: {name} [{' '.join(over)}]: {m['ms_median']:.2f} ms/iter (p10 {m['ms_p10']:.2f}, "
                   f"p90 {m['ms_p90']:.2f}), {m['img_per_s']:,.0f} img/s, MFU {100 * m['mfu']:.1f}%, first step "
