@@ -2,7 +2,8 @@
 
     y   = ((x + e) - mean_g) * rstd_g * a + b      a, b, e: (N, C) fp32; e optional; mean_g, rstd_g per (n, group)
     out = dropout(silu(y))                          silu and dropout optional; the dropout mask is a hash of
-                                                    (seed, element index), recomputed in the backward, never stored
+                                                    (seed, element index), recomputed in the backward, or kept by
+                                                    the forward as a bit per element (model.norm_mask_bits)
 
 `ffcv_ddpm.norm` wraps these as one autograd-aware custom op. An (N, C, H, W) tensor is addressed as rows of
 channels, (n * HW + hw, c), through its strides: channels_last (c unit-stride, rows contiguous) is the fast path,
@@ -11,7 +12,12 @@ NCHW works. Each direction is three launches, so that the two passes over the da
 - forward: `_stats` (per chunk of rows, per channel: mean and M2), `_finalize` (per sample: group statistics ->
   per-channel scale and bias), `_apply` (out = dropout(silu(x * scale + bias)), one tile of rows per program).
 - backward: `_bwd_reduce` (per chunk, per channel: sums of dy, dy * xhat, xhat), `_bwd_finalize` (per sample: dL/da,
-  dL/db, dL/de and the per-channel coefficients of dx), `_bwd_dx` (dx = alpha * dy + beta * xhat + gamma).
+  dL/db, dL/de and the per-channel coefficients of dx), `_bwd_dx` (dx = alpha * dy + beta * xhat + gamma). The sum
+  of xhat (dL/de alone needs it) can instead come from the per-channel means the forward's finalize saves
+  (model.norm_saved_means): it is HW * (channel mean - group mean) * rstd, so the reduction carries two sums.
+- a residual sum folded in (model.norm_residual): x's first part given as the addends of s = h + res (+ res2) (+ a
+  bias per channel); `_stats` writes s while it reads them, the other kernels read s, and `_bwd_dx` adds the
+  gradient s gets from its other readers to dx, so that s and its gradient are each written once.
 Statistics in fp32: shifted sums within a chunk (stable when |mean| >> std), Chan's formula across chunks, the law
 of total variance across the channels of a group.
 
@@ -47,13 +53,37 @@ def _mix_seed(seed_ptr):
 
 
 @triton.jit
-def _act_grad(x, u, v, a, b, dout, offs, seed, thr24, inv_keep, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+def _bits_at(bits_ptr, n, rows, HW, CW, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+    """The [rows, words] pointers and mask of sample n's rows in the keep bits: int32 words of WORD channels (32, or
+    BLOCK_C when fewer), CW = ceil(C / 32) words a row n * HW + hw, bit b of word j the keep of channel WORD * j + b:
+    ffcv_ddpm.conv_gn.keep_bits' layout."""
+    words = tl.arange(0, BLOCK_C // WORD)
+    at = bits_ptr + (n * HW + rows[:, None]) * CW + words[None, :]
+    return at, (rows < HW)[:, None] & (words < CW)[None, :]
+
+
+@triton.jit
+def _pack_keep(keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+    """A [BLOCK_R, BLOCK_C] keep mask as [BLOCK_R, BLOCK_C // WORD] int32 words (_bits_at's layout)."""
+    k = tl.reshape(keep.to(tl.int32), (BLOCK_R, BLOCK_C // WORD, WORD))
+    return tl.sum(k << tl.arange(0, WORD)[None, None, :], axis=2)  # distinct bits: the sum is their OR
+
+
+@triton.jit
+def _unpack_keep(words, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+    """_pack_keep undone: each channel's bit of its row's word, as a [BLOCK_R, BLOCK_C] keep mask."""
+    w = tl.reshape(tl.broadcast_to(words[:, :, None], (BLOCK_R, BLOCK_C // WORD, WORD)), (BLOCK_R, BLOCK_C))
+    return ((w >> (tl.arange(0, BLOCK_C) % WORD)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _act_grad(x, u, v, a, b, dout, keep, inv_keep, SILU: tl.constexpr, DROPOUT: tl.constexpr):
     """(xhat, dL/dy) for a tile: xhat recomputed from x, y = xhat * a + b, the output's gradient taken back through
-    dropout (the forward's mask, recomputed) and SiLU."""
+    dropout (the forward's mask `keep`, recomputed or read back) and SiLU."""
     xhat = x * u + v
     dy = dout
     if DROPOUT:
-        dy = tl.where(_keep(offs, seed, thr24), dy * inv_keep, 0.0)
+        dy = tl.where(keep, dy * inv_keep, 0.0)
     if SILU:
         y = xhat * a + b
         sig = tl.sigmoid(y)
@@ -75,6 +105,33 @@ def _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, 
 
 
 @triton.jit
+def _load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c,
+              s_2hw, TWO: tl.constexpr, RES: tl.constexpr, RBIAS: tl.constexpr, STORE: tl.constexpr):
+    """_load_x with the first part (channels below C1) the residual sum s = x + res (+ res2) (+ rb per channel),
+    rounded to x's dtype as a tensor of it would be and, with STORE, written to s_ptr (model.norm_residual). The
+    residual tensors and s have x's strides. RES: how many residual tensors (0: _load_x)."""
+    if RES == 0:  # (Triton's compiler has no early return: the sum is the else branch)
+        s = _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+    else:
+        at = n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc
+        m1 = m & (cols < C1)[None, :] if TWO else m  # (one part: C1 is C, and m's own mask keeps the loads plain)
+        s = tl.load(x_ptr + at, mask=m1, other=0.0).to(tl.float32)
+        s += tl.load(res_ptr + at, mask=m1, other=0.0).to(tl.float32)
+        if RES == 2:
+            s += tl.load(res2_ptr + at, mask=m1, other=0.0).to(tl.float32)
+        if RBIAS:
+            s += tl.load(rb_ptr + cols, mask=cols < C1, other=0.0)[None, :]
+        s = s.to(x_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(s_ptr + at, s, mask=m1)
+        s = s.to(tl.float32)
+        if TWO:
+            s += tl.load(x2_ptr + n * s_2n + rows[:, None] * s_2hw + (cols - C1)[None, :] * s_2c,
+                         mask=m & (cols >= C1)[None, :], other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
 def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO: tl.constexpr):
     """dx into the input's layout: with TWO, channels from C1 on into the second part's gradient."""
     if TWO:
@@ -88,36 +145,47 @@ def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n
 
 
 @triton.jit
-def _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,
+def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW, CW,
                s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
-               SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
-    """(xhat, dy) of rows r of sample n: x (from either part) and dout read, _act_grad on them."""
+               SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+    """(xhat, dy) of rows r of sample n: x (from either part) and dout read, _act_grad on them. The dropout mask:
+    with BITS read from the forward's keep bits, else hashed again."""
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
     dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
-    return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout,
-                     (n * HW + r[:, None]) * C + cols[None, :], seed, thr24, inv_keep, SILU, DROPOUT)
+    keep = None
+    if DROPOUT:
+        if BITS:
+            at, wm = _bits_at(bits_ptr, n, r, HW, CW, BLOCK_C, WORD)
+            keep = _unpack_keep(tl.load(at, mask=wm, other=0), BLOCK_R, BLOCK_C, WORD)
+        else:
+            keep = _keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24)
+    return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout, keep, inv_keep, SILU, DROPOUT)
 
 
 @triton.jit
 def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  STAGES: tl.constexpr, res_ptr=None, res2_ptr=None, rb_ptr=None, s_ptr=None,
+                  RES: tl.constexpr = 0, RBIAS: tl.constexpr = False):
     """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]. STAGES: the plan's (norm.PLAN_STAGES), None for
-    the loop as written."""
+    the loop as written. With RES, of the residual sum that _load_sum makes of x's first part, written to s_ptr as it
+    goes (model.norm_residual: the sum's one pass, where a pass of its own would write it and this one read it)."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     r0 = k * CHUNK
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     first = r0 + tl.arange(0, 1)  # the chunk's first row
-    shift = tl.sum(_load_x(x_ptr, x2_ptr, n, first, cols, cmask[None, :], s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
-                           TWO), axis=0)
+    shift = tl.sum(_load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, first, cols, cmask[None, :], s_xn,
+                             s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO, RES, RBIAS, False), axis=0)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = r0 + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & cmask[None, :]
-        x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+        x = _load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n,
+                      s_2c, s_2hw, TWO, RES, RBIAS, RES > 0)
         d = tl.where(m, x - shift[None, :], 0.0)
         acc1 += d
         acc2 += d * d
@@ -132,9 +200,10 @@ def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n
 def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr,
                      C, HW, G, CPG, K, s_an, s_ac, s_en, s_ec, eps,
                      CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
-                     HAS_ADD: tl.constexpr):
+                     HAS_ADD: tl.constexpr, cmean_ptr=None, SAVE_MEANS: tl.constexpr = False):
     """Per sample: the K chunks' (mean, M2) -> group mean and rstd -> coef[n, 0:2, c] = (scale, bias) with
-    y = x * scale + bias."""
+    y = x * scale + bias. With SAVE_MEANS also cmean[n, c], the per-channel mean of x + e, for the backward
+    (_bwd_finalize_kernel's FROM_MEANS)."""
     n = tl.program_id(0)
     gs = tl.arange(0, BLOCK_G)
     ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]  # [G, CPG]: channel index, groups along axis 0
@@ -151,6 +220,8 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
     if HAS_ADD:
         e = tl.load(e_ptr + n * s_en + ch * s_ec, mask=cmask, other=0.0)
         mean_c += e
+    if SAVE_MEANS:
+        tl.store(cmean_ptr + n * C + ch, mean_c, mask=cmask)
     # Per group: the mean of its channels' means (equal counts); M2 = within-channel + between-channel parts.
     mean_g = tl.sum(tl.where(cmask, mean_c, 0.0), axis=1) / CPG
     dev_c = tl.where(cmask, mean_c - mean_g[:, None], 0.0)
@@ -169,10 +240,12 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
 
 
 @triton.jit
-def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
-                  s_on, s_oc, s_ohw, thr24, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                  SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
-    """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n."""
+def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n,
+                  s_2c, s_2hw, s_on, s_oc, s_ohw, thr24, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
+                  WORD: tl.constexpr):
+    """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n; with BITS the dropout mask
+    also written as bits (_bits_at) for the backward."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -187,6 +260,9 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, C, HW, s_xn, s_xc,
         # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
         keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
         y = tl.where(keep, y * inv_keep, 0.0)
+        if BITS:
+            at, wm = _bits_at(bits_ptr, n, r, HW, CW, BLOCK_C, WORD)
+            tl.store(at, _pack_keep(keep & (cols < C)[None, :], BLOCK_R, BLOCK_C, WORD), mask=wm)
     tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -206,14 +282,15 @@ def _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_
 
 
 @triton.jit
-def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, part_ptr,
-                       C, HW, G, CPG, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
+def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
+                       part_ptr, C, HW, CW, G, CPG, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
                        s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
-    with HAS_ADD: dL/de alone needs it). STAGES as in _stats_kernel."""
+    with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
+    _stats_kernel; BITS: the dropout mask read from the forward's bits."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
@@ -222,30 +299,33 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, m
     seed = _mix_seed(seed_ptr)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # without HAS_ADD never updated: compiled away
+    acc3 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)  # without SUM_XHAT never updated: compiled away
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
-        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW,
-                              s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
+        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep,
+                              C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT,
+                              TWO, BITS, BLOCK_R, BLOCK_C, WORD)
         acc1 += dy
         acc2 += dy * xhat
-        if HAS_ADD:
+        if SUM_XHAT:
             acc3 += tl.where(m, xhat, 0.0)
     out = part_ptr + (n * K + k) * 3 * C + cols
     tl.store(out, tl.sum(acc1, axis=0), mask=cols < C)
     tl.store(out + C, tl.sum(acc2, axis=0), mask=cols < C)
-    if HAS_ADD:
+    if SUM_XHAT:
         tl.store(out + 2 * C, tl.sum(acc3, axis=0), mask=cols < C)
 
 
 @triton.jit
-def _bwd_finalize_kernel(part_ptr, a_ptr, rstd_ptr, da_ptr, db_ptr, de_ptr, coef_ptr, C, HW, G, CPG, K, s_an, s_ac,
-                         BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
-                         HAS_ADD: tl.constexpr):
+def _bwd_finalize_kernel(part_ptr, a_ptr, mean_ptr, rstd_ptr, cmean_ptr, da_ptr, db_ptr, de_ptr, coef_ptr, C, HW, G,
+                         CPG, K, s_an, s_ac, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_CPG: tl.constexpr, HAS_ADD: tl.constexpr, FROM_MEANS: tl.constexpr):
     """Per sample: dL/da = sum(dy * xhat), dL/db = sum(dy), dL/de = sum(dx), and coef[n, 0:3, c] = (alpha, beta,
     gamma) with dx = alpha * dy + beta * xhat + gamma, where
-    dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat)."""
+    dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat).
+    dL/de needs the sum of xhat over the sample's rows: from the reduction's third sum, or with FROM_MEANS from the
+    forward's per-channel means (xhat = (x + e - the group's mean) * u sums to HW * (channel mean - group mean) * u)."""
     n = tl.program_id(0)
     gs = tl.arange(0, BLOCK_G)
     ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]
@@ -269,17 +349,25 @@ def _bwd_finalize_kernel(part_ptr, a_ptr, rstd_ptr, da_ptr, db_ptr, de_ptr, coef
     tl.store(coef_ptr + n * 3 * C + C + ch, beta, mask=cmask)
     tl.store(coef_ptr + n * 3 * C + 2 * C + ch, gamma, mask=cmask)
     if HAS_ADD:
-        s3 = tl.sum(tl.load(part + 2 * C, mask=km, other=0.0), axis=0)  # sum xhat
+        if FROM_MEANS:
+            mean_g = tl.load(mean_ptr + n * G + gs, mask=gs < G, other=0.0)[:, None]
+            s3 = HW * (tl.load(cmean_ptr + n * C + ch, mask=cmask, other=0.0) - mean_g) * u
+        else:
+            s3 = tl.sum(tl.load(part + 2 * C, mask=km, other=0.0), axis=0)  # sum xhat
         tl.store(de_ptr + n * C + ch, alpha * s1 + beta * s3 + gamma * HW, mask=cmask)
 
 
 @triton.jit
-def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
-                   coef_ptr, C, HW, G, CPG, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
+def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr,
+                   rstd_ptr, coef_ptr, C, HW, CW, G, CPG, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
                    s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                   HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
-    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n."""
+                   HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
+                   BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
+                   HAS_DS: tl.constexpr = False):
+    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n. With HAS_DS plus ds, the
+    gradient the first part (x a residual sum, model.norm_residual) gets from its other readers: one write of the
+    sum's whole gradient where a pass of its own would read dx and ds and write their sum."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -290,7 +378,11 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr
     alpha = tl.load(coef_ptr + n * 3 * C + cols, mask=cmask, other=0.0)
     beta = tl.load(coef_ptr + n * 3 * C + C + cols, mask=cmask, other=0.0)
     gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
-    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr24, inv_keep,
-                          C, HW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT, TWO)
+    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr24,
+                          inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
+                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
+    if HAS_DS:
+        dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],
+                      other=0.0).to(tl.float32)
     _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)

@@ -8,8 +8,9 @@
 - "fused": Triton kernels (ffcv_ddpm.gn_kernels) for GroupNorm + the optional add before it + the optional FiLM
   after it + SiLU + dropout, behind the custom op ffcv_ddpm::group_norm_act that torch.compile keeps as one call.
   Statistics in fp32, output in the input's dtype, the dropout mask recomputed in the backward from a seed instead
-  of stored. On CPU tensors the op runs `reference_forward`, plain torch with the same mask. How the kernels split
-  the work (their plan: `model.norm_plan`, DEFAULT_PLAN when empty) is part of every call, not module state.
+  of stored (or kept as a bit per element: model.norm_mask_bits). On CPU tensors the op runs `reference_forward`,
+  plain torch with the same mask. How the kernels split the work (their plan: `model.norm_plan`, DEFAULT_PLAN when
+  empty) is part of every call, not module state.
 
 All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them. Each takes a
 tensor or the parts of a channel concatenation (the up path's (h, skip) with model.concat_free) and returns the
@@ -140,7 +141,7 @@ class GroupNormAct(nn.GroupNorm):
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
-                 parts: bool = False):
+                 parts: bool = False, saved_means: bool = False, mask_bits: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -148,30 +149,36 @@ class GroupNormAct(nn.GroupNorm):
             raise ValueError(f"plan={plan} is the fused kernels' plan; norm_impl={impl!r} has none: pass plan=None")
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
-        if parts and impl != "fused":
-            raise ValueError(f"parts=True is the fused kernels' two-part read; norm_impl={impl!r} has none")
+        for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits)):
+            if on and impl != "fused":
+                raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
         # The fused kernels' (tile, chunk, warps[, stages]), DEFAULT_PLAN unless given; None for the other ones.
         self.plan = (tuple(plan) if plan is not None else DEFAULT_PLAN) if impl == "fused" else None
         self.parts = parts  # fused: two parts of a concatenation read where they are, not concatenated first
+        self.saved_means = saved_means  # fused, with an add: the backward's sum of xhat from the forward's means
+        self.mask_bits = mask_bits  # fused, with dropout: the mask kept as bits by the forward, not hashed again
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
-        return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}"
+        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits") if getattr(self, k))
+        return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
-    def forward(self, x: Tensor | Sequence[Tensor], add: Tensor | None = None,
+    def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
                 film: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor.
         "scale-shift" normalises the parts as they are, "fused" two parts with `parts` (model.fused_parts); the
-        others concatenate them first."""
-        if not isinstance(x, Tensor):
+        others concatenate them first. A Pending residual sum (model.norm_residual), as x or as the first part, is
+        computed by "fused" while it takes the statistics, by the others first; either way its value() is set."""
+        if not isinstance(x, (Tensor, Pending)):
             as_parts = self.impl == "scale-shift" or (self.parts and len(x) == 2)
             if len(x) == 1 or not as_parts:
-                x = x[0] if len(x) == 1 else torch.cat(tuple(x), 1)
+                x = resolved(x[0]) if len(x) == 1 else torch.cat(resolved(tuple(x)), 1)
         if self.impl == "fused":
             return self._fused(x, add, film)
+        x = resolved(x)
         if add is not None:
             x = x + add[:, :, None, None] if isinstance(x, Tensor) else _add_per_part(x, add)  # (N, C) -> (N, C, 1, 1)
         norm = F.group_norm if self.impl == "torch" else scale_shift_group_norm
@@ -182,8 +189,11 @@ class GroupNormAct(nn.GroupNorm):
             y = F.silu(y)
         return F.dropout(y, self.p, self.training) if self.p else y
 
-    def _fused(self, x: Tensor | Sequence[Tensor], add: Tensor | None, film: tuple[Tensor, Tensor] | None) -> Tensor:
-        x, x2 = (x, None) if isinstance(x, Tensor) else x
+    def _fused(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None,
+               film: tuple[Tensor, Tensor] | None) -> Tensor:
+        x, x2 = (x, None) if isinstance(x, (Tensor, Pending)) else (x[0], resolved(x[1]))
+        fold = x if isinstance(x, Pending) and x.computed is None else None  # a sum this call computes
+        x, res, res2, rbias = fold.terms if fold else (resolved(x), None, None, None)
         n = x.shape[0]
         dt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
         # The affine after normalisation, per (sample, channel): y = xhat * a + b.
@@ -192,14 +202,53 @@ class GroupNormAct(nn.GroupNorm):
             scale, shift = film[0].to(dt), film[1].to(dt)
             a, b = a * (scale + 1), b * (scale + 1) + shift
         p = self.p if self.training else 0.0
-        # A fresh mask per call, drawn on the device (no host sync); the backward recomputes it from this seed.
+        # A fresh mask per call, drawn on the device (no host sync); the backward recomputes it from this seed (or
+        # reads the forward's bits: mask_bits).
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
-        out, _, _ = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
-                                                       None if add is None else add.to(dt).contiguous(),
-                                                       seed, self.num_groups, self.eps, self.silu, p,
-                                                       *plan_args(self.plan), x2)
+        out, *_, s = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
+                                                        None if add is None else add.to(dt).contiguous(),
+                                                        seed, self.num_groups, self.eps, self.silu, p,
+                                                        *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
+                                                        res, res2, rbias)
+        if fold:
+            fold.set(s)
         return out
+
+
+class Pending:
+    """A residual sum h + res (+ res2) (+ bias per channel) left to its reader (model.norm_residual): a block returns
+    it instead of computing it, so that the fused GroupNorm reading it next writes it while it takes its statistics
+    (and, backward, adds the sum's other gradients to its own in one write) instead of a pass of its own writing it
+    and another reading it. Any other reader calls value(), which computes it in torch. Either way it is computed
+    once, and value() gives it to the readers after (the block's skip, the UNet's skip connections)."""
+
+    def __init__(self, h: Tensor, res: Tensor, res2: Tensor | None = None, bias: Tensor | None = None):
+        self.terms = (h, res, res2, bias)  # bias: (C,), any float dtype
+        self.computed: Tensor | None = None  # the sum, once a reader has computed it
+
+    def set(self, s: Tensor) -> None:
+        """The sum, computed: the terms are let go (eager mode would keep them alive while the UNet holds the sum
+        as a skip connection)."""
+        self.computed, self.terms = s, None
+
+    def value(self) -> Tensor:
+        if self.computed is None:
+            self.set(residual_sum(*self.terms))
+        return self.computed
+
+
+def residual_sum(h: Tensor, res: Tensor, res2: Tensor | None, bias: Tensor | None) -> Tensor:
+    """h + res (+ res2) (+ bias per channel, in h's dtype) in torch."""
+    s = h + res if res2 is None else h + res + res2
+    return s if bias is None else s + bias.to(s.dtype)[None, :, None, None]
+
+
+def resolved(x):
+    """x with every Pending sum in it (x itself, or the parts of a tuple) replaced by its value."""
+    if isinstance(x, Pending):
+        return x.value()
+    return tuple(resolved(t) for t in x) if isinstance(x, (tuple, list)) else x
 
 
 def _add_per_part(parts: Sequence[Tensor], add: Tensor) -> list[Tensor]:
@@ -225,38 +274,55 @@ def _on_triton(x: Tensor) -> bool:
 # work, not what they compute: the plain-torch path (reference_*) has nothing to split and leaves it unused.
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
-                   silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out, mean, rstd): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the backward. x2: None,
-    or the second part of a channel concatenation [x, x2] that is never materialised (model.fused_parts)."""
+                   silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
+                   saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the
+    backward. x2: None, or the second part of a channel concatenation [x, x2] that is never materialised
+    (model.fused_parts). cmean, bits: what the backward takes instead of a third sum and of the mask's hash
+    (model.norm_saved_means, model.norm_mask_bits; _extra_outputs), empty where off or without an add / dropout.
+    res (res2, rbias): the first part is the residual sum s = x + res (+ res2) (+ rbias per channel), returned as s
+    (model.norm_residual; else s is empty)."""
     if _on_triton(x):
-        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2)
-    return reference_forward(_joined(x, x2), a, b, e, seed, groups, eps, silu, p)
+        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
+                              mask_bits, res, res2, rbias)
+    s = residual_sum(x, res, res2, rbias).contiguous(memory_format=_format(x)) if res is not None else None
+    return (*reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p, saved_means,
+                               mask_bits), x.new_empty(0) if s is None else s)
 
 
 @group_norm_act.register_fake
-def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2):
+def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
+      rbias):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
-    return _output_like(x, x2), stats, stats.clone()
+    out = _output_like(x, x2)
+    n, c = out.shape[:2]
+    return (out, stats, stats.clone(),
+            *_extra_outputs(x, n, c, out[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
+            torch.empty_like(x) if res is not None else x.new_empty(0))
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
-                            chunk: int, warps: int, stages: int, x2: Tensor | None
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part."""
+                            chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
+                            bits: Tensor | None, ds: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part. cmean, bits: the
+    forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
+    to dx."""
     if _on_triton(x):
-        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2)
-    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p)
-    if x2 is None:
-        return dx, da, db, de, dx.new_empty(0)
-    dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
-    return (dx.contiguous(memory_format=_format(x)), da, db, de, dx2.contiguous(memory_format=_format(x2)))
+        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
+                               cmean, bits, ds)
+    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits)
+    dx2 = dx.new_empty(0)
+    if x2 is not None:
+        dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
+        dx, dx2 = dx.contiguous(memory_format=_format(x)), dx2.contiguous(memory_format=_format(x2))
+    return (dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))), da, db, de, dx2
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2):
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0))
 
@@ -275,16 +341,26 @@ def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2 = inputs
-    ctx.save_for_backward(x, a, b, e, seed, output[1], output[2], x2)
+    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias = inputs
+    _, mean, rstd, cmean, bits, s = output
+    # With a residual sum the kernels after the statistics read s, not x: the backward too.
+    ctx.save_for_backward(s if res is not None else x, a, b, e, seed, mean, rstd, x2,
+                          cmean if cmean.numel() else None, bits if bits.numel() else None)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
+    ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
 
 
-def _backward(ctx, dout, _dmean, _drstd):
-    x, a, b, e, seed, mean, rstd, x2 = ctx.saved_tensors
-    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2)
+def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
+    x, a, b, e, seed, mean, rstd, x2, cmean, bits = ctx.saved_tensors
+    has_res, has_res2, rbias_dtype = ctx.residual
+    ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
+    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean, bits,
+                                                  ds)
+    # The sum's terms share its gradient; its bias, the sum of it over samples and pixels.
+    dbias = (dx.sum((0, 2, 3), dtype=torch.promote_types(dx.dtype, torch.float32)).to(rbias_dtype)
+             if rbias_dtype is not None else None)
     return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
-            dx2 if x2 is not None else None)
+            dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias)
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -331,7 +407,7 @@ def plan_for(n: int, c: int, hw: int, groups: int, tile: int, chunk: int, sms: i
     rows = triton.cdiv(triton.cdiv(hw, k), block_r) * block_r  # a sample's rows per reduction program
     k = triton.cdiv(hw, rows)
     return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, K=k, CHUNK=rows, BLOCK_R=block_r, BLOCK_C=block_c,
-                BLOCK_G=block_g, BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k))
+                BLOCK_G=block_g, BLOCK_CPG=block_cpg, BLOCK_K=triton.next_power_of_2(k), WORD=min(32, block_c))
 
 
 def _nchw_strides(t: Tensor) -> tuple[int, int, int]:
@@ -339,6 +415,19 @@ def _nchw_strides(t: Tensor) -> tuple[int, int, int]:
     if t.dim() == 4 and t.shape[3] > 1 and t.shape[2] > 1 and t.stride(2) != t.shape[3] * t.stride(3):
         raise ValueError(f"fused GroupNorm: H and W of a tensor with strides {t.stride()} cannot be merged")
     return t.stride(0), t.stride(1), t.stride(-1)
+
+
+def mask_words(c: int) -> int:
+    """Int32 words a row of the dropout mask takes as bits (model.norm_mask_bits): 32 channels a word."""
+    return -(-c // 32)
+
+
+def _extra_outputs(x: Tensor, n: int, c: int, hw: int, means: bool, bits: bool) -> tuple[Tensor, Tensor]:
+    """The op's (cmean, bits) outputs, empty where not asked for: (N, C) fp32 per-channel means of x + e, and the
+    dropout mask as (N * HW, mask_words(C)) int32 words, bit b of word j the keep of channel 32 j + b (the layout of
+    ffcv_ddpm.conv_gn.keep_bits)."""
+    return (x.new_empty((n, c) if means else 0, dtype=torch.float32),
+            x.new_empty((n * hw, mask_words(c)) if bits else 0, dtype=torch.int32))
 
 
 def _dropout_args(p: float) -> tuple[int, float]:
@@ -357,9 +446,13 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
     return x2, x.shape[1], _nchw_strides(x2), True
 
 
-def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None):
+def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None, saved_means=False,
+                   mask_bits=False, res=None, res2=None, rbias=None):
     """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
-    second part of a channel concatenation (None: x is all of it)."""
+    second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits, s): cmean the
+    per-channel means of x + e with saved_means and an add, bits the dropout mask with mask_bits and p > 0 (their
+    layout: mask_words), each empty otherwise. res (and res2, rbias): the first part is the residual sum
+    s = x + res (+ res2) (+ rbias per channel), written while the statistics are taken and returned (else empty)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -370,6 +463,8 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     out = _output_like(x, x2)
     if out.stride() != x.stride() and not two:
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
+    addends = _residual_addends(x, res, res2)
+    s_out = torch.empty_like(x) if addends else x.new_empty(0)
     mean = x.new_empty((n, groups), dtype=torch.float32)
     rstd = torch.empty_like(mean)
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
@@ -378,21 +473,49 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     k = pl["K"]
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
+    cmean, bits = _extra_outputs(x, n, c, hw, e is not None and saved_means, p > 0 and mask_bits)
     K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps)
+                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps,
+                            **_residual_args(x, addends, rbias, s_out, a))
+    x = s_out if addends else x  # what the kernels after the statistics read
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
+                             cmean_ptr=cmean if cmean.numel() else mean, SAVE_MEANS=cmean.numel() > 0,
                              num_warps=warps)
-    K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        x, x2_, out, coef, seed, c, hw, *xs, *os, *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-        SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
-    return out, mean, rstd
+    K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
+        x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os, *_dropout_args(p),
+        BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu, DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0,
+        WORD=pl["WORD"], num_warps=warps)
+    return out, mean, rstd, cmean, bits, s_out
 
 
-def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None):
+def _residual_addends(x: Tensor, res: Tensor | None, res2: Tensor | None) -> tuple[Tensor, ...]:
+    """The residual tensors the statistics kernel adds to x, in x's layout (what it reads them with)."""
+    addends = tuple(t for t in (res, res2) if t is not None)
+    for t in addends:
+        if t.shape != x.shape or t.dtype != x.dtype:
+            raise ValueError(f"fused GroupNorm: a residual {tuple(t.shape)} {t.dtype} is not like the input "
+                             f"{tuple(x.shape)} {x.dtype}")
+    return tuple(t if t.stride() == x.stride() else t.contiguous(memory_format=_format(x)) for t in addends)
+
+
+def _residual_args(x: Tensor, addends: tuple[Tensor, ...], rbias: Tensor | None, s_out: Tensor, a: Tensor) -> dict:
+    """_stats_kernel's residual arguments: none without addends (its defaults)."""
+    if not addends:
+        return {}
+    # The bias rounded to x's dtype first, as Pending.value() adds it.
+    rb = rbias.to(x.dtype).float().contiguous() if rbias is not None else a
+    return dict(res_ptr=addends[0], res2_ptr=addends[-1], rb_ptr=rb, s_ptr=s_out, RES=len(addends),
+                RBIAS=rbias is not None)
+
+
+def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None,
+                    cmean=None, bits=None, ds=None):
     """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
-    (dx, da, db, de, dx2), dx2 empty without a second part."""
+    (dx, da, db, de, dx2), dx2 empty without a second part. cmean, bits: what triton_forward kept with saved_means
+    and mask_bits (None: the backward sums xhat itself, hashes the mask again). ds: a gradient of x (the first part)
+    from elsewhere, added to dx (a residual sum's other readers: model.norm_residual)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -405,23 +528,40 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
     de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
     e_ = a if e is None else e
-    xs, ds = (*_nchw_strides(x), c1, *x2s), _nchw_strides(dout)
-    common = (c, hw, groups, pl["CPG"])
-    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
+    xs, dstr = (*_nchw_strides(x), c1, *x2s), _nchw_strides(dout)
+    from_means, use_bits = e is not None and cmean is not None, p > 0 and bits is not None
+    for name, kept, shape in (("means", cmean if from_means else None, (n, c)),
+                              ("bits", bits if use_bits else None, (n * hw, mask_words(c)))):
+        if kept is not None and kept.shape != shape:
+            raise ValueError(f"fused GroupNorm backward: the forward's {name} {tuple(kept.shape)} are not {shape}, "
+                             f"those of (N, C, H*W) = {(n, c, hw)}")
+    bits_ = bits if use_bits else x  # never read when BITS is off
+    common = (c, hw, mask_words(c), groups, pl["CPG"])
+    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, BITS=use_bits, WORD=pl["WORD"],
+                 num_warps=warps)
     dx2_ = dx2 if two else dx  # never written when TWO is off
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
     coef = x.new_empty((n, 3, c), dtype=torch.float32)
-    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *ds,
+    K._bwd_reduce_kernel[(n, k)](dout, x, x2_, bits_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *dstr,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-                                 STAGES=stages or None, **flags)
-    K._bwd_finalize_kernel[(n,)](part, a, rstd, da, db, de if e is not None else da, coef, *common, k,
+                                 STAGES=stages or None, SUM_XHAT=e is not None and not from_means, **flags)
+    K._bwd_finalize_kernel[(n,)](part, a, mean, rstd, cmean if from_means else mean, da, db,
+                                 de if e is not None else da, coef, c, hw, groups, pl["CPG"], k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
-                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, num_warps=warps)
+                                 BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, FROM_MEANS=from_means,
+                                 num_warps=warps)
+    if ds is not None and ds.shape != x.shape:
+        raise ValueError(f"fused GroupNorm backward: ds {tuple(ds.shape)} is not the first part's {tuple(x.shape)}")
+    extra = {}
+    if ds is not None:
+        s_gn, s_gc, s_ghw = _nchw_strides(ds)
+        extra = dict(ds_ptr=ds, s_gn=s_gn, s_gc=s_gc, s_ghw=s_ghw, HAS_DS=True)
     K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
-        dout, x, x2_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *ds, a.stride(0), a.stride(1),
-        e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], **flags)
+        dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *dstr, a.stride(0),
+        a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
+        **flags, **extra)
     return dx, da, db, de, dx2
 
 
@@ -447,6 +587,16 @@ def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float) -> Tensor:
     return torch.from_numpy(keep).view(n, h, w, c).permute(0, 3, 1, 2)
 
 
+def pack_bits(keep: Tensor) -> Tensor:
+    """A boolean (N, C, H, W) keep mask as the op's bits (_extra_outputs' layout; ffcv_ddpm.conv_gn.unpack_bits
+    reads them back)."""
+    n, c, h, w = keep.shape
+    words = mask_words(c)
+    k = F.pad(keep.permute(0, 2, 3, 1).reshape(n * h * w, c).long(), (0, 32 * words - c)).view(n * h * w, words, 32)
+    packed = (k << torch.arange(32, device=k.device)).sum(-1)  # distinct bits: the sum is their OR, < 2^32
+    return torch.where(packed >= 2**31, packed - 2**32, packed).int()  # the same 32 bits as a signed int32
+
+
 def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
     """(out, mean, rstd, xhat, y): the forward in x's precision (fp32 at least), keeping what the backward needs."""
     n, c = x.shape[:2]
@@ -463,20 +613,33 @@ def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
     return out, mean, rstd, xhat, y
 
 
-def reference_forward(x, a, b, e, seed, groups, eps, silu, p):
-    """The op in plain torch (its CPU kernel)."""
+def reference_forward(x, a, b, e, seed, groups, eps, silu, p, saved_means=False, mask_bits=False):
+    """The op in plain torch (its CPU kernel), with the outputs triton_forward gives."""
     out, mean, rstd, _, _ = _reference_math(x, a, b, e, seed, groups, eps, silu, p)
-    return out.to(x.dtype).contiguous(memory_format=_format(x)), mean.float(), rstd.float()
+    n, c, h, w = x.shape
+    cmean, bits = _extra_outputs(x, n, c, h * w, False, False)
+    if e is not None and saved_means:
+        cmean = (x.to(mean.dtype).mean((2, 3)) + e.to(mean.dtype)).float()
+    if p > 0 and mask_bits:
+        bits = pack_bits(keep_mask(seed, tuple(x.shape), p).to(x.device))
+    return out.to(x.dtype).contiguous(memory_format=_format(x)), mean.float(), rstd.float(), cmean, bits
 
 
-def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p):
-    """The op's backward in plain torch (its CPU kernel): the same formulas as the Triton kernel. (Not autograd: a
-    custom op's kernel runs below the autograd dispatch key.)"""
+def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p, bits=None):
+    """The op's backward in plain torch (its CPU kernel): the same formulas as the Triton kernel, the dropout mask
+    read from `bits` where the forward kept it. (Not autograd: a custom op's kernel runs below the autograd dispatch
+    key.)"""
     n, c = x.shape[:2]
     _, _, rstd, xhat, y = _reference_math(x, a, b, e, seed, groups, eps, silu, 0.0)
     dy = dout.to(xhat.dtype)
     if p > 0:
-        dy = torch.where(keep_mask(seed, tuple(x.shape), p).to(dy.device), dy * _dropout_args(p)[1], 0.0)
+        if bits is not None:
+            from ffcv_ddpm.conv_gn import unpack_bits
+
+            keep = unpack_bits(bits, tuple(x.shape))
+        else:
+            keep = keep_mask(seed, tuple(x.shape), p)
+        dy = torch.where(keep.to(dy.device), dy * _dropout_args(p)[1], 0.0)
     if silu:
         sig = torch.sigmoid(y)
         dy = dy * sig * (1 + y * (1 - sig))

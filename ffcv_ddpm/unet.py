@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, parse_plan
+from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, Pending, parse_plan, resolved
 
 
 @dataclass
@@ -73,6 +73,17 @@ class ModelConfig:
     # 2.7 GiB less peak memory on an H100, within the spread on an H200 (NOTES items 24, 26). Not in
     # REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
+    # norm_impl=fused, the GroupNorms with an add ("ddpm" res blocks' norm2): the backward's per-channel sum of xhat
+    # from the per-channel means the forward saves, instead of a third sum in its reduction (168 -> fewer registers
+    # a thread at the 22 add sites; NOTES item 31). Exact up to fp32 summation order.
+    norm_saved_means: bool = False
+    # norm_impl=fused, the GroupNorms with dropout: the forward keeps the mask as bits (1 a element) and both
+    # backward kernels read them instead of hashing (seed, index) again (NOTES item 31). The same mask: exact.
+    norm_mask_bits: bool = False
+    # norm_impl=fused, "ddpm": each residual sum (a res block's skip + conv2, attention's x + projection) left to the
+    # next fused GroupNorm, which writes it while it takes its statistics and, backward, adds the sum's other
+    # gradients to its dx in the same write (one pass forward and two backward fewer at each; NOTES item 31).
+    norm_residual: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -89,6 +100,10 @@ class ModelConfig:
     def fused_norm_plan(self) -> tuple[int, ...] | None:
         """norm_plan as GroupNormAct takes it: (tile, chunk, warps[, stages]), or None for the default plan."""
         return parse_plan(self.norm_plan) if self.norm_plan else None
+
+    def norm_switches(self) -> dict:
+        """The fused kernels' switches as GroupNormAct takes them (for the GroupNorms with an add or dropout)."""
+        return dict(saved_means=self.norm_saved_means, mask_bits=self.norm_mask_bits)
 
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent field, so a bad config fails before building."""
@@ -136,6 +151,13 @@ class ModelConfig:
         if self.conv_bias_in_norm and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("conv_bias_in_norm=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set conv_bias_in_norm=False")
+        if self.norm_residual and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
+            raise ValueError("norm_residual=True is built for arch='ddpm' res blocks with plain 3x3 convs "
+                             "(weight_standardize=False, depthwise_separable=False); set norm_residual=False")
+        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual"):
+            if getattr(self, name) and self.norm_impl != "fused":
+                raise ValueError(f"{name}=True is a switch of the fused GroupNorm kernels: it needs norm_impl='fused' "
+                                 f"(got {self.norm_impl!r}); set {name}=False")
         if self.fused_parts and not (self.norm_impl == "fused" and self.concat_free):
             raise ValueError(f"fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
                              f"needs norm_impl='fused' and concat_free=True (got {self.norm_impl!r}, "
@@ -156,8 +178,9 @@ REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image
 
 def reference_config(cfg: ModelConfig) -> ModelConfig:
     """The same network with every computation switch at its reference value (fused_parts reads concat_free's parts:
-    it goes off with concat_free, else the reference network would be refused)."""
-    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False)
+    it goes off with concat_free, else the reference network would be refused; norm_residual's blocks return their
+    sums uncomputed, which torchinfo's count of the published table cannot follow)."""
+    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, norm_residual=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -250,12 +273,20 @@ def channels_last(x: torch.Tensor) -> bool:
 def conv_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """conv(torch.cat(parts, 1)) as a sum of convolutions over the parts with slices of its weight: no concatenated
     input, whose gradient's channel slices cuDNN's backward would copy into dense tensors."""
-    out, c0 = None, 0
-    for i, part in enumerate(parts):
+    out = None
+    for y in convs_over_parts(conv, parts, bias=True):
+        out = y if out is None else out + y
+    return out
+
+
+def convs_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], bias: bool) -> list[torch.Tensor]:
+    """conv_over_parts' terms: each part convolved with its slice of conv's weight (the first with conv's bias)."""
+    out, c0 = [], 0
+    for part in parts:
         c1 = c0 + part.shape[1]
-        y = F.conv2d(part, conv.weight[:, c0:c1], conv.bias if i == 0 else None, conv.stride, conv.padding,
-                     conv.dilation, conv.groups)
-        out, c0 = (y if out is None else out + y), c1
+        out.append(F.conv2d(part, conv.weight[:, c0:c1], conv.bias if bias and not out else None, conv.stride,
+                            conv.padding, conv.dilation, conv.groups))
+        c0 = c1
     return out
 
 
@@ -305,7 +336,8 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
-                 norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, ...] | None = None):
+                 norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, ...] | None = None,
+                 pending: bool = False):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
@@ -313,14 +345,16 @@ class SelfAttention(nn.Module):
         # The 1x1 convs as matmuls on the NHWC view: inductor hands a conv to cuDNN without its bias and adds the bias
         # in a kernel of its own, which nothing fuses when SDPA consumes the output; cuBLAS adds it in its epilogue.
         self.linear = linear
+        self.pending = pending  # the output x + projection left as a Pending sum (model.norm_residual)
         inner = self.heads * self.head_dim
         self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False, plan=norm_plan)
         self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
         self.proj = nn.Conv2d(inner, channels, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Pending) -> torch.Tensor | Pending:
+        h = self.norm(x)  # computes a Pending input
+        x = resolved(x)
         B, C, H, W = x.shape
-        h = self.norm(x)
         if self.linear:  # (B, H, W, C) @ (C, 3*heads*d): a view and one GEMM if channels_last
             qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
         else:
@@ -330,8 +364,12 @@ class SelfAttention(nn.Module):
         o = attention(q, k, v, self.impl)  # (B, heads, HW, d)
         o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim)  # (B, HW, heads, d) -> (B, H, W, heads*d)
         if self.linear:
-            return x + F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
-        return x + self.proj(o.permute(0, 3, 1, 2))  # (B, heads*d, H, W), channels_last
+            y = F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
+            return Pending(y, x) if self.pending else x + y
+        o = o.permute(0, 3, 1, 2)  # (B, heads*d, H, W), channels_last
+        if self.pending:
+            return Pending(F.conv2d(o, self.proj.weight), x, bias=self.proj.bias)
+        return x + self.proj(o)
 
 
 class TimeEmbedding(nn.Module):
@@ -385,14 +423,18 @@ class DDPMResBlock(nn.Module):
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout
-                                  plan=cfg.fused_norm_plan())
+                                  plan=cfg.fused_norm_plan(), **cfg.norm_switches())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
         self.bias_in_norm = cfg.conv_bias_in_norm  # conv1's bias added with the time embedding, inside norm2
+        self.pending = cfg.norm_residual  # the output left as a Pending sum for the next fused GroupNorm
 
-    def forward(self, x: torch.Tensor | tuple[torch.Tensor, ...], temb: torch.Tensor) -> torch.Tensor:
-        """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path)."""
+    def forward(self, x: torch.Tensor | Pending | tuple[torch.Tensor | Pending, ...],
+                temb: torch.Tensor) -> torch.Tensor | Pending:
+        """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path); a
+        Pending sum (model.norm_residual) as the input or its first part is computed by norm1."""
         h = self.norm1(x)  # the normalised concatenation
+        x = resolved(x)  # the input's value, computed by norm1 where it was a Pending sum
         add = self.temb(F.silu(temb))  # the (B, cout) time embedding, added to conv1's output before norm2
         c = self.conv1
         if self.bias_in_norm and not c._forward_pre_hooks:  # a pre-hook (torch's pruning) makes the weight: call c
@@ -401,7 +443,16 @@ class DDPMResBlock(nn.Module):
             h, add = F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups), add + c.bias
         else:
             h = c(h)
-        h = self.conv2(self.norm2(h, add=add))
+        h = self.norm2(h, add=add)
+        if self.pending and not self.conv2._forward_pre_hooks:  # (a pre-hook makes the weight: call the module)
+            # The biases ride in the sum, which the next fused GroupNorm computes.
+            c2, bias = self.conv2, self.conv2.bias
+            h = F.conv2d(h, c2.weight, None, c2.stride, c2.padding, c2.dilation, c2.groups)
+            if isinstance(self.skip, nn.Identity):
+                return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias)
+            res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
+            return Pending(h, *res, bias=bias + self.skip.bias)
+        h = self.conv2(h)
         if isinstance(x, torch.Tensor):
             return self.skip(x) + h
         if isinstance(self.skip, nn.Identity):
@@ -418,7 +469,7 @@ class AnnotatedResBlock(nn.Module):
         self.conv1 = res_conv3x3(cfg, cin, cout)
         # GroupNorm, FiLM, SiLU, then a dropout before conv2 (not in the original; off at the preset's dropout=0)
         self.norm1 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,
-                                  plan=cfg.fused_norm_plan())
+                                  plan=cfg.fused_norm_plan(), **cfg.norm_switches())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, plan=cfg.fused_norm_plan())  # GroupNorm + SiLU
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
@@ -474,7 +525,8 @@ class DDPMUNet(nn.Module):
         self.stem = ImageConv2d(cfg.in_channels, ch, cfg.stem_kernel, "in", cfg.pad_image_channels)
         block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
-                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan())
+                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan(),
+                                       cfg.norm_residual)
 
         # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
         self.down = nn.ModuleList()
@@ -509,16 +561,18 @@ class DDPMUNet(nn.Module):
         temb = self.time(t, y)
         h = self.stem(x)
         hs = [h]
+        # With model.norm_residual a Stage returns a Pending sum: the next Stage's first GroupNorm computes it, any
+        # other module gets its value (resolved); the skips are resolved when the up path takes them, computed by then.
         for m in self.down:
-            h = m(h, temb) if isinstance(m, Stage) else m(h)
+            h = m(h, temb) if isinstance(m, Stage) else m(resolved(h))
             hs.append(h)
         h = self.mid(h, temb)
         for m in self.up:
             if isinstance(m, Stage):
-                parts = (h, hs.pop())
-                h = m(parts if self.concat_free else torch.cat(parts, dim=1), temb)  # concat on channels
+                parts = (h, resolved(hs.pop()))
+                h = m(parts if self.concat_free else torch.cat(resolved(parts), dim=1), temb)  # concat on channels
             else:
-                h = m(h)
+                h = m(resolved(h))
         return self.out(h)
 
 

@@ -212,6 +212,12 @@ def test_flops_count_the_reference_network():
     # a fused_parts row failed on an H200 at 8d99035, its reference network refused by ModelConfig.validate).
     parts = dataclasses.replace(PRESETS["ddpm-cifar10"], fused_parts=True)
     assert reference_config(parts) == base and train_flops_per_image(parts)["fwd_bwd"] == ref["fwd_bwd"]
+    # norm_residual's Pending sums: counted on the reference network (torchinfo cannot follow a Pending), executed
+    # as they are (the same convolutions: the same FLOPs).
+    residual = dataclasses.replace(PRESETS["ddpm-cifar10"], norm_residual=True)
+    assert reference_config(residual) == base
+    assert train_flops_per_image(residual)["executed_fwd_bwd"] == train_flops_per_image(parts)["executed_fwd_bwd"]
+    assert published_style_flops_per_image(residual)["fwd_bwd"] == published_style_flops_per_image(base)["fwd_bwd"]
     # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
     row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
     padded = flops_of(row("model.pad_image_channels=8"), [])
@@ -323,11 +329,10 @@ def test_conv_bias_in_norm_takes_every_res_blocks_first_bias_into_the_norm():
     assert rec.no_bias == len(blocks) - 1
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
-def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
-    """model.fused_parts: the up blocks' first fused GroupNorm reads (h, skip) as two tensors (no cat; a group
-    straddles them in STRADDLE): the concatenating network's function and gradients, through the op's plain-torch
-    path and through its Triton kernels (interpreted without a GPU)."""
+def fused_switch_matches(cfg, switch: dict, kernels: bool, monkeypatch, size: int) -> torch.nn.Module:
+    """The fused network with `switch` against it without, in training mode with the same dropout masks, forward and
+    every gradient: through the op's plain-torch path in fp64, or its Triton kernels in fp32 (interpreted without a
+    GPU). Returns the switched model."""
     from ffcv_ddpm import norm
 
     if kernels:
@@ -336,18 +341,81 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
         if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
             pytest.skip("needs a GPU or TRITON_INTERPRET=1")
         monkeypatch.setattr(norm, "_on_triton", lambda x: True)
-    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, base_channels=8, norm_groups=4,
-                              channel_mult=(1, 2), attn_resolutions=(16,))
-    ref, new = pair(cfg, dict(fused_parts=True), channels_last=True)
+    ref, new = pair(cfg, switch, channels_last=True)
     ref, new = (m.float() for m in (ref, new)) if kernels else (ref, new)  # the kernels take fp32, not fp64
-    dtype = torch.float32 if kernels else torch.float64
-    x = torch.randn(2, 3, 32, 32, dtype=dtype).contiguous(memory_format=torch.channels_last)
-    t = torch.tensor([3, 700])
+    x = torch.randn(2, 3, size, size, dtype=torch.float32 if kernels else torch.float64)
+    x, t = x.contiguous(memory_format=torch.channels_last), torch.tensor([3, 700])
     (out_r, grads_r), (out_n, grads_n) = run(ref, x, t), run(new, x, t)
     tol = 1e-5 if kernels else 1e-12
     assert rel_max(out_n, out_r) < tol
     names = ["input"] + [n for n, _ in ref.named_parameters()]
     for name, a, b in zip(names, grads_n, grads_r):
         assert rel_max(a, b) < 10 * tol, name
+    return new
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
+def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
+    """model.fused_parts: the up blocks' first fused GroupNorm reads (h, skip) as two tensors (no cat; a group
+    straddles them in STRADDLE): the concatenating network's function and gradients, through the op's plain-torch
+    path and through its Triton kernels (interpreted without a GPU)."""
+    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, base_channels=8, norm_groups=4,
+                              channel_mult=(1, 2), attn_resolutions=(16,))
+    fused_switch_matches(cfg, dict(fused_parts=True), kernels, monkeypatch, 32)
     with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs norm_impl='fused'"):
         load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift"])
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
+def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
+    """model.norm_saved_means, model.norm_mask_bits (the fused GroupNorm's backward from the forward's means and mask
+    bits, at the res blocks' norm2: an add and dropout) and model.norm_residual (each residual sum computed by the
+    fused GroupNorm that reads it next, the up path's as the first of its two parts) give the network's function and
+    gradients, with the same dropout masks: through the op's plain-torch path and through its Triton kernels
+    (interpreted without a GPU; 8x8 images keep that fast). Every sum is computed once, and in torch only where no
+    GroupNorm reads it (the down- and upsampling convolutions). Refused without the fused kernels."""
+    from ffcv_ddpm import norm
+    from ffcv_ddpm.unet import Downsample
+
+    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
+                              base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.3)
+    switch = dict(norm_saved_means=True, norm_mask_bits=True, norm_residual=True)
+    made, in_torch = [], []
+    value = norm.Pending.value
+    monkeypatch.setattr(norm.Pending, "value", lambda p: (p.computed is None and in_torch.append(p), value(p))[1])
+    init = norm.Pending.__init__
+    monkeypatch.setattr(norm.Pending, "__init__", lambda p, *a, **k: (made.append(p), init(p, *a, **k))[0])
+    new = fused_switch_matches(cfg, switch, kernels, monkeypatch, 8)
+    norm2 = [m.norm2 for m in new.modules() if isinstance(m, DDPMResBlock)]
+    assert norm2 and all(m.saved_means and m.mask_bits for m in norm2)
+    resamplers = [m for m in new.modules() if isinstance(m, (Downsample, Upsample))]
+    assert len(in_torch) == len(resamplers) and len(made) > 2 * len(in_torch)
+    assert all(p.computed is not None for p in made)
+    for key in switch:
+        with pytest.raises(BadValue, match=f"{key}=True is a switch of the fused GroupNorm kernels"):
+            load_config("ddpm-cifar10", [f"model.{key}=True", "model.norm_impl=scale-shift",
+                                         "model.fused_parts=False"])
+    with pytest.raises(BadValue, match="norm_residual=True is built for arch='ddpm'"):
+        load_config("annotated-small", ["model.norm_residual=True", "model.norm_impl=fused"])
+
+
+def test_norm_residual_compiles_in_one_graph():
+    """torch.compile (fullgraph, AOT autograd's eager backend: the graphs inductor would get) of the network with
+    model.norm_residual: the Pending sums trace without a graph break, the fused GroupNorm calls that read one carry
+    its terms (10 of the 21 here), and the forward and gradients are the eager reference network's."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
+                              base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.0)
+    ref, new = pair(cfg, dict(norm_residual=True), channels_last=True)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    t = torch.tensor([3, 700])
+    backend = AotEagerAndRecordGraphs()
+    out_r, grads_r = run(ref, x, t)
+    out_n, grads_n = run(torch.compile(new, backend=backend, fullgraph=True), x, t)
+    calls = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
+    folded = [n for n in calls if n.args[16] is not None]  # res: the sum's terms go in
+    assert len(calls) == 21 and len(folded) == 10
+    assert rel_max(out_n, out_r) < 1e-12
+    assert all(rel_max(a, b) < 1e-11 for a, b in zip(grads_n, grads_r))

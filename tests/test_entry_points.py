@@ -19,6 +19,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.reducer_ops": True, "benchmarks.speed.floors": True, "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
     "benchmarks.speed.kernel_regs": False, "benchmarks.speed.conv_gn_bench": True,
     "benchmarks.speed.conv_autotune": True,
+    "benchmarks.speed.levers": True,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
@@ -60,7 +61,8 @@ NEEDS = {"benchmarks.quality.fid": ["--run", "RUN"], "benchmarks.speed.norm_benc
          "benchmarks.quality.sde": ["--out", "OUT"], "benchmarks.speed.flops": ["--preset", "tiny"],
          "benchmarks.speed.ddp": ["--device", "cpu"], "benchmarks.quality.digits": ["--out", "OUT", "--work", "WORK"],
          "benchmarks.quality.compress": ["--out", "OUT", "--work", "WORK"],
-         "benchmarks.speed.conv_gn_bench": ["--out", "OUT"], "benchmarks.speed.conv_autotune": ["--out", "OUT"]}
+         "benchmarks.speed.conv_gn_bench": ["--out", "OUT"], "benchmarks.speed.conv_autotune": ["--out", "OUT"],
+         "benchmarks.speed.levers": ["--out", "OUT"]}
 
 
 @pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])

@@ -135,7 +135,8 @@ def check_kernels(case, plan):
     a, b = (torch.randn(n, c, generator=g).to(dev) for _ in range(2))
     e = torch.randn(n, c, generator=g).to(dev) if add else None
     seed = torch.tensor([1234], device=dev)
-    out, mean, rstd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan)
+    out, mean, rstd, cmean, bits, s = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan)
+    assert cmean.numel() == bits.numel() == s.numel() == 0  # only when asked for (test_saved_means_..., _residual_...)
     xd = x.double()
     leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
 
@@ -214,13 +215,108 @@ def test_two_parts_compute_what_their_concatenation_does(case, plan):
         assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=1e-6), name
 
 
+# (case, plan): dropout and an add, as the res blocks' norm2. 40 channels take two mask words a row, the second one
+# partly (a tile of 64 channels), 8 channels one word of 8 bits. The default plan holds a test sample in one
+# reduction program; the small plans split it over several, whose partial sums of xhat the means replace.
+SWITCH_CASES = [(CASES[2], N.DEFAULT_PLAN), ((2, 32, 8, 8, 8, True, 0.1, True, True, torch.bfloat16), N.DEFAULT_PLAN),
+                ((2, 40, 3, 5, 4, True, 0.25, True, True, torch.float32), (128, 256, 2)),
+                ((3, 8, 4, 4, 2, False, 0.5, True, False, torch.float32), (32, 64, 1))]
+
+
+@pytest.mark.parametrize("case,plan", SWITCH_CASES, ids=lambda c: f"c{c[1]}-p{c[6]}-{str(c[9])[6:]}"
+                         if len(c) == 10 else ",".join(map(str, c)))
+def test_saved_means_and_mask_bits_compute_what_the_kernels_did(case, plan):
+    """model.norm_saved_means and model.norm_mask_bits: the forward keeps the per-channel means of x + e and the
+    dropout mask as bits (norm.keep_mask's mask, in conv_gn.keep_bits' layout), and the backward reads them: the
+    same forward, dx, da and db to the last bit, dL/de (the one gradient the means give) to fp32 rounding. The
+    backward is handed another seed, so that only a mask read from the bits can give the same numbers."""
+    needs_triton()
+    from ffcv_ddpm import conv_gn
+
+    n, c, h, w, groups, silu, p, add, cl, dtype = case
+    plan4 = N.plan_args(plan)  # x2 and the switches come after all four parts
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    x = (spread_input((n, c, h, w), g) + 20).to(dtype).to(dev)
+    x = x.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    assert plan == N.DEFAULT_PLAN or N._plan(x, groups, *plan[:2])["K"] > 1
+    a, b, e = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
+    seed = torch.tensor([4321], device=dev)
+    plain = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan4)
+    kept = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan4, None, True, True)
+    for name, got, want in zip(("out", "mean", "rstd"), kept, plain):
+        assert torch.equal(got, want), name
+    cmean, bits = kept[3:5]
+    want_mean = (x.double().mean((2, 3)) + e.double()).float()
+    assert cmean.shape == (n, c) and rel(cmean, want_mean) < 1e-6
+    assert torch.equal(bits, N.pack_bits(N.keep_mask(seed.cpu(), tuple(x.shape), p)).to(dev))
+    assert torch.equal(bits, conv_gn.keep_bits(seed, tuple(x.shape), p))
+    assert torch.equal(conv_gn.unpack_bits(bits, tuple(x.shape)), plain[0] != 0)  # the zeros are dropout's
+    dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
+    want = N.triton_backward(dout, x, a, b, e, seed, *plain[1:3], groups, silu, p, *plan4)
+    other_seed = torch.tensor([1], device=dev)
+    got = N.triton_backward(dout, x, a, b, e, other_seed, *kept[1:3], groups, silu, p, *plan4, None, cmean, bits)
+    for name, u, v in zip(("dx", "da", "db"), got, want):
+        assert torch.equal(u, v), name
+    assert rel(got[3], want[3]) < 1e-5, "de"
+    # Each switch alone: the means without the bits, the bits without the means.
+    assert torch.equal(N.triton_backward(dout, x, a, b, e, seed, *kept[1:3], groups, silu, p, *plan4, None,
+                                         cmean, None)[3], got[3])
+    assert torch.equal(N.triton_backward(dout, x, a, b, e, other_seed, *kept[1:3], groups, silu, p, *plan4, None,
+                                         None, bits)[3], want[3])
+    # Without an add there are no means to keep, without dropout no bits: empty outputs, the kernels as before.
+    none = N.triton_forward(x, a, b, None, seed, groups, 1e-5, silu, 0.0, *plan4, None, True, True)
+    assert none[3].numel() == none[4].numel() == 0
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one-part", "two-parts"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_residual_sum_folded_into_the_statistics(two, dtype):
+    """model.norm_residual: the first part given as the terms of s = h + res + res2 + bias (one term NCHW, to be read
+    in the input's layout): the statistics kernel writes s (rounded once, as inductor's fused sum) and the op computes
+    what it computes on s, forward and backward; the backward adds the gradient s gets elsewhere (ds) to dx, dx2 without
+    it. Two parts: the sum is the first (the up path's h), a group straddling both (c1 = 9, groups of 4)."""
+    needs_triton()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    n, c1, c2, h, w, groups, p = 2, 9 if two else 24, 7, 3, 5, 4, 0.2
+    c = c1 + (c2 if two else 0)
+    cl = torch.channels_last
+
+    def tensor(ch, fmt=cl):
+        return torch.randn(n, ch, h, w, generator=g).to(dtype).to(dev).contiguous(memory_format=fmt)
+
+    x, res, res2 = tensor(c1), tensor(c1), tensor(c1, torch.contiguous_format)
+    rbias = torch.randn(c1, generator=g).to(dev)
+    x2 = tensor(c2) if two else None
+    a, b, e = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
+    seed = torch.tensor([11], device=dev)
+    # The sum in fp32, rounded once (inductor's fused add; eager bf16 would round after each term).
+    s = N.residual_sum(x.float(), res.float(), res2.float(), rbias.to(dtype)).to(dtype).contiguous(memory_format=cl)
+    want = N.triton_forward(s, a, b, e, seed, groups, 1e-5, True, p, *N.DEFAULT_PLAN, x2)
+    got = N.triton_forward(x, a, b, e, seed, groups, 1e-5, True, p, *N.DEFAULT_PLAN, x2, False, False, res, res2,
+                           rbias)
+    step = 1e-6 if dtype == torch.float32 else 2**-7  # fp32 rounding; one bf16 step (the kernel's order of the sum)
+    assert got[5].stride() == x.stride() and torch.allclose(got[5].float(), s.float(), rtol=step, atol=step)
+    assert want[5].numel() == 0
+    for name, u, v in zip(("out", "mean", "rstd"), got, want):
+        assert torch.allclose(u.float(), v.float(), rtol=10 * step, atol=10 * step), name
+    dout, ds = torch.randn(want[0].shape, generator=g).to(dtype).to(dev), tensor(c1)
+    plain = N.triton_backward(dout, got[5], a, b, e, seed, *got[1:3], groups, True, p, *N.DEFAULT_PLAN, x2)
+    summed = N.triton_backward(dout, got[5], a, b, e, seed, *got[1:3], groups, True, p, *N.DEFAULT_PLAN, x2, None,
+                               None, ds)
+    assert torch.allclose(summed[0].float(), (plain[0].float() + ds.float()).to(dtype).float(), rtol=step, atol=step)
+    for name, u, v in zip(("da", "db", "de", "dx2"), summed[1:], plain[1:]):
+        assert torch.equal(u, v), name
+
+
 def test_parts_that_differ_in_more_than_channels_are_refused():
     needs_triton()
     x1, x2 = torch.randn(2, 8, 4, 4), torch.randn(2, 8, 4, 2)
     with pytest.raises(ValueError, match="differ in more than their channels"):
         N.triton_forward(x1, torch.ones(2, 16), torch.zeros(2, 16), None, torch.tensor([0]), 4, 1e-5, True, 0.0,
                          *N.DEFAULT_PLAN, x2=x2)
-    with pytest.raises(ValueError, match="parts=True is the fused kernels' two-part read"):
+    with pytest.raises(ValueError, match="parts=True is a switch of the fused kernels"):
         GroupNormAct(4, 16, "scale-shift", parts=True)
 
 
@@ -408,9 +504,9 @@ def test_two_plans_compute_the_same_and_reach_the_kernels(monkeypatch):
 
 def test_the_plan_is_an_argument_of_the_compiled_op():
     """torch.compile (fullgraph) keeps the plan as the op's constant arguments: the traced graph calls
-    ffcv_ddpm::group_norm_act with the module's tile, chunk, warps and stages (0 for a plan of three); forward and
-    backward run through the fake implementations and the autograd registration with them (on CPU: the plain-torch
-    path, as without a plan)."""
+    ffcv_ddpm::group_norm_act with the module's tile, chunk, warps and stages (0 for a plan of three), then the
+    second part and the two switches (saved_means, mask_bits); forward and backward run through the fake
+    implementations and the autograd registration with them (on CPU: the plain-torch path, as without a plan)."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     torch._dynamo.reset()
@@ -421,16 +517,45 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     y.sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    assert len(calls) == 1 and calls[0].args[-5:] == (2048, 65536, 8, 0, None)  # the plan, then no second part
+    # the plan, then no second part, the switches off and no residual sum
+    assert len(calls) == 1 and calls[0].args[-10:] == (2048, 65536, 8, 0, None, False, False, None, None, None)
     torch._dynamo.reset()
     staged, backend = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8, 3)), EagerAndRecordGraphs()
     torch.compile(staged, backend=backend, fullgraph=True)(x)
-    assert [node.args[-5:] for graph in backend.graphs for node in graph.graph.nodes
-            if node.op == "call_function" and "group_norm_act" in str(node.target)] == [(2048, 65536, 8, 3, None)]
+    assert [node.args[-10:-3] for graph in backend.graphs for node in graph.graph.nodes
+            if node.op == "call_function" and "group_norm_act" in str(node.target)] == [
+        (2048, 65536, 8, 3, None, False, False)]
     ref = GroupNormAct(2, 8, "fused")
     x2 = x.detach().clone().requires_grad_()
     ref(x2).sum().backward()
     assert torch.allclose(x.grad, x2.grad)
+
+
+def test_the_switches_compile_into_the_op_and_its_backward():
+    """torch.compile (fullgraph) of a fused GroupNormAct with an add and dropout and both switches (saved_means,
+    mask_bits): the forward call carries them, its extra outputs (the means, the mask's bits: the fake
+    implementation's shapes) reach the backward op, and the numbers are the eager module's with the same seed."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    m = GroupNormAct(2, 40, "fused", dropout=0.3, saved_means=True, mask_bits=True).train()
+    backend = AotEagerAndRecordGraphs()
+    x = torch.randn(2, 40, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    temb = torch.randn(2, 40, requires_grad=True)
+    torch.manual_seed(0)
+    y = torch.compile(m, backend=backend, fullgraph=True)(x, add=temb)
+    y.square().sum().backward()
+    fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
+    bw = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
+    assert len(fw) == 1 and fw[0].args[-5:] == (True, True, None, None, None) and len(bw) == 1
+    cmean, bits = (fw[0].meta["val"][i] for i in (3, 4))
+    assert cmean.shape == (2, 40) and bits.shape == (2 * 9, 2) and bits.dtype == torch.int32
+    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-3:-1])  # the forward's means and bits
+    r, rt = x.detach().clone().requires_grad_(), temb.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    want = m(r, add=rt)
+    want.square().sum().backward()
+    assert torch.allclose(y, want) and torch.allclose(x.grad, r.grad) and torch.allclose(temb.grad, rt.grad)
 
 
 def test_two_parts_compile_as_one_call_of_the_op():
@@ -447,7 +572,7 @@ def test_two_parts_compile_as_one_call_of_the_op():
     y.square().sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    assert len(calls) == 1 and calls[0].args[-1] is not None  # the second part goes in as it is
+    assert len(calls) == 1 and calls[0].args[13] is not None  # x2: the second part goes in as it is
     assert y.shape == (2, 12, 4, 4) and y.is_contiguous(memory_format=torch.channels_last)
     ref = GroupNormAct(4, 12, "fused")  # concatenates first
     r1, r2 = (t.detach().clone().requires_grad_() for t in (x1, x2))

@@ -10,7 +10,8 @@ registers a thread, shared memory a program, and how many programs an SM can hol
 Why it exists: a variant's registers decide how many of its programs an SM runs at once, which a GPU profile shows
 only after the call. The backward reduction's add + dropout + SiLU variant builds here to 168 registers, 3 programs
 an SM, as the H100 trace of benchmarks/results/h100/profile-best-0c88903 reports it (168, 19% occupancy; NOTES item
-27). The counts are those of the installed Triton (requirements.txt pins it); the GPU machine's may differ.
+27); with its sum of xhat from the forward's means (model.norm_saved_means) 128, 4 programs an SM (NOTES item 31).
+The counts are those of the installed Triton (requirements.txt pins it); the GPU machine's may differ.
 """
 
 from __future__ import annotations
@@ -24,19 +25,36 @@ import tempfile
 
 from ffcv_ddpm.checks import Parser, fail
 
-# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO).
+# The variants the DDPM UNet launches (GroupNormAct's flags): name -> (SILU, HAS_ADD, DROPOUT, TWO), then under the
+# switches of NOTES item 31: the res blocks' norm2 with model.norm_saved_means (no third sum in the backward
+# reduction: SUM_XHAT off) and model.norm_mask_bits (the mask read from bits: BITS on), and with model.norm_residual
+# the first GroupNorms reading a residual sum (RES terms and a bias added in the statistics kernel, which writes
+# the sum; HAS_DS: the sum's other gradients added in the dx kernel): a down block's (one term, its skip), an up
+# block's (two terms, its skip convolution over the parts) with its second part.
+FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
     "up block norm1 (two parts)": (True, False, False, True),
     "attention norm": (False, False, False, False),
+    "norm2, saved means": (True, True, True, False, False, False),
+    "norm2, mask bits": (True, True, True, False, True, True),
+    "norm2, saved means + mask bits": (True, True, True, False, False, True),
+    "res block norm1, residual sum": (True, False, False, False, False, False, 1, True, True),
+    "up block norm1, residual sum": (True, False, False, True, False, False, 2, True, True),
 }
-KERNELS = ("_stats_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
+# The residual sum's pointers (norm.py passes None, a constant, where a variant reads none of them).
+RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
+KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
+           "_bwd_dx_kernel")
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
-# 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites.
-UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec"}
-NOT_DIVISIBLE = {"K", "CPG", "C1", "thr24", "eps", "inv_keep"}
-BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr"}
+# 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites. C1 (the first part's channels: 128 or
+# 256) among them: built as not divisible, the up blocks' two-part variants lost their vector loads and pipelining
+# here, where the H100 trace of profile-best-0c88903 shows them with both (its reduction 125 registers, 36 KB).
+UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
+NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr24", "eps", "inv_keep"}
+BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
+                 "ds_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
 # programs (CUDA's occupancy tables: 8.0 is the A100, 9.0 the H100 and H200).
 SM = {80: dict(registers=65536, shared=167936, threads=2048, programs=32),
@@ -70,7 +88,8 @@ def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int]:
             signature[name] = "constexpr"
             continue
         if name.endswith("_ptr"):
-            signature[name] = "*bf16" if name in BF16_POINTERS else "*i64" if name == "seed_ptr" else "*fp32"
+            signature[name] = ("*bf16" if name in BF16_POINTERS else "*i64" if name == "seed_ptr" else
+                               "*i32" if name == "bits_ptr" else "*fp32")
         else:
             signature[name] = "fp32" if name in ("eps", "inv_keep") else "i32"
         if name not in NOT_DIVISIBLE:
@@ -100,14 +119,21 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
     tile, chunk, warps, stages = plan_args(plan)
     n, c, h, w = site
     pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
-    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None)
+    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
+                 WORD=pl["WORD"], BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"])
     out = []
     for name in KERNELS:
         kernel = getattr(gn_kernels, name)
         params = inspect.signature(kernel.fn).parameters
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
-            read = tuple((k, v) for k, v in zip(("SILU", "HAS_ADD", "DROPOUT", "TWO"), flags) if k in params)
+            flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False),  # the defaults
+                     **dict(zip(FLAGS, flags))}
+            # the finalize kernels keep and read the means where the reduction does not sum xhat
+            flags["SAVE_MEANS"] = flags["FROM_MEANS"] = flags["HAS_ADD"] and not flags["SUM_XHAT"]
+            unused = tuple((k, None) for k, on in RESIDUAL_POINTERS.items() if k in params and not (
+                flags[on] if isinstance(on, str) else flags["RES"] >= on))
+            read = tuple((k, v) for k, v in flags.items() if k in params) + unused
             builds.setdefault(read, []).append(variant)
         for read, variants in builds.items():
             constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}

@@ -1,0 +1,51 @@
+"""benchmarks.speed.levers on the CPU: its rows, its budget, its one-line errors (the rows themselves need CUDA)."""
+
+import pytest
+
+from benchmarks.speed import levers
+
+
+def test_rows_are_rounds_of_the_defaults_and_each_variant():
+    assert levers.parse_variant("bits:model.norm_mask_bits=True,train.seed=3") == (
+        "bits", ("model.norm_mask_bits=True", "train.seed=3"))
+    rows = levers.plan_rows(list(levers.DEFAULT_VARIANTS))
+    names = ["defaults", "all", "residual", "saved-means", "mask-bits"]
+    assert [name for name, _ in rows] == names * 2 and rows[0][1] == ()
+    # "all" is every lever that runs alone
+    assert set(dict(rows)["all"]) == {o for name, over in rows[2:5] for o in over}
+
+
+def test_a_row_starts_only_with_the_time_its_kind_took():
+    """A fake clock: a setting's first row takes 100 s (it compiles), a repeat 30 s. 400 s hold both rounds of three
+    settings. In 250 s: two new rows (50 s left), not the third (it needs 100), a repeat of the defaults (it needs
+    half the longest new row, 50), then nothing (20 s left; a repeat now needs 30, b's first row 100)."""
+    now, ran = [0.0], set()
+
+    def run(name, overrides):
+        now[0] += 30.0 if name in ran else 100.0
+        ran.add(name)
+        return {"status": "ok"}
+
+    rows = levers.plan_rows([("a", ("x=1",)), ("b", ("x=2",))])
+    done = levers.run_rows(rows, run, budget=400, clock=lambda: now[0])
+    assert [(r["name"], r["round"], r["status"], r["seconds"]) for r in done] == [
+        ("defaults", 1, "ok", 100.0), ("a", 1, "ok", 100.0), ("b", 1, "ok", 100.0), ("defaults", 2, "ok", 30.0),
+        ("a", 2, "ok", 30.0), ("b", 2, "ok", 30.0)]
+    now[0], ran = 0.0, set()
+    done = levers.run_rows(rows, run, budget=250, clock=lambda: now[0])
+    assert [(r["name"], r["round"], r["status"]) for r in done] == [
+        ("defaults", 1, "ok"), ("a", 1, "ok"), ("b", 1, "skipped"), ("defaults", 2, "ok"), ("a", 2, "skipped"),
+        ("b", 1, "skipped")]
+    assert done[2]["error"] == "50 s of the budget left, such a row took up to 100 s"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--out", "x", "--variant", "bits"], "--variant 'bits': write NAME:KEY=VALUE"),
+    (["--out", "x", "--variant", "b:model.norm_mask_bits"], "--variant 'b:model.norm_mask_bits': write NAME:"),
+    (["--out", "x", "--variant", "r:model.norm_residual=True,model.norm_impl=scale-shift"],
+     "norm_residual=True is a switch of the fused GroupNorm kernels"),
+])
+def test_a_bad_variant_is_one_line(argv, message, capsys):
+    assert levers.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("levers: error: ") and message in err[0], err
