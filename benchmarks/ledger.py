@@ -19,6 +19,7 @@ import difflib
 import json
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -282,6 +283,18 @@ def conv_autotune(path: Path, d: dict) -> str:
             f"Inductor's templates {_ms(inductor)}; compile {compile_s:,.0f} s")
 
 
+def levers(path: Path, d: dict) -> str:
+    """benchmarks.speed.levers: row 24 and each variant in one process; per setting the median of its rounds' median
+    steps, against the defaults'."""
+    by: dict[str, list[float]] = {}
+    for r in d["rows"]:
+        if (r.get("metrics") or {}).get("ms_median") is not None:
+            by.setdefault(r["name"], []).append(r["metrics"]["ms_median"])
+    base = statistics.median(by["defaults"])
+    return ", ".join(f"{name} {_ms(statistics.median(ms))}" + ("" if name == "defaults" else
+                     f" ({statistics.median(ms) / base - 1:+.1%})") + f" x{len(ms)}" for name, ms in by.items())
+
+
 def _run_environment(path: Path, d: dict) -> dict | None:
     """The telemetry summary has no stamp of its own: its run's environment.json beside it is the run's."""
     env = path.parent / "environment.json"
@@ -319,6 +332,7 @@ READERS = (
     Reader("trainer telemetry", lambda p, d: p.name == "telemetry-summary.json", telemetry, stamp=_run_environment),
     Reader("DDP reducer ops", lambda p, d: "ddp_minus_flat" in d, reducer_ops),
     Reader("op-class floors", lambda p, d: {"measured", "profile_ms", "table"} <= d.keys(), floors),
+    Reader("levers in the step", lambda p, d: {"row", "batch_size", "rows"} <= d.keys() and "table" not in d, levers),
     Reader("conv autotune", lambda p, d: d.get("benchmark") == "conv_autotune", conv_autotune),
     Reader("conv + GroupNorm forward", lambda p, d: {"sites_total", "rows", "configs"} <= d.keys(), conv_gn),
 )
