@@ -31,8 +31,9 @@ setup: $(SETUP)
 $(STAMP): requirements.txt setup/install.sh pyproject.toml
 	VENV=$(VENV) bash setup/install.sh
 
+# One pytest-xdist worker per core; a module whose tests share an expensive fixture is one xdist_group (one worker).
 test: $(SETUP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadgroup tests
 
 dataset: $(SETUP)
 	$(PY) -m tools.make_dataset --source $(SOURCE) --out $(or $(OUT),$(DATA)) --jpeg-quality $(JPEG_QUALITY) \
