@@ -214,8 +214,9 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
             ("global", [1, 2], False, ddp.run_point, [], 16)]
     assert ddp.warm_jobs(plan) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)),
                                    (1, 32, ("data.batch_size=32",)), (2, 32, ("data.batch_size=32",)), (2, 8, ())]
+    # Run, two processes only (the plan above covers one-process graphs): a warm-up run per graph, then the points.
     out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
                    "--variant", "cuts:train.ddp_reduce=ddp train.ddp_split=True"])
     assert rc == 0
@@ -223,9 +224,10 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     runs = result["warm_up"]["runs"]
     given = ["data.batch_size=16"]  # the command's own overrides go to every run
     cuts = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"]
-    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(1, given), (2, given), (2, cuts)]
+    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(2, given), (2, cuts)]
     assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
-    assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]
+    assert [p["nproc"] for p in result["points"]["per-GPU"]] == [2]
+    assert [p["nproc"] for p in result["points"]["per-GPU, cuts"]] == [2]
 
 
 def test_the_warm_up_shares_a_gpu_by_its_memory():
