@@ -28,9 +28,10 @@ def _usable_cpus() -> int:
 # Under pytest-xdist (`make test`: -n auto), each worker's OpenMP threads get its share of the cores, set before torch
 # is first imported and inherited by the processes tests start. Two threads per process on a busy 2-core machine made
 # a training step of the tiny model ~20x slower (2 s instead of 0.09 s), OpenMP threads spinning against each other.
+WORKER_THREADS = None  # under xdist: this worker's share of the cores
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          str(max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    WORKER_THREADS = max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -150,6 +151,16 @@ def digits_dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("digits")
     assert main(["--source", "digits", "--out", str(out), "--workers", "2"]) == 0, "make_dataset --source digits failed"
     return out
+
+
+@pytest.fixture(autouse=True)
+def _worker_threads():
+    """Under xdist, each test starts with the worker's share of the cores: FFCV's Loader sets torch's thread count to
+    its decode threads (data.num_workers, 2 by default on 2 cores), which would stay for every later test of the
+    worker."""
+    yield
+    if WORKER_THREADS is not None and torch.get_num_threads() != WORKER_THREADS:
+        torch.set_num_threads(WORKER_THREADS)
 
 
 # ---- shared by the model, diffusion, EMA and trainer tests ----
