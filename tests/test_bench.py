@@ -377,7 +377,6 @@ def test_a_row_names_the_command_overrides_it_ran_with(small_dataset, tmp_path, 
     assert "compile cache cold (empty)" in path.with_suffix(".md").read_text()
 
 
-@pytest.mark.xdist_group("sampling-compile")  # with tests/test_sampling.py's compiled sampler: one compile
 def test_sampling_table_end_to_end(tmp_path):
     """`--table sampling` on a CPU: the eager and the compiled sampler of one model, each in a process of its own;
     the compiled rows carry their speedup over eager and how far their DDIM images are from eager's (same seed).

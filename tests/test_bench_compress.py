@@ -16,8 +16,7 @@ import pytest
 from benchmarks.quality import compress
 from conftest import REPO
 
-# One xdist worker for the module: its tests share the study fixture (a whole toy study).
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.xdist_group("test_bench_compress")]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOY = ["--preset", "tiny", "--steps", "2", "data.batch_size=8", "--judge-steps", "2", "--ratios", "0.5",
        "--ft-steps", "2", "--time-steps", "2", "--scratch-steps", "2", "--ddim-steps", "1", "--sample-batch", "8",

@@ -18,11 +18,16 @@ def data(tmp_path):
     return folder
 
 
-def test_ddp_scaling_benchmark_on_cpu(data, tmp_path):
+def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
+    """The points at 1 and 2 processes; then, in the same call, the control (independent single-process trainers), a
+    DDP variant (small buckets; gloo has no bf16 all-reduce, so the bf16 hook is refused on CPU, one line) and the
+    all-reduce timing: each recorded as its own mode, each rank's data wait in the DDP points."""
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out)])
-    assert rc == 0
+                   "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out), "--control",
+                   "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
+                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
+    assert rc == 1  # the bf16 variant failed, recorded; the rest ran
     result = json.loads((out / "ddp.json").read_text())
     points = result["points"]["per-GPU"]
     assert [p["nproc"] for p in points] == [1, 2]
@@ -38,18 +43,6 @@ def test_ddp_scaling_benchmark_on_cpu(data, tmp_path):
     assert points[0]["scaling_efficiency"] == 1.0
     assert (out / "ddp.md").read_text().count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
 
-
-def test_ddp_diagnostics_on_cpu(data, tmp_path):
-    """The control (independent single-process trainers), a DDP variant (small buckets; gloo has no bf16 all-reduce,
-    so the bf16 hook is refused on CPU, one line) and the all-reduce timing: each recorded as its own mode, each
-    rank's data wait in the DDP points."""
-    out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
-                   "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
-                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
-    assert rc == 1  # the bf16 variant failed, recorded; the rest ran
-    result = json.loads((out / "ddp.json").read_text())
     assert list(result["points"]) == ["per-GPU", ddp.CONTROL, "per-GPU, small-buckets", "per-GPU, bf16-grads"]
     assert "train.ddp_grad_dtype=bf16 needs NCCL" in result["points"]["per-GPU, bf16-grads"][0]["error"]
     control, variant = result["points"][ddp.CONTROL], result["points"]["per-GPU, small-buckets"]

@@ -38,7 +38,6 @@ def ddp_run(tmp_path_factory):
     return train_two_ranks(tmp_path_factory.mktemp("ddp"), "train.ddp_reduce=ddp")
 
 
-@pytest.mark.xdist_group("ddp_run")  # one xdist worker for the tests of the ddp_run fixture: one run, not two
 def test_two_ranks_train_in_lockstep(ddp_run):
     run_dir = ddp_run
     stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
@@ -94,7 +93,6 @@ def test_two_nodes_of_one_process_each(tmp_path):
     assert not (tmp_path / "node1").exists()
 
 
-@pytest.mark.xdist_group("ddp_run")
 def test_the_flat_all_reduce_trains_as_ddp_does(ddp_run, tmp_path):
     """train.ddp_reduce=flat (the default) against DDP's wrapper, same seeds and data: the same losses and, after 6
     steps, the same weights bit for bit (an average of two ranks is exact in either order: DDP halves then sums, flat

@@ -17,8 +17,6 @@ JUDGE_STEPS, JUDGE_BATCH = 120, 32
 
 HELD_OUT = 200
 
-pytestmark = pytest.mark.xdist_group("test_quality")  # one xdist worker: its tests share the trained judge
-
 
 @pytest.fixture(scope="module")
 def judged(digits_dataset, one_thread):

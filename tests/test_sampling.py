@@ -10,9 +10,6 @@ from ffcv_ddpm.sampling import CompiledDenoiser, compile_denoiser
 from ffcv_ddpm.unet import build_model
 
 
-# One xdist worker for this and tests/test_bench.py::test_sampling_table_end_to_end, which samples the same model:
-# the second of the two loads the compiled graphs the first left in the compile cache.
-@pytest.mark.xdist_group("sampling-compile")
 def test_compiled_sampling_draws_the_eager_images():
     # Class-conditional, so that guidance (a 2n batch: a second compiled shape) is covered too. Few timesteps keep
     # ancestral DDPM (all T steps) short; the graph does not depend on T.
