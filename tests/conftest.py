@@ -28,10 +28,11 @@ def _usable_cpus() -> int:
 # Under pytest-xdist (`make test`: -n auto), each worker's OpenMP threads get its share of the cores, set before torch
 # is first imported and inherited by the processes tests start. Two threads per process on a busy 2-core machine made
 # a training step of the tiny model ~20x slower (2 s instead of 0.09 s), OpenMP threads spinning against each other.
-WORKER_THREADS = None  # under xdist: this worker's share of the cores
+WORKER_THREADS = None  # under xdist: the worker's thread count (its share, or the OMP_NUM_THREADS the user set)
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    WORKER_THREADS = max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_THREADS))
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    WORKER_THREADS = int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else None
 
 
 def pytest_xdist_auto_num_workers(config):
