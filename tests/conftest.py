@@ -19,6 +19,31 @@ if not os.path.exists("/dev/nvidia0"):
 # to test it). Set in the environment, so the commands tests start as child processes inherit it.
 os.environ["FFCV_DDPM_OFFLINE"] = "1"
 
+
+def _usable_cpus() -> int:
+    # The cores this process may run on: a container or taskset may allow fewer than the machine has.
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# Under pytest-xdist (`make test`: -n auto), each worker's OpenMP threads get its share of the cores, set before torch
+# is first imported and inherited by the processes tests start. Two threads per process on a busy 2-core machine made
+# a training step of the tiny model ~20x slower (2 s instead of 0.09 s), OpenMP threads spinning against each other.
+WORKER_THREADS = None  # under xdist: the worker's thread count (its share, or the OMP_NUM_THREADS the user set)
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    WORKER_THREADS = int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else None
+
+
+def pytest_xdist_auto_num_workers(config):
+    """-n auto: one worker per physical core this process may use (xdist's own count is the machine's physical cores,
+    more than a taskset or cpuset container allows). -n logical keeps xdist's count."""
+    import psutil
+    if config.option.numprocesses == "logical":
+        return None
+    return max(1, min(psutil.cpu_count(logical=False) or 1, _usable_cpus()))
+
+
 import csv
 import io
 import pickle
@@ -127,6 +152,16 @@ def digits_dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("digits")
     assert main(["--source", "digits", "--out", str(out), "--workers", "2"]) == 0, "make_dataset --source digits failed"
     return out
+
+
+@pytest.fixture(autouse=True)
+def _worker_threads():
+    """Under xdist, each test starts with the worker's share of the cores: FFCV's Loader sets torch's thread count to
+    its decode threads (data.num_workers, 2 by default on 2 cores), which would stay for every later test of the
+    worker."""
+    yield
+    if WORKER_THREADS is not None and torch.get_num_threads() != WORKER_THREADS:
+        torch.set_num_threads(WORKER_THREADS)
 
 
 # ---- shared by the model, diffusion, EMA and trainer tests ----

@@ -18,11 +18,16 @@ def data(tmp_path):
     return folder
 
 
-def test_ddp_scaling_benchmark_on_cpu(data, tmp_path):
+def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
+    """The points at 1 and 2 processes; then, in the same call, the control (independent single-process trainers), a
+    DDP variant (small buckets; gloo has no bf16 all-reduce, so the bf16 hook is refused on CPU, one line) and the
+    all-reduce timing: each recorded as its own mode, each rank's data wait in the DDP points."""
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out)])
-    assert rc == 0
+                   "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out), "--control",
+                   "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
+                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
+    assert rc == 1  # the bf16 variant failed, recorded; the rest ran
     result = json.loads((out / "ddp.json").read_text())
     points = result["points"]["per-GPU"]
     assert [p["nproc"] for p in points] == [1, 2]
@@ -38,18 +43,6 @@ def test_ddp_scaling_benchmark_on_cpu(data, tmp_path):
     assert points[0]["scaling_efficiency"] == 1.0
     assert (out / "ddp.md").read_text().count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
 
-
-def test_ddp_diagnostics_on_cpu(data, tmp_path):
-    """The control (independent single-process trainers), a DDP variant (small buckets; gloo has no bf16 all-reduce,
-    so the bf16 hook is refused on CPU, one line) and the all-reduce timing: each recorded as its own mode, each
-    rank's data wait in the DDP points."""
-    out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
-                   "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
-                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
-    assert rc == 1  # the bf16 variant failed, recorded; the rest ran
-    result = json.loads((out / "ddp.json").read_text())
     assert list(result["points"]) == ["per-GPU", ddp.CONTROL, "per-GPU, small-buckets", "per-GPU, bf16-grads"]
     assert "train.ddp_grad_dtype=bf16 needs NCCL" in result["points"]["per-GPU, bf16-grads"][0]["error"]
     control, variant = result["points"][ddp.CONTROL], result["points"]["per-GPU, small-buckets"]
@@ -214,8 +207,9 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
             ("global", [1, 2], False, ddp.run_point, [], 16)]
     assert ddp.warm_jobs(plan) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)),
                                    (1, 32, ("data.batch_size=32",)), (2, 32, ("data.batch_size=32",)), (2, 8, ())]
+    # Run, two processes only (the plan above covers one-process graphs): a warm-up run per graph, then the points.
     out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "2", "--mode", "per-gpu",
                    "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
                    "--variant", "cuts:train.ddp_reduce=ddp train.ddp_split=True"])
     assert rc == 0
@@ -223,9 +217,10 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     runs = result["warm_up"]["runs"]
     given = ["data.batch_size=16"]  # the command's own overrides go to every run
     cuts = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"]
-    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(1, given), (2, given), (2, cuts)]
+    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(2, given), (2, cuts)]
     assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
-    assert [p["nproc"] for p in result["points"]["per-GPU"]] == [1, 2]
+    assert [p["nproc"] for p in result["points"]["per-GPU"]] == [2]
+    assert [p["nproc"] for p in result["points"]["per-GPU, cuts"]] == [2]
 
 
 def test_the_warm_up_shares_a_gpu_by_its_memory():
