@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ffcv_ddpm import gn_kernels
+from ffcv_ddpm.norm import _dropout_args, unpack_bits  # noqa: F401  (unpack_bits: keep_bits' reader)
 
 
 class TileConfig(NamedTuple):
@@ -334,7 +335,6 @@ def conv3x3(x: Tensor, weight: Tensor, *, x2: Tensor | None = None, coef: Tensor
 def keep_bits(seed: Tensor, shape: tuple[int, int, int, int], p: float) -> Tensor:
     """Dropout's keep mask of an (N, C, H, W) activation as bits: int32 (N * H * W, ceil(C / 32)), bit b of word j of
     row n * H * W + h * W + w the keep of channel 32 j + b; the same mask as norm.keep_mask(seed, shape, p)."""
-    from ffcv_ddpm.norm import _dropout_args
 
     _check_device(seed)
     n, c, h, w = shape
@@ -345,14 +345,6 @@ def keep_bits(seed: Tensor, shape: tuple[int, int, int, int], p: float) -> Tenso
     _keep_bits_kernel[(triton.cdiv(rows, block_p),)](seed, bits, rows, c, cw, _dropout_args(p)[0], BLOCK_P=block_p,
                                                      BLOCK_W=block_w, num_warps=4)
     return bits
-
-
-def unpack_bits(bits: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
-    """keep_bits' words as the boolean (N, C, H, W) mask they hold (torch: the checks' reference reads it)."""
-    n, c, h, w = shape
-    ch = torch.arange(c, device=bits.device)
-    words = bits.view(n, h, w, -1)[..., ch // 32]  # (N, H, W, C): each channel's word
-    return ((words >> (ch % 32)) & 1).bool().permute(0, 3, 1, 2)
 
 
 def finalize(part: Tensor, hw: int, block_m: int, groups: int, a: Tensor, b: Tensor, e: Tensor | None = None,

@@ -588,13 +588,21 @@ def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float) -> Tensor:
 
 
 def pack_bits(keep: Tensor) -> Tensor:
-    """A boolean (N, C, H, W) keep mask as the op's bits (_extra_outputs' layout; ffcv_ddpm.conv_gn.unpack_bits
-    reads them back)."""
+    """A boolean (N, C, H, W) keep mask as the op's bits (_extra_outputs' layout, conv_gn.keep_bits' too;
+    unpack_bits reads them back)."""
     n, c, h, w = keep.shape
     words = mask_words(c)
     k = F.pad(keep.permute(0, 2, 3, 1).reshape(n * h * w, c).long(), (0, 32 * words - c)).view(n * h * w, words, 32)
     packed = (k << torch.arange(32, device=k.device)).sum(-1)  # distinct bits: the sum is their OR, < 2^32
     return torch.where(packed >= 2**31, packed - 2**32, packed).int()  # the same 32 bits as a signed int32
+
+
+def unpack_bits(bits: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
+    """pack_bits' (and conv_gn.keep_bits') words as the boolean (N, C, H, W) mask they hold (torch: the checks' reference reads it)."""
+    n, c, h, w = shape
+    ch = torch.arange(c, device=bits.device)
+    words = bits.view(n, h, w, -1)[..., ch // 32]  # (N, H, W, C): each channel's word
+    return ((words >> (ch % 32)) & 1).bool().permute(0, 3, 1, 2)
 
 
 def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
@@ -634,8 +642,6 @@ def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p, bits=None):
     dy = dout.to(xhat.dtype)
     if p > 0:
         if bits is not None:
-            from ffcv_ddpm.conv_gn import unpack_bits
-
             keep = unpack_bits(bits, tuple(x.shape))
         else:
             keep = keep_mask(seed, tuple(x.shape), p)

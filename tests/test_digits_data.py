@@ -85,10 +85,12 @@ def test_the_benchmarks_build_no_dataset_into_another_ones_folder(folders, tmp_p
     with pytest.raises(BenchError, match=f"{folders['digits']} holds another dataset, digits "):
         ensure_dataset(folders["digits"], 64)
     out, work = tmp_path / "out", tmp_path / "work"
-    assert digits.main(["--data", str(folders["cifar10"]), "--out", str(out), "--work", str(work), "--preset",
-                        "tiny", "--steps", "2", "model.num_classes=10", "train.device=cpu"]) == 2
+    with pytest.raises(SystemExit) as stopped:  # refused while parsing, before any work (issue 46: inputs first)
+        digits.main(["--data", str(folders["cifar10"]), "--out", str(out), "--work", str(work), "--preset", "tiny",
+                     "--steps", "2", "model.num_classes=10", "train.device=cpu"])
+    assert stopped.value.code == 2
     (line,) = error_lines(capsys)
-    assert line.startswith(f"digits: error: {folders['cifar10']} holds another dataset, cifar10 "), line
+    assert line.startswith(f"digits: error: --data {folders['cifar10']}: holds another dataset "), line
     assert {kind: files(folder) for kind, folder in folders.items()} == before
     assert not out.exists() and not work.exists()
 

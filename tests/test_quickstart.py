@@ -24,6 +24,6 @@ def test_make_bench_then_make_test_on_a_fresh_clone(tmp_path):
     # What make test reads of the tree make bench left: nothing but ignored files changed, the ledger current.
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True, check=True)
     assert status.stdout == ""
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "tests/test_ledger.py"], cwd=clone, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-3000:]
