@@ -130,13 +130,23 @@ def untimed_steps(step: Callable[[Any, int], Any], fetch: Callable[[], Any], n: 
     return time.perf_counter() - t0
 
 
-def freeze_garbage() -> int:
+def freeze_garbage() -> tuple[int, bool]:
     """gc.collect(), then gc.freeze() (train.gc_freeze): what is alive now (the compiled graphs, the model, the loader)
-    is left out of every later collection, so a full one walks only what was made since; returns how many objects
-    were frozen. gc.unfreeze() gives them back. Called outside timed steps: the collection itself takes ~0.1-1 s."""
+    is left out of every later collection, so a full one walks only what was made since. Returns how many objects
+    this call froze and whether the process had frozen objects of its own before (for unfreeze_garbage). Called
+    outside timed steps: the collection takes ~0.1-1 s."""
     gc.collect()  # what is garbage now is freed, not frozen with the rest
+    before = gc.get_freeze_count()
     gc.freeze()
-    return gc.get_freeze_count()
+    return gc.get_freeze_count() - before, before > 0
+
+
+def unfreeze_garbage(frozen: tuple[int, bool] | None) -> None:
+    """Give back what freeze_garbage froze, unless the process had frozen objects of its own before: gc.unfreeze()
+    gives back everything, and a caller that froze its objects (a server's pre-fork freeze, a test runner) keeps them
+    frozen; ours then stay frozen too, which only keeps them out of later collections."""
+    if frozen and not frozen[1]:
+        gc.unfreeze()
 
 
 class GcPauses:

@@ -15,7 +15,6 @@ newest checkpoint, a run whose checkpoints all fail to load (a damaged one is se
 """
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -53,7 +52,7 @@ from ffcv_ddpm.step import (AMP_DTYPES, Dist, Trainer, TrainingError, build, mak
 from ffcv_ddpm.stopping import Interrupted, Stop
 from ffcv_ddpm.tblog import TensorBoardLog, missing_package
 from ffcv_ddpm.telemetry import GpuTelemetry, plot_telemetry
-from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps
+from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps, unfreeze_garbage
 from ffcv_ddpm.unet import ModelConfig, build_model
 
 # NVLink multicast (NVLS) can take a shared multi-GPU host's GPUs out of service: keep it off in NCCL, PyTorch's
@@ -418,7 +417,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                              enabled=cfg.train.telemetry and ddp.main and device.type == "cuda").start()
     board = TensorBoardLog(run_dir, start_step) if cfg.train.tensorboard and ddp.main else None
     pauses = GcPauses().start()  # Python's collections per interval: a long one is a slow step (NOTES item 21)
-    frozen = 0  # objects gc.freeze() set aside (train.gc_freeze)
+    frozen = None  # freeze_garbage's (objects set aside, the process had its own frozen) (train.gc_freeze)
     t_start = t_line = time.perf_counter()  # t_line: when the previous stats line was complete (img_per_s_wall)
     step = start_step
 
@@ -474,7 +473,8 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 **pauses.take(),
             }
             if cfg.train.gc_freeze and not frozen:  # once, outside the timed steps
-                frozen = stats["gc_frozen_objects"] = freeze_garbage()
+                frozen = freeze_garbage()
+                stats["gc_frozen_objects"] = frozen[0]
             if ddp.world_size > 1:
                 allreduce_ms = t.reducer.take_ms() if t.reducer is not None else []
                 stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))
@@ -510,8 +510,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
     finally:
         data.close()  # ends the loader's epoch iterator (and its prefetch thread) before the process moves on
         pauses.stop()
-        if frozen:
-            gc.unfreeze()  # an in-process caller gets its collector back as it was
+        unfreeze_garbage(frozen)  # an in-process caller gets its collector back as it was
         telemetry.stop()
         if board is not None:
             board.close()

@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import os
 
+# `make test` runs on the CPU on every machine: the tests size their work for a CPU (the benchmarks' CPU tables, the
+# time limits), and a visible GPU changes what a command does (another table, compiled rows, forked test processes
+# that cannot start CUDA). On a GPU machine FFCV_DDPM_TEST_GPU=1 keeps the GPU visible: the tests that have a CUDA path
+# take it (the Triton kernels of tests/test_norm.py and test_conv_gn.py, the 2-GPU DDP test), and those marked
+# cpu_only are skipped. Set here, before torch is first imported, so that the commands tests start inherit it.
+GPU_TESTS = os.environ.get("FFCV_DDPM_TEST_GPU") == "1"
+if not GPU_TESTS:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # Without a GPU, Triton kernels (ffcv_ddpm.gn_kernels) are tested through Triton's interpreter, which must be chosen
 # before triton is first imported. Inductor's CPU backend, which the other tests compile with, does not use Triton.
-if not os.path.exists("/dev/nvidia0"):
+if not GPU_TESTS or not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # No test reaches the network: the FID weights are never downloaded here (tests/test_fid.py replaces the downloader
 # to test it). Set in the environment, so the commands tests start as child processes inherit it.
@@ -33,6 +41,20 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
     WORKER_THREADS = int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_only: checks the CPU path of a command (skipped under FFCV_DDPM_TEST_GPU=1 "
+                                       "on a GPU machine, where the command takes its CUDA path)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+    if GPU_TESTS and torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="checks the CPU path; FFCV_DDPM_TEST_GPU=1 runs the CUDA one")
+        for item in items:
+            if "cpu_only" in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -244,3 +266,16 @@ def write_beton(path: Path, n: int, seed: int = 0, height: int = 32, width: int 
     DatasetWriter(str(path), {"image": RGBImageField(write_mode="raw"), "label": IntField()},
                   num_workers=1).from_indexed_dataset(IndexedArrays(images, labels))
     return path
+
+
+# FFCV_DDPM_TEST_LOG=file: each test's outcome, duration and (when it fails) its report, appended as it finishes, so a
+# run cut off by a time limit (a lent GPU machine) still says what failed and where the time went.
+def pytest_runtest_logreport(report):
+    path = os.environ.get("FFCV_DDPM_TEST_LOG")
+    # Under xdist the controller hears every worker's reports: written there only, once each.
+    if not path or "PYTEST_XDIST_WORKER" in os.environ or (report.when != "call" and report.passed):
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.outcome.upper()} {report.when} {report.duration:.1f}s {report.nodeid}\n")
+        if report.failed:
+            f.write(report.longreprtext[-4000:] + "\n")

@@ -338,8 +338,8 @@ def fused_switch_matches(cfg, switch: dict, kernels: bool, monkeypatch, size: in
     if kernels:
         import triton
 
-        if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
-            pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+        if not triton.knobs.runtime.interpret:  # the pair is built on the CPU; test_norm.py runs the kernels on CUDA
+            pytest.skip("runs the Triton kernels on CPU tensors: needs TRITON_INTERPRET=1 (make test sets it)")
         monkeypatch.setattr(norm, "_on_triton", lambda x: True)
     ref, new = pair(cfg, switch, channels_last=True)
     ref, new = (m.float() for m in (ref, new)) if kernels else (ref, new)  # the kernels take fp32, not fp64

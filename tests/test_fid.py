@@ -4,7 +4,8 @@ weights come from a local file or a checked download into the torch hub cache (t
 offline their absence is one clear message."""
 from __future__ import annotations
 
-import warnings
+
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -52,6 +53,15 @@ def test_known_gaussians_match_scipy_sqrtm_and_closed_forms():
     assert frechet_distance(xa, xb) == pytest.approx(exact, rel=0.02)
 
 
+_SQRTM = scipy.linalg.sqrtm
+
+
+def _sqrtm_with_disp(m, disp=True):
+    """pytorch-fid 0.3.0 calls scipy.linalg.sqrtm(m, disp=False) for (root, error estimate); SciPy 1.18 (the GPU
+    machine's) removed `disp`. The same root, in the form it expects."""
+    return _SQRTM(m), 0.0
+
+
 def test_matches_pytorch_fid_and_survives_a_singular_product():
     fid._pytorch_fid_inception()  # imports torchvision the way that works beside a CPU-only torch
     from pytorch_fid.fid_score import calculate_frechet_distance
@@ -59,8 +69,7 @@ def test_matches_pytorch_fid_and_survives_a_singular_product():
     rng = np.random.default_rng(2)
     a, b = rng.normal(size=(50, 8)), rng.normal(size=(60, 8)) * 1.5 + 0.3
     ours = frechet_distance(a, b)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # its sqrtm(..., disp=False), removed in SciPy 1.18
+    with mock.patch("pytorch_fid.fid_score.linalg.sqrtm", _sqrtm_with_disp):
         theirs = calculate_frechet_distance(*gaussian_stats(a), *gaussian_stats(b))
     assert ours == pytest.approx(theirs, rel=1e-9)
     # Fewer samples than dimensions: singular covariances, where the sqrtm of the product is least accurate.

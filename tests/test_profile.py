@@ -307,6 +307,7 @@ def _no_nvml(index):
     raise RuntimeError("NVML not usable: test")
 
 
+@pytest.mark.cpu_only
 def test_profile_command_on_the_tiny_preset(small_dataset, tmp_path, capsys):
     out = tmp_path / "profile"
     # model.norm_impl=torch: nn.GroupNorm's ops say "group_norm"; the scale-shift default is var_mean + elementwise

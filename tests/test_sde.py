@@ -224,7 +224,8 @@ def test_sample_runs_every_sampler_end_to_end(process):
     x1 = sde.prior_std * torch.randn((256, *SHAPE), generator=torch.Generator().manual_seed(3))
     ref, ref_nfe = solve(sde, gaussian_score(sde), x1, sampler="ode")
     assert (images.int() - to_uint8(ref).int()).abs().max() <= 1
-    assert abs(nfe - ref_nfe) <= 0.2 * ref_nfe  # step control reacts to float-rounding differences (129 vs 147)
+    # The step control reacts to float-rounding differences: 129 vs 147 (torch 2.13), 165 vs 129 (2.11).
+    assert ref_nfe / 1.5 <= nfe <= 1.5 * ref_nfe
     assert not torch.equal(images, sample(proc, net, 256, sampler="ode", seed=4, shape=SHAPE)[0])
     samplers = (("em", 5, 5), ("pc", 5, 10), ("heun", 3, 5), ("dpm2m", 4, 4))
     for sampler, steps, want in samplers + ((("ddim", 7, 7), ("ddpm", 0, 1000)) if process == "ddpm" else ()):
@@ -350,13 +351,14 @@ def test_clip_x0_modes():
 @pytest.mark.parametrize("name", list(SDES))
 def test_clipping_leaves_data_inside_the_range_alone(name, sampler):
     """Gaussian data well inside [-1, 1] (means in [-0.5, 0.5], sd 0.08: the edge is 6 sd away): the exact score
-    predicts x0 inside the range at every time, so clipped or not, the same samples (to float rounding)."""
+    predicts x0 inside the range at every time, so clipped or not, the same samples (to float rounding, which the
+    ODE's step control turns into up to 1.2e-3 under torch 2.11; a clip that bit would move them by tenths)."""
     sde = SDES[name]()
     score = gaussian_score(sde, var=torch.full_like(VAR, 0.08**2))
     off, _ = run(sde, score, sampler, n=2000)
     for clip in ("static", "dynamic"):
         on, _ = run(sde, score, sampler, n=2000, clip=clip)
-        assert (on - off).abs().max().item() < 1e-3, clip
+        assert (on - off).abs().max().item() < 5e-3, clip
     assert off.abs().max().item() < 1 and off.std(0).mean().item() > 0.07  # not a collapsed draw
 
 

@@ -275,11 +275,10 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     return name.strip(), items
 
 
-def _allreduce_worker(rank: int, nproc: int, store: str, numel: int, iters: int, results) -> None:
+def _allreduce_worker(rank: int, nproc: int, store: str, numel: int, iters: int, results, cuda: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
@@ -313,14 +312,15 @@ def _allreduce_worker(rank: int, nproc: int, store: str, numel: int, iters: int,
     dist.destroy_process_group()
 
 
-def allreduce_point(nproc: int, numel: int, iters: int = 20) -> dict:
-    """All-reduce of a buffer the size of the model's gradients across `nproc` GPUs (fp32, as DDP sends them by
-    default, and bf16): the communication each step has to hide behind the backward."""
+def allreduce_point(nproc: int, numel: int, cuda: bool, iters: int = 20) -> dict:
+    """All-reduce of a buffer the size of the model's gradients across `nproc` GPUs (NCCL; `cuda` False: processes
+    over gloo, as --device cpu trains) in fp32, as DDP sends them by default, and bf16: the communication each step
+    has to hide behind the backward."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         results = mp.Manager().dict()
-        workers = mp.spawn(_allreduce_worker, args=(nproc, f"{tmp}/store", numel, iters, results), nprocs=nproc,
+        workers = mp.spawn(_allreduce_worker, args=(nproc, f"{tmp}/store", numel, iters, results, cuda), nprocs=nproc,
                            join=False)
         stopping.track(workers.processes)  # a signal stops them with the command
         try:
@@ -651,7 +651,7 @@ def run(argv: list[str] | None) -> int:
         result["allreduce"] = []
         numel = sum(p.numel() for p in build_model(cfg.model).parameters() if p.requires_grad)
         for n in many:
-            result["allreduce"].append(allreduce_point(n, numel))
+            result["allreduce"].append(allreduce_point(n, numel, cuda=args.device != "cpu"))
             a = result["allreduce"][-1]
             print(f"bench-ddp: all-reduce of {numel:,} gradients on {n}: fp32 {a['fp32']['ms_median']:.2f} ms "
                   f"({a['fp32']['bus_gb_per_s']:.0f} GB/s bus), bf16 {a['bf16']['ms_median']:.2f} ms", flush=True)

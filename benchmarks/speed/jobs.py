@@ -10,7 +10,6 @@ derives the metrics.
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import time
@@ -62,7 +61,7 @@ def run_row(spec: dict) -> dict:
     from ffcv_ddpm.data import endless, make_loader
     from ffcv_ddpm.env import cache_size, compile_cache
     from ffcv_ddpm.step import build, resolve_device
-    from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps, untimed_steps
+    from ffcv_ddpm.timing import GcPauses, freeze_garbage, timed_steps, unfreeze_garbage, untimed_steps
 
     cfg = load_config(spec["preset"], [*spec["overrides"], f"data.batch_size={spec['batch_size']}"])
     device = resolve_device("auto")  # cuda:0, with its index: set_per_process_memory_fraction refuses a bare "cuda"
@@ -101,14 +100,13 @@ def run_row(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     # As the trainer does (train.gc_freeze): what is alive after the warm-up is frozen, so a full collection in the
     # timed steps (311-392 ms on an H200: NOTES item 21) walks only what they make; their collections recorded.
-    frozen = freeze_garbage() if cfg.train.gc_freeze else 0
+    frozen = freeze_garbage() if cfg.train.gc_freeze else None
     pauses = GcPauses().start()
     try:
         timed = timed_steps(step, fetch, spec["iters"], device)
     finally:
         pauses.stop()
-        if frozen:
-            gc.unfreeze()  # an in-process caller gets its collector back as it was
+        unfreeze_garbage(frozen)  # an in-process caller gets its collector back as it was
     iter_ms, wait_ms = timed.iter_ms, timed.wait_ms
     mean_loss = float(timed.loss_sum) / spec["iters"]
     if not torch.isfinite(torch.tensor(mean_loss)):
@@ -129,7 +127,7 @@ def run_row(spec: dict) -> dict:
         "loader_build_s": loader_s,
         "trainer_build_s": build_s,
         "mean_loss": mean_loss,
-        "gc_frozen_objects": frozen,
+        "gc_frozen_objects": frozen[0] if frozen else 0,
         **pauses.take(),  # gc_ms, gc_max_ms, gc_collections: Python's collections during the timed iterations
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "peak_mem_bytes_incl_warmup": peak_incl_warmup,

@@ -49,8 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, commit_text, ensure_dataset, md_table,
-                               pyplot, results_out, save_figure, write_json, write_text)
+from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, check_data, commit_text, ensure_dataset,
+                               md_table, pyplot, results_out, save_figure, write_json, write_text)
 from ffcv_ddpm import stopping
 from ffcv_ddpm.checks import Parser, above, at_least, in_range, int_list, option
 from ffcv_ddpm.config import RunConfig, load_config
@@ -491,6 +491,7 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
     if args.control:
         legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
+    check_data(args.data)  # before the device: a typo is refused before CUDA starts (or fails, in a forked process)
     cfg = load_config(args.preset, common)
     device = resolve_device(cfg.train.device)
     import torch

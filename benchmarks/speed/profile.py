@@ -36,7 +36,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from benchmarks.common import (DATA_HELP, DEFAULT_DATA, BenchError, commit_text, ensure_dataset,
+from benchmarks.common import (DATA_HELP, DEFAULT_DATA, BenchError, check_data, commit_text, ensure_dataset,
                                results_out, write_json, write_text)
 from benchmarks.speed.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                                reanalyse, top_ops_lines)
@@ -222,6 +222,7 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     from ffcv_ddpm.timing import untimed_steps
     from ffcv_ddpm.train import init_distributed
 
+    check_data(args.data)  # before the device: a typo is refused before CUDA starts (or fails, in a forked process)
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
     # Under torchrun every rank runs the same steps (DDP's all-reduces need them all); rank 0 profiles and writes.
     try:
