@@ -8,6 +8,10 @@ import pytest
 from benchmarks.speed import ddp
 from conftest import write_beton
 
+# The DDP points' trainers read the dataset into memory: FFCV's pipeline compiles for ~10 s in every process on a CPU,
+# and these tests check the benchmark around the trainers (tests/test_ddp.py trains DDP through FFCV's loader).
+LOADER = "data.loader=torch-memory"
+
 
 @pytest.fixture
 def data(tmp_path):
@@ -24,7 +28,7 @@ def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
     all-reduce timing: each recorded as its own mode, each rank's data wait in the DDP points."""
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "6", "--log-every", "2", "--out", str(out), "--control",
+                   "data.batch_size=16", LOADER, "--steps", "6", "--log-every", "2", "--out", str(out), "--control",
                    "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
                    "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
     assert rc == 1  # the bf16 variant failed, recorded; the rest ran
@@ -67,7 +71,8 @@ def test_a_bad_variant_is_one_line(tmp_path, capsys):
 def test_loss_check_compares_curves_against_a_random_draws_control(data, tmp_path):
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "global",
-                   "data.batch_size=16", "--steps", "12", "--log-every", "2", "--out", str(out), "--loss-check"])
+                   "data.batch_size=16", LOADER, "--steps", "12", "--log-every", "2", "--out", str(out),
+                   "--loss-check"])
     lc = json.loads((out / "ddp.json").read_text())["loss_check"]
     # The control: same weights (train.seed), another data order, and a noise stream none of the 2 ranks draws.
     assert lc["control"]["config"]["data"]["seed"] == 1 and lc["control"]["config"]["train"]["noise_seed"] == 2
@@ -83,7 +88,7 @@ def test_loss_check_compares_curves_against_a_random_draws_control(data, tmp_pat
 def test_a_point_past_its_timeout_is_recorded_and_the_rest_run(data, tmp_path):
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
+                   "data.batch_size=16", LOADER, "--steps", "4", "--log-every", "2", "--out", str(out), "--control",
                    "--timeout", "0.5"])
     assert rc == 1
     points = json.loads((out / "ddp.json").read_text())["points"]
@@ -210,12 +215,12 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     # Run, two processes only (the plan above covers one-process graphs): a warm-up run per graph, then the points.
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "2", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
+                   "data.batch_size=16", LOADER, "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
                    "--variant", "cuts:train.ddp_reduce=ddp train.ddp_split=True"])
     assert rc == 0
     result = json.loads((out / "ddp.json").read_text())
     runs = result["warm_up"]["runs"]
-    given = ["data.batch_size=16"]  # the command's own overrides go to every run
+    given = ["data.batch_size=16", LOADER]  # the command's own overrides go to every run
     cuts = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"]
     assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(2, given), (2, cuts)]
     assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
@@ -252,7 +257,7 @@ def test_a_variant_with_its_own_batch_runs_at_that_batch(data, tmp_path):
     batch (the trainer's argument list ends with the per-rank batch, so a variant's value was silently overridden)."""
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1", "--mode", "per-gpu",
-                   "data.batch_size=16", "--steps", "2", "--log-every", "1", "--out", str(out), "--warm", "off",
+                   "data.batch_size=16", LOADER, "--steps", "2", "--log-every", "1", "--out", str(out), "--warm", "off",
                    "--variant", "half:data.batch_size=8"])
     assert rc == 0
     points = json.loads((out / "ddp.json").read_text())["points"]

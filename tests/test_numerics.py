@@ -38,8 +38,10 @@ def test_check_is_paired_smoothed_and_skips_the_start():
         numerics.check(ref, ref[:-1], tol=0.1, skip=0.0, smooth=1)
 
 
+# The legs read the dataset into memory: FFCV's pipeline compiles for ~10 s in every leg's process on a CPU, and the
+# legs' loader is not what these tests check (tests/test_data.py tests FFCV's).
 TINY = ["--preset", "tiny", "data.batch_size=16", "--log-every", "2", "--smooth", "2", "train.device=cpu",
-        "data.num_workers=1"]
+        "data.num_workers=1", "data.loader=torch-memory"]
 
 
 def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_dataset, tmp_path, capsys):
@@ -204,6 +206,7 @@ def test_gpus_and_time_limit_need_parallel(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.cpu_only
 def test_time_limit_stops_the_legs_and_compares_the_intervals_all_logged(small_dataset, tmp_path, capsys):
     """Legs that could not finish: stopped (SIGTERM, each trainer checkpoints and exits 0), compared on the full
     intervals every leg logged, and the report says so; each leg's timing comes from its own stats lines."""
