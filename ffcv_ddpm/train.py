@@ -266,8 +266,12 @@ class StopRequest(Stop):
         self.run_dir = None  # the run folder once train() has it: a study that stops removes an unfinished one
 
 
-def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None) -> Path:
+def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None,
+          evaluator: "Callable[[torch.nn.Module, object], dict] | None" = None) -> Path:
     """Runs `cfg`; returns the run folder. `stop`: the caller's signal handling (else one is set up for the call).
+    `evaluator`: called every train.eval_every steps instead of Evaluator(cfg), (sampling network, process) -> the
+    stats it adds; a true "stop" among them ends the run there, with its checkpoint (one process only: the other
+    ranks would not know; benchmarks.quality.race stops a run at its time budget so).
 
     Everything that can be checked is checked before the run folder exists; a new folder whose run stops before
     its first stats line or checkpoint is removed again, and the message says so.
@@ -290,8 +294,11 @@ def train(cfg: RunConfig, ddp: Dist = Dist(), stop: "StopRequest | None" = None)
     cfg.train.ckpt_every = math.ceil(cfg.train.ckpt_every / cfg.train.log_every) * cfg.train.log_every
     cfg.train.eval_every = math.ceil(cfg.train.eval_every / cfg.train.log_every) * cfg.train.log_every
     # Sampling and scoring run on rank 0 only, at log intervals; a missing judge or weights file fails here.
-    evaluator = (Evaluator(cfg, device, AMP_DTYPES[cfg.train.precision])
-                 if cfg.train.eval_every > 0 and ddp.main else None)
+    if evaluator is not None and (ddp.world_size > 1 or cfg.train.eval_every < 1):
+        raise TrainingError("train(evaluator=...) runs in one process (its stop would reach rank 0 alone), every "
+                            "train.eval_every > 0 steps")
+    if evaluator is None and cfg.train.eval_every > 0 and ddp.main:
+        evaluator = Evaluator(cfg, device, AMP_DTYPES[cfg.train.precision])
     own_stop = stop is None
     stop = stop or StopRequest()
     run_dir = None  # once the run has started in it: a failure then says what is left there
@@ -480,6 +487,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
                 stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))
             if evaluator is not None and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
                 stats.update(evaluator(sampling_net, t.diffusion))
+                stop_now = bool(stats.pop("stop", False)) or stop_now
             # Line to line: this interval's steps and bookkeeping, and the previous one's checkpoint and samples.
             now = time.perf_counter()
             stats["img_per_s_wall"], t_line = window * global_batch / (now - t_line), now
