@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ffcv_ddpm.env import cpu_count
+from ffcv_ddpm.numba_cache import cache_typed_dict
 
 LOADERS = ("ffcv", "torch-files", "torch-memory", "gpu")
 ORDERS = ("random", "quasi_random", "sequential")
@@ -123,6 +124,7 @@ def _png_export_hint(folder: Path) -> str:
 
 def _open_beton(path):
     """Reader of a .beton that has an RGB 'image' and an integer 'label' field; clear errors otherwise."""
+    cache_typed_dict()
     from ffcv.fields import IntField, RGBImageField
     from ffcv.reader import Reader
 
@@ -229,6 +231,7 @@ def dataset_info(path) -> dict:
 def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """All images (N, H, W, 3) uint8 and labels (N,) int64 of a .beton, in file order (one sequential FFCV pass)."""
     threads = torch.get_num_threads()  # before FFCV's import, which sets it to 1
+    cache_typed_dict()
     from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import Squeeze, ToTensor
@@ -339,6 +342,7 @@ def epoch_order(num_images: int, cfg: DataConfig, epoch: int, rank: int, world_s
 
 class _FFCVBatches(BatchLoader):
     def __init__(self, cfg, device, rank, world_size):
+        cache_typed_dict()
         from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
         from ffcv.loader import OrderOption
         from ffcv.transforms import RandomHorizontalFlip, Squeeze, ToDevice, ToTensor, ToTorchImage

@@ -11,7 +11,11 @@ streams, gives the same order without stopping the host.
 """
 
 import torch
-from ffcv.loader import Loader
+
+from ffcv_ddpm.numba_cache import cache_typed_dict
+
+cache_typed_dict()  # before FFCV's import
+from ffcv.loader import Loader  # noqa: E402
 from ffcv.loader.epoch_iterator import EpochIterator
 from ffcv.pipeline.compiler import Compiler
 

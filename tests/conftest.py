@@ -77,7 +77,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ffcv_ddpm.numba_cache import cache_typed_dict
 from tools.cifar10 import CLASSES, ImageDataset, load_synthetic
+
+cache_typed_dict()  # before the fixtures' first FFCV import (ffcv_ddpm.numba_cache)
 
 SMALL_TRAIN, SMALL_TEST, SMALL_SEED = 256, 64, 0
 

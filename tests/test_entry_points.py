@@ -24,6 +24,7 @@ ENTRY_POINTS = {
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
     "benchmarks.quality.digits_report": False, "benchmarks.quality.sde_report": False,
+    "benchmarks.quality.race": True, "benchmarks.quality.peer_ddpm": False,
 }
 
 
@@ -62,7 +63,7 @@ NEEDS = {"benchmarks.quality.fid": ["--run", "RUN"], "benchmarks.speed.norm_benc
          "benchmarks.speed.ddp": ["--device", "cpu"], "benchmarks.quality.digits": ["--out", "OUT", "--work", "WORK"],
          "benchmarks.quality.compress": ["--out", "OUT", "--work", "WORK"],
          "benchmarks.speed.conv_gn_bench": ["--out", "OUT"], "benchmarks.speed.conv_autotune": ["--out", "OUT"],
-         "benchmarks.speed.levers": ["--out", "OUT"]}
+         "benchmarks.speed.levers": ["--out", "OUT"], "benchmarks.quality.race": ["--out", "OUT"]}
 
 
 @pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])

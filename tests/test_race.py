@@ -12,7 +12,6 @@ import pytest
 from PIL import Image
 
 from benchmarks.quality import race
-from benchmarks.quality.peer_ddpm import write_png_folder
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -84,7 +83,7 @@ def test_png_folder_one_file_per_image_at_the_datasets_resolution(digits_dataset
 
     images, _ = read_beton(digits_dataset / "digits_train_raw.beton")
     folder = tmp_path / "png"
-    assert write_png_folder(digits_dataset / "digits_train_raw.beton", folder) == len(images)
+    assert race.write_png_folder(digits_dataset / "digits_train_raw.beton", folder) == len(images)
     files = sorted(folder.iterdir())
     assert len(files) == len(images) and all(f.suffix == ".png" for f in files)
     for i in (0, len(files) - 1):
@@ -143,7 +142,7 @@ def test_peer_a_few_steps_on_cpu(digits_dataset, tmp_path):
 
     judge = tmp_path / "judge.pt"
     save_judge(train_judge(digits_dataset / "digits_train_raw.beton", "cpu", steps=3), judge)
-    write_png_folder(digits_dataset / "digits_train_raw.beton", tmp_path / "png")
+    race.write_png_folder(digits_dataset / "digits_train_raw.beton", tmp_path / "png")
     curve_path = tmp_path / "peer.jsonl"
     rc = peer_ddpm.main(["--images", str(tmp_path / "png"), "--test-beton", str(digits_dataset / "digits_test_raw.beton"),
                          "--judge", str(judge), "--curve", str(curve_path), "--seconds", "0.1", "--n", "10",

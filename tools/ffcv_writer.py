@@ -10,7 +10,10 @@ import queue
 import time
 from pathlib import Path
 
-import ffcv.writer
+from ffcv_ddpm.numba_cache import cache_typed_dict
+
+cache_typed_dict()  # before FFCV's import
+import ffcv.writer  # noqa: E402
 from ffcv.fields import IntField, RGBImageField
 from ffcv.memory_allocator import MemoryAllocator
 from ffcv.writer import DatasetWriter

@@ -32,21 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-
-def write_png_folder(beton: Path, folder: Path) -> int:
-    """Every image of a .beton as one RGB PNG in `folder` (its Dataset reads a folder of images; labels are not
-    needed: the peer trains unconditionally), at the .beton's own resolution. Returns how many."""
-    from PIL import Image
-
-    from ffcv_ddpm.data import read_beton
-
-    images, _ = read_beton(beton)  # (N, H, W, 3) uint8
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, image in enumerate(images):
-        Image.fromarray(np.ascontiguousarray(image), mode="RGB").save(folder / f"{i:05d}.png")
-    return len(images)
 
 
 def import_peer():
@@ -162,8 +147,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from ffcv_ddpm.checks import Parser, above, at_least, int_list, option
 
     count = option(int, at_least(1))
-    p = Parser(prog="python -m benchmarks.quality.peer_ddpm", doc=__doc__)
-    p.add_argument("--images", type=Path, required=True, help="the train split as a PNG folder (write_png_folder)")
+    p = Parser(prog="python -m benchmarks.quality.peer_ddpm", doc=__doc__,
+               epilog="No --data and no KEY=VALUE overrides: the race gives the peer its images, judge and clock.")
+    p.add_argument("--images", type=Path, required=True,
+                   help="the train split as a PNG folder (benchmarks.quality.race.write_png_folder)")
     p.add_argument("--test-beton", type=Path, required=True, help="the judge's reference set")
     p.add_argument("--judge", type=Path, required=True, help="a saved digits judge (ffcv_ddpm.quality)")
     p.add_argument("--curve", type=Path, required=True, help="the evaluations, one JSON line each")

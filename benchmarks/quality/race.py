@@ -267,6 +267,22 @@ def write_info(curve: Path, info: dict) -> None:
 
 # ---- the race -----------------------------------------------------------------------------------------------------
 
+def write_png_folder(beton: Path, folder: Path) -> int:
+    """Every image of a .beton as one RGB PNG in `folder`, at the .beton's own resolution; returns how many. The
+    peer's Dataset (benchmarks.quality.peer_ddpm) reads a folder of images; labels are not needed: it trains
+    unconditionally."""
+    import numpy as np
+    from PIL import Image
+
+    from ffcv_ddpm.data import read_beton
+
+    images, _ = read_beton(beton)  # (N, H, W, 3) uint8
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, image in enumerate(images):
+        Image.fromarray(np.ascontiguousarray(image), mode="RGB").save(folder / f"{i:05d}.png")
+    return len(images)
+
+
 def side_command(side: str, args, launched: float) -> list[str]:
     common = ["--judge", str(args.judge_out), "--n", str(args.n), "--seconds", str(args.seconds), "--max-wall-s",
               str(args.max_wall_s), "--launched", repr(launched), "--curve", str(args.out / f"{side}.jsonl"),
@@ -285,7 +301,6 @@ def side_command(side: str, args, launched: float) -> list[str]:
 def run(args, argv: list[str], stop) -> dict:
     import torch
 
-    from benchmarks.quality.peer_ddpm import write_png_folder
     from benchmarks.quality.sde import find_betons
     from benchmarks.quality.study import saved_when_stopped
     from ffcv_ddpm import quality

@@ -491,8 +491,8 @@ def measure(args: argparse.Namespace, command: str) -> dict:
     legs = [Leg("reference", "fp32", args.ref), Leg("candidate", args.precision, [])]
     if args.control:
         legs.append(Leg("control", "fp32", [*args.ref, *args.control]))
-    check_data(args.data)  # before the device: a typo is refused before CUDA starts (or fails, in a forked process)
     cfg = load_config(args.preset, common)
+    check_data(args.data)  # before the device: a typo is refused before CUDA starts (or fails, in a forked process)
     device = resolve_device(cfg.train.device)
     import torch
 

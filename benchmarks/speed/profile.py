@@ -40,7 +40,7 @@ from benchmarks.common import (DATA_HELP, DEFAULT_DATA, BenchError, check_data, 
                                results_out, write_json, write_text)
 from benchmarks.speed.profile_analysis import (DATA_MARK, TraceError, analyse, class_lines, plot_classes, plot_top,
                                                reanalyse, top_ops_lines)
-from ffcv_ddpm.checks import Parser, fail
+from ffcv_ddpm.checks import Parser, above, at_least, fail, option
 
 TRACE_LIMIT_MB = 15  # above this a trace is awkward to commit and slow to open: fewer --iters
 
@@ -170,12 +170,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = Parser(prog="python -m benchmarks.speed.profile", doc=__doc__, overrides=True)
     p.add_argument("--preset", default="ddpm-cifar10", help="model preset (ffcv_ddpm.unet.PRESETS)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help=DATA_HELP)
-    p.add_argument("--iters", type=int, help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
-    p.add_argument("--warmup", type=int, help="iterations before profiling, the first compiles (default: 20 / 3)")
-    p.add_argument("--telemetry-iters", type=int, help="iterations per telemetry block (default: 100 / 2)")
-    p.add_argument("--telemetry-rounds", type=int, help="rounds of (unsampled, sampled) blocks (default: 3 / 1)")
-    p.add_argument("--interval", type=float, default=0.1, help="seconds between NVML samples")
-    p.add_argument("--top", type=int, default=10, help="rows in the top-ops tables")
+    p.add_argument("--iters", type=option(int, at_least(1)),
+                   help="profiled (active) iterations (default: 10 on CUDA, 2 on CPU)")
+    p.add_argument("--warmup", type=option(int, at_least(0)),
+                   help="iterations before profiling, the first compiles (default: 20 / 3)")
+    p.add_argument("--telemetry-iters", type=option(int, at_least(1)),
+                   help="iterations per telemetry block (default: 100 / 2)")
+    p.add_argument("--telemetry-rounds", type=option(int, at_least(1)),
+                   help="rounds of (unsampled, sampled) blocks (default: 3 / 1)")
+    p.add_argument("--interval", type=option(float, above(0)), default=0.1, help="seconds between NVML samples")
+    p.add_argument("--top", type=option(int, at_least(1)), default=10, help="rows in the top-ops tables")
     p.add_argument("--num-synthetic", type=int, help="images in a synthetic dataset built when none exists "
                                                      "(default: 50000 on CUDA, 1024 on CPU)")
     p.add_argument("--out", type=Path, help="output folder (default: benchmarks/results/<card>/profile-<preset>)")
@@ -222,8 +226,8 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     from ffcv_ddpm.timing import untimed_steps
     from ffcv_ddpm.train import init_distributed
 
-    check_data(args.data)  # before the device: a typo is refused before CUDA starts (or fails, in a forked process)
     cfg = load_config(args.preset, overrides)  # ValueError names a bad preset or override
+    check_data(args.data)  # before the device: a typo is refused before CUDA starts (or fails, in a forked process)
     # Under torchrun every rank runs the same steps (DDP's all-reduces need them all); rank 0 profiles and writes.
     try:
         ddp = init_distributed(cfg.train.device)
@@ -235,10 +239,6 @@ def run(args: argparse.Namespace, overrides: list[str], argv: list[str], source_
     warmup = args.warmup if args.warmup is not None else (20 if cuda else 3)
     tsteps = args.telemetry_iters if args.telemetry_iters is not None else (100 if cuda else 2)
     rounds = args.telemetry_rounds if args.telemetry_rounds is not None else (3 if cuda else 1)
-    if steps < 1 or warmup < 0 or tsteps < 1 or rounds < 1 or args.top < 1 or args.interval <= 0:
-        raise BenchError("--iters, --telemetry-iters, --telemetry-rounds and --top must be >= 1, --warmup >= 0 "
-                           f"and --interval > 0 (got {steps}, {tsteps}, {rounds}, {args.top}, {warmup}, "
-                           f"{args.interval})")
     device_name = torch.cuda.get_device_name(device) if cuda else None
     out = results_out(args.out, device_name, f"profile-{args.preset}")
     if not ddp.main:  # rank 0 builds a missing dataset; the others read it once it is complete
