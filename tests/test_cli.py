@@ -21,7 +21,7 @@ CASES = [
     (benchmarks.speed.bench, ["--mem-fraction", "5", "--list"],
      "--mem-fraction: invalid value '5': expected a number in (0, 1]"),
     (benchmarks.speed.profile, ["train.lr=abc"], "train.lr=abc: expected a number > 0"),
-    (benchmarks.speed.profile, ["--top", "x"], "--top: invalid int value: 'x'"),
+    (benchmarks.speed.profile, ["--top", "x"], "--top: invalid value 'x': expected an integer >= 1"),
     (benchmarks.speed.loaders, ["--workers", "x"],
      "--workers: invalid value 'x': expected comma-separated integers >= 0"),
     (benchmarks.speed.loaders, ["data.batch_size=0"], "data.batch_size=0: expected an integer >= 1"),
