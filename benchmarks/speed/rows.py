@@ -180,7 +180,7 @@ def headline_rows(preset: str, baseline_loader: tuple[str, ...]) -> list[Row]:
 
 
 def quick_rows(baseline_loader: tuple[str, ...]) -> list[Row]:
-    """CPU-sized: the tiny preset at batch 32, the stack's first steps (the quick start on a CPU: ~50 s on 2 cores).
+    """CPU-sized: the tiny preset at batch 32, the stack's first steps (the quick start on a CPU: 41 s on 2 cores).
     The small UNet's rows at batch 4 took ~0.64 s a step and as long again in process start-up each, and said
     nothing the tiny rows do not: a CPU times the harness, not the model."""
     # Two loader processes / threads: the quick table has to run on a 2-core CI machine.
