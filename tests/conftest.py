@@ -48,17 +48,8 @@ def pytest_configure(config):
                                        "on a GPU machine, where the command takes its CUDA path)")
 
 
-# The modules whose tests run 20-80 s each on the 2-core CI machine, collected first: under --dist worksteal the
-# workers take the queue from its two ends, so the run no longer ends with one worker on a long test while the other
-# idles.
-SLOW_FIRST = ("test_quickstart.py", "test_sampling.py", "test_bench_ddp.py", "test_sde_quality.py", "test_numerics.py",
-              "test_bench_compress.py", "test_signals.py", "test_bench.py")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: file order kept otherwise
     if GPU_TESTS and torch.cuda.is_available():
         skip = pytest.mark.skip(reason="checks the CPU path; FFCV_DDPM_TEST_GPU=1 runs the CUDA one")
         for item in items:
