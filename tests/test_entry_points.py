@@ -4,6 +4,7 @@ reads or writes anything."""
 
 import importlib
 import runpy
+import signal
 import sys
 
 import pytest
@@ -44,8 +45,15 @@ def test_every_entry_point_is_listed():
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_help_shows_an_example(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [name, "--help"])
-    with pytest.raises(SystemExit) as e:
-        runpy.run_module(name, run_name="__main__", alter_sys=True)
+    # Run as __main__, a command installs its early signal handlers (stopping.catch_early), which would stay in this
+    # worker's process for the tests after it (tests/test_bench_quality.py checks the handlers a command leaves).
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     out = capsys.readouterr().out
     assert e.value.code == 0, out
     examples = [line for line in out.splitlines() if line.startswith("    ") and f"-m {name}" in line]

@@ -177,7 +177,9 @@ def test_kill9_leaves_a_resumable_checkpoint(beton, tmp_path):
     proc.wait()
     run_dir = run_dirs()[0]
     ckpts = list_checkpoints(run_dir)
-    assert 1 <= len(ckpts) <= 2
+    # keep_ckpts=2, plus the oldest when the kill lands between the newest's rename and the oldest's removal (the
+    # order that never leaves fewer complete checkpoints than kept; seen under another test order in CI).
+    assert 1 <= len(ckpts) <= 3
     for path in ckpts:  # every checkpoint under its final name is complete
         assert torch.load(path, weights_only=False)["step"] == int(path.stem.split("-")[1])
     last = int(ckpts[-1].stem.split("-")[1])
