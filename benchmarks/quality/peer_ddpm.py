@@ -17,6 +17,11 @@ What it runs, all the package's own code at its defaults but for what is listed:
   augment_horizontal_flip=False (its default True: a mirrored digit is not a digit; our side does not flip either),
   calculate_fid=False): its lr 1e-4, Adam betas (0.9, 0.99), gradient clipping at 1, EMA 0.995 updated every 10
   steps, its DataLoader (PIL images, shuffled, num_workers = the CPU count).
+- --loader persistent (the default) rebuilds that DataLoader with persistent_workers=True, nothing else changed: its
+  Trainer cycles a DataLoader whose workers (one per core) are started again every epoch, and the digits' 1,438
+  images are 6 batches of 256, so on the digits it spends most of its time starting workers (4 steps/s on an H200
+  at 922d6ff, benchmarks/results/h200/race-922d6ff). On CIFAR-10 (196 batches an epoch) that cost is amortized;
+  --loader its keeps the Trainer's own.
 The batch: --batch 256 by default (the race's small GPU version measures whether a larger one helps it).
 
 Its Trainer.train() has no hook between steps: train() below reproduces its loop's step as written in
@@ -59,6 +64,14 @@ def build(args):
                            mixed_precision_type=args.precision if args.precision != "no" else "fp16",
                            augment_horizontal_flip=False, calculate_fid=False, results_folder=str(args.work),
                            train_num_steps=10**9)
+    if args.loader == "persistent":
+        from multiprocessing import cpu_count
+
+        from torch.utils.data import DataLoader
+
+        dl = DataLoader(trainer.ds, batch_size=args.batch, shuffle=True, pin_memory=True, num_workers=cpu_count(),
+                        persistent_workers=True)  # its own DataLoader (2.3.4's Trainer.__init__) but for the last
+        trainer.dl = peer.denoising_diffusion_pytorch.cycle(trainer.accelerator.prepare(dl))
     return trainer, params, diffusion
 
 
@@ -96,7 +109,7 @@ def train(args, stop) -> None:
     write_info(args.curve, {
         "params": params, "sampler": sampler, "package": peer_versions(),
         "summary": f"{params:,} parameters (Unet dim {args.dim}, dim_mults {tuple(args.dim_mults)}); batch "
-                   f"{args.batch}, amp {args.precision}, lr {trainer.opt.param_groups[0]['lr']:g}, EMA "
+                   f"{args.batch} ({args.loader} loader workers), amp {args.precision}, lr {trainer.opt.param_groups[0]['lr']:g}, EMA "
                    f"{trainer.ema.beta} every {trainer.ema.update_every} steps; objective {diffusion.objective}; "
                    f"samples: {sampler}, {len(trainer.ds)} training images"})
     clock = Clock(args.launched, args.seconds, args.max_wall_s, args.curve)
@@ -161,6 +174,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--eval-every", type=count, default=500, help="steps between evaluations")
     p.add_argument("--batch", type=option(int, at_least(16)), default=256,
                    help="train_batch_size (its Trainer asks for >= 16)")
+    p.add_argument("--loader", choices=("persistent", "its"), default="persistent",
+                   help="its DataLoader with persistent workers, or as its Trainer builds it (see above)")
     p.add_argument("--dim", type=count, default=24)
     p.add_argument("--dim-mults", type=int_list(at_least(1)), default=[1, 2, 4])
     p.add_argument("--precision", choices=("fp16", "bf16", "no"), default="fp16")

@@ -293,7 +293,7 @@ def side_command(side: str, args, launched: float) -> list[str]:
                 "--preset", args.preset, *common, *args.overrides]
     return [sys.executable, "-m", "benchmarks.quality.peer_ddpm", "--images", str(args.images), "--test-beton",
             str(args.data / "digits_test_raw.beton"), "--work", str(args.work / "peer"), "--eval-every",
-            str(args.peer_eval_every), "--batch", str(args.peer_batch), "--dim", str(args.peer_dim), "--dim-mults",
+            str(args.peer_eval_every), "--batch", str(args.peer_batch), "--loader", args.peer_loader, "--dim", str(args.peer_dim), "--dim-mults",
             ",".join(map(str, args.peer_dim_mults)), "--precision", args.peer_precision, "--sampling-steps",
             str(args.peer_sampling_steps), *common]
 
@@ -433,6 +433,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ours-eval-every", type=count, default=200, help="our side's steps between evaluations")
     p.add_argument("--peer-eval-every", type=count, default=500, help="the peer's steps between evaluations")
     p.add_argument("--peer-batch", type=count, default=256, help="the peer Trainer's train_batch_size")
+    p.add_argument("--peer-loader", choices=("persistent", "its"), default="persistent",
+                   help="its DataLoader with persistent workers (default), or its Trainer's own (benchmarks.quality.peer_ddpm)")
     p.add_argument("--peer-dim", type=count, default=24, help="the peer Unet's dim")
     p.add_argument("--peer-dim-mults", type=int_list(at_least(1)), default=[1, 2, 4], help="(default: 1,2,4)")
     p.add_argument("--peer-precision", choices=("fp16", "bf16", "no"), default="fp16",
