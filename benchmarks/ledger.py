@@ -36,6 +36,8 @@ CARD_NOTES = "README.md"  # a card's or a folder's hand-written notes, linked fr
 NOT_RESULTS = {
     "config.json": "a trainer run folder's config (the run is listed by its environment.json)",
     "top_ops.json": "a profile's top-ops table (the profile is listed by its summary.json)",
+    "ours-info.json": "a race side's settings (the race is listed by its race.json)",
+    "peer-info.json": "a race side's settings (the race is listed by its race.json)",
 }
 
 
@@ -197,6 +199,16 @@ def sde_quality(path: Path, d: dict) -> str:
     return "; ".join(parts) + f" (floor {d['reference']['fd_floor']:.3f}); {len(d['skipped'])} skipped"
 
 
+def race(path: Path, d: dict) -> str:
+    """benchmarks.quality.race: the seconds each side took to each threshold, and the ratio where both got there."""
+    def at(point):
+        return "-" if point is None else f"{point['clock_s']:.0f} s"
+
+    rows = [f"<= {r['threshold']:g}: {at(r['ours'])} / {at(r['peer'])}"
+            + (f" ({r['ratio']:.2f}x)" if r["ratio"] is not None else "") for r in d["table"]]
+    return f"FD-digits, ours / peer: {'; '.join(rows)} (floor {d['floor']['fd_digits']:.3f})"
+
+
 def compress(path: Path, d: dict) -> str:
     """benchmarks.quality.compress: the dense model's quality, and how many rows ran."""
     dense = next(r for r in d["rows"] if r["model"] == d["model"] and r["family"] == "reference"
@@ -323,6 +335,7 @@ READERS = (
     Reader("trainer vs bench", lambda p, d: "comparison" in d and "trainer" in d, trainer_vs_bench),
     Reader("quality study", lambda p, d: {"best", "judge", "floor", "rows"} <= d.keys(), quality),
     Reader("SDE quality study", lambda p, d: {"models", "reference", "rows"} <= d.keys(), sde_quality),
+    Reader("race", lambda p, d: {"thresholds", "sides", "table", "floor"} <= d.keys(), race),
     Reader("compression study", lambda p, d: {"dense", "rows", "model"} <= d.keys(), compress),
     Reader("GroupNorm layer", lambda p, d: {"environment", "device_name", "rows"} <= d.keys()
            <= {"environment", "device_name", "rows", "settings"}  # settings: since the plan grid's graph timing

@@ -130,18 +130,19 @@ def untimed_steps(step: Callable[[Any, int], Any], fetch: Callable[[], Any], n: 
     return time.perf_counter() - t0
 
 
-def freeze_garbage() -> tuple[int, bool]:
+def freeze_garbage() -> tuple[int, int]:
     """gc.collect(), then gc.freeze() (train.gc_freeze): what is alive now (the compiled graphs, the model, the loader)
     is left out of every later collection, so a full one walks only what was made since. Returns how many objects
-    this call froze and whether the process had frozen objects of its own before (for unfreeze_garbage). Called
-    outside timed steps: the collection takes ~0.1-1 s."""
+    this call froze and how many the process had frozen before it (for unfreeze_garbage; a library may freeze at its
+    import, before it forks workers: the GPU machine's torch 2.11 image does). Called outside timed steps: the
+    collection takes ~0.1-1 s."""
     gc.collect()  # what is garbage now is freed, not frozen with the rest
     before = gc.get_freeze_count()
     gc.freeze()
-    return gc.get_freeze_count() - before, before > 0
+    return gc.get_freeze_count() - before, before
 
 
-def unfreeze_garbage(frozen: tuple[int, bool] | None) -> None:
+def unfreeze_garbage(frozen: tuple[int, int] | None) -> None:
     """Give back what freeze_garbage froze, unless the process had frozen objects of its own before: gc.unfreeze()
     gives back everything, and a caller that froze its objects (a server's pre-fork freeze, a test runner) keeps them
     frozen; ours then stay frozen too, which only keeps them out of later collections."""

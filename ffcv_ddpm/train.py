@@ -481,7 +481,7 @@ def _run(cfg: RunConfig, ddp: Dist, device: torch.device, run_dir: Path, stop: "
             }
             if cfg.train.gc_freeze and not frozen:  # once, outside the timed steps
                 frozen = freeze_garbage()
-                stats["gc_frozen_objects"] = frozen[0]
+                stats["gc_frozen_objects"], stats["gc_frozen_before"] = frozen  # before > 0: they stay frozen
             if ddp.world_size > 1:
                 allreduce_ms = t.reducer.take_ms() if t.reducer is not None else []
                 stats.update(per_rank_times(wait_ms, iter_ms, device, stats["gc_ms"], allreduce_ms))

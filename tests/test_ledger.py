@@ -159,6 +159,16 @@ def test_a_norm_bench_line_leaves_failed_plans_out_and_counts_them():
     assert reader.headline(None, d).endswith("fused (2048, 65536, 4, 3) 2.75 ms fwd+bwd (2 timed, 1 failed)")
 
 
+def test_a_race_names_both_sides_seconds_and_the_ratio_only_where_both_got_there():
+    ours = {"clock_s": 104.2, "step": 2100}
+    d = {"environment": ENV, "thresholds": [8, 4], "sides": {}, "floor": {"fd_digits": 0.149},
+         "table": [{"threshold": 8.0, "ours": ours, "peer": {"clock_s": 194.3}, "ratio": 194.3 / 104.2},
+                   {"threshold": 4.0, "ours": ours, "peer": None, "ratio": None}]}
+    [reader] = [r for r in ledger.READERS if r.matches(ledger.Path("race.json"), d)]
+    assert reader.kind == "race"
+    assert reader.headline(None, d) == "FD-digits, ours / peer: <= 8: 104 s / 194 s (1.86x); <= 4: 104 s / - (floor 0.149)"
+
+
 def test_only_files_git_tracks_are_indexed(tmp_path, capsys):
     """A local run's files (git-ignored cpu/quick.json, a fresh GPU run's untracked JSON) never make the committed
     page stale: `make bench && make test` on a fresh clone passes. Staging a file brings it in."""

@@ -10,8 +10,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def dry_run(target: str, env: dict, *args: str) -> str:
+    # Without the outer make's MAKEFLAGS: `make test NO_SETUP=1 PY=python3` (as on the GPU machine) passes its
+    # command-line variables to every make below it, which is make's design, not the environment leaking in.
+    outer = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     return subprocess.run(["make", "-s", "-n", target, "NO_SETUP=1", *args], cwd=REPO, capture_output=True,
-                          text=True, check=True, env={**os.environ, **env}).stdout
+                          text=True, check=True, env={**outer, **env}).stdout
 
 
 ENVIRONMENT = {"OUT": "/env/out", "DATA": "/env/data", "PY": "/env/python", "ARGS": "--env-args", "VENV": "/env/venv",

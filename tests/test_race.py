@@ -118,6 +118,7 @@ def test_evaluator_hook_stop_ends_the_run_with_a_checkpoint(digits_dataset, tmp_
         train(cfg, evaluator=evaluator)
 
 
+@pytest.mark.cpu_only  # with a GPU the side trains on it
 def test_ours_end_to_end_on_cpu(digits_dataset, tmp_path, capsys):
     out = tmp_path / "race"
     rc = race.main(["--data", str(digits_dataset), "--out", str(out), "--sides", "ours", "--seconds", "1", "--n", "20",

@@ -84,7 +84,10 @@ def test_gc_freeze_sets_the_objects_of_the_first_interval_aside_and_gives_them_b
     gc.unfreeze()  # a GPU machine's pytest process had 375 objects frozen; given back, the counts below start at 0
     stats = read_stats(train_mod.train(tiny_cfg(beton, tmp_path, "train.gc_freeze=True")))
     assert stats[0]["gc_frozen_objects"] > 1000 and all("gc_frozen_objects" not in s for s in stats[1:])
-    assert gc.get_freeze_count() == 0
+    # On the GPU machine (torch 2.11, Python 3.12) something the run imports freezes objects of its own before the
+    # trainer does: the line says so, and they stay frozen, with the run's.
+    before = stats[0]["gc_frozen_before"]
+    assert gc.get_freeze_count() == 0 if before == 0 else gc.get_freeze_count() >= before + stats[0]["gc_frozen_objects"]
     for s in stats:
         assert s["gc_ms"] >= s["gc_max_ms"] >= 0 and len(s["gc_collections"]) == 3
     # A caller that froze objects of its own (a GPU machine's pytest had 375) keeps them frozen: gc.unfreeze() would

@@ -128,6 +128,7 @@ def run_row(spec: dict) -> dict:
         "trainer_build_s": build_s,
         "mean_loss": mean_loss,
         "gc_frozen_objects": frozen[0] if frozen else 0,
+        "gc_frozen_before": frozen[1] if frozen else 0,  # > 0: the process had frozen objects; they stay frozen
         **pauses.take(),  # gc_ms, gc_max_ms, gc_collections: Python's collections during the timed iterations
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "peak_mem_bytes_incl_warmup": peak_incl_warmup,
