@@ -91,7 +91,7 @@ def fetch_weights(dest: Path) -> Path:
     return dest
 
 
-def _pytorch_fid_inception():
+def pytorch_fid_inception():
     """pytorch_fid.inception, importable also where torchvision's C ops cannot load.
 
     PyPI's torchvision is a CUDA build; beside a CPU-only torch its C extension does not load, and torchvision 0.28
@@ -118,7 +118,7 @@ def load_inception(weights: str | os.PathLike | None = None, device: torch.devic
 
     random_init_seed: torchvision's initialisation instead of the FID weights, for testing the path without the
     file; its numbers are not FID."""
-    inception = _pytorch_fid_inception()
+    inception = pytorch_fid_inception()
     if random_init_seed is not None:
         state = random_inception_state(random_init_seed)
     else:
@@ -143,7 +143,7 @@ def random_inception_state(seed: int) -> dict:
     """A state dict with the FID weights' names and shapes, randomly initialised (for tests: not FID)."""
     import torchvision
 
-    _pytorch_fid_inception()  # torchvision, importable
+    pytorch_fid_inception()  # torchvision, importable
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # The FID network is torchvision's Inception-v3 with blocks that differ only in forward.

@@ -63,7 +63,7 @@ def _sqrtm_with_disp(m, disp=True):
 
 
 def test_matches_pytorch_fid_and_survives_a_singular_product():
-    fid._pytorch_fid_inception()  # imports torchvision the way that works beside a CPU-only torch
+    fid.pytorch_fid_inception()  # imports torchvision the way that works beside a CPU-only torch
     from pytorch_fid.fid_score import calculate_frechet_distance
 
     rng = np.random.default_rng(2)
@@ -137,7 +137,7 @@ def test_reference_stats_are_cached_by_content_beside_the_data(inception, small_
 def test_weights_from_a_local_file_and_one_line_without_them(tmp_path, monkeypatch, inception):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     monkeypatch.setattr(torch.hub, "load_state_dict_from_url", _no_download)
-    monkeypatch.setattr(fid._pytorch_fid_inception(), "load_state_dict_from_url", _no_download)
+    monkeypatch.setattr(fid.pytorch_fid_inception(), "load_state_dict_from_url", _no_download)
     expected = tmp_path / "torch" / "hub" / "checkpoints" / fid.WEIGHTS_NAME
     assert fid.default_weights_path() == expected
     with pytest.raises(fid.FIDError) as err:
@@ -165,7 +165,7 @@ def _no_download(*args, **kwargs):
 def test_the_url_and_hash_are_pytorch_fids():
     """The file pytorch-fid's own source names, and a whole SHA-256 that begins with the prefix its name carries
     (the prefix torch.hub would check)."""
-    assert fid.WEIGHTS_URL == fid._pytorch_fid_inception().FID_WEIGHTS_URL
+    assert fid.WEIGHTS_URL == fid.pytorch_fid_inception().FID_WEIGHTS_URL
     prefix = torch.hub.HASH_REGEX.search(fid.WEIGHTS_NAME).group(1)
     assert prefix == "6726825d" and fid.WEIGHTS_URL.endswith(f"-{prefix}.pth")
     assert len(fid.WEIGHTS_SHA256) == 64 and fid.WEIGHTS_SHA256.startswith(prefix)

@@ -143,7 +143,8 @@ def test_a_numerics_line_names_the_control_and_the_verdict_when_the_file_has_the
     older = ledger.numerics(None, d)  # written before the control and the verdict existed
     assert older.endswith("largest deviation 10.75% (step 1980), tolerance 5.0%: OUTSIDE")
     d.update(noise_floor={"control": 0.0947}, verdict={"ok": True, "bound": 0.14205, "by": "noise floor"})
-    assert ledger.numerics(None, d) == older + "; the fp32 control strays 9.47%; verdict pass (bound 14.21%, the noise floor)"
+    assert ledger.numerics(None, d) == (older + "; the fp32 control strays 9.47%; verdict pass (bound 14.21%, "
+                                        "the noise floor)")
 
 
 def test_a_norm_bench_line_leaves_failed_plans_out_and_counts_them():
@@ -166,7 +167,8 @@ def test_a_race_names_both_sides_seconds_and_the_ratio_only_where_both_got_there
                    {"threshold": 4.0, "ours": ours, "peer": None, "ratio": None}]}
     [reader] = [r for r in ledger.READERS if r.matches(ledger.Path("race.json"), d)]
     assert reader.kind == "race"
-    assert reader.headline(None, d) == "FD-digits, ours / peer: <= 8: 104 s / 194 s (1.86x); <= 4: 104 s / - (floor 0.149)"
+    assert reader.headline(None, d) == ("FD-digits, ours / peer: <= 8: 104 s / 194 s (1.86x); <= 4: 104 s / - "
+                                        "(floor 0.149)")
 
 
 def test_only_files_git_tracks_are_indexed(tmp_path, capsys):

@@ -313,7 +313,8 @@ def test_profile_command_on_the_tiny_preset(small_dataset, tmp_path, capsys):
     # model.norm_impl=torch: nn.GroupNorm's ops say "group_norm"; the scale-shift default is var_mean + elementwise
     # ops, which no name marks as a normalization on the CPU.
     rc = profile.main(["--preset", "tiny", "--data", str(small_dataset), "data.batch_size=8", "data.loader=gpu",
-                       "train.precision=fp32", "model.norm_impl=torch", "--iters", "2", "--warmup", "2", "--telemetry-iters", "2",
+                       "train.precision=fp32", "model.norm_impl=torch", "--iters", "2", "--warmup", "2",
+                       "--telemetry-iters", "2",
                        "--out", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed

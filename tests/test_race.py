@@ -56,6 +56,10 @@ def test_threshold_is_met_at_the_first_evaluation_that_meets_it_and_ratio_only_w
     assert table[2.0]["peer"] is None
     assert table[8.0]["ratio"] == 15.0 / 20.0 and table[4.0]["ratio"] == 50.0 / 20.0
     assert table[2.0]["ratio"] is None and table[1.0]["ratio"] is None  # one side or neither reached it
+    # The range the intervals leave: at 8 the peer reached it at its first evaluation (open low end), ours crossed
+    # after 10 s; at 4 the peer crossed between 15 and 50 s, ours between 10 and 20 s.
+    assert table[8.0]["ratio_range"] == [None, 15.0 / 10.0]
+    assert table[4.0]["ratio_range"] == [15.0 / 20.0, 50.0 / 10.0] and table[2.0]["ratio_range"] is None
 
 
 def test_report_from_a_pair_of_curves(tmp_path):
@@ -70,7 +74,7 @@ def test_report_from_a_pair_of_curves(tmp_path):
     saved = json.loads((tmp_path / "race.json").read_text())
     assert [row["ratio"] for row in saved["table"]] == [70.0 / 20.0, 70.0 / 35.0, None, None]
     md = (tmp_path / "race.md").read_text()
-    assert "| 8 | 20 s (step 200) | 50.0% | 70 s (step 1,000) | 3.50 |" in md
+    assert "| 8 | 20 s (step 200) | 50.0% | 70 s (step 1,000) | 3.50 (1.50-?) |" in md
     assert "| 2 | 35 s (step 400) | 50.0% | not reached | - |" in md
     assert "| 1 | not reached | - | not reached | - |" in md
     assert "Floor: FD-digits 0.160 (500 held-out real images)" in md and "at once, one GPU each" in md
@@ -145,7 +149,8 @@ def test_peer_a_few_steps_on_cpu(digits_dataset, tmp_path):
     save_judge(train_judge(digits_dataset / "digits_train_raw.beton", "cpu", steps=3), judge)
     race.write_png_folder(digits_dataset / "digits_train_raw.beton", tmp_path / "png")
     curve_path = tmp_path / "peer.jsonl"
-    rc = peer_ddpm.main(["--images", str(tmp_path / "png"), "--test-beton", str(digits_dataset / "digits_test_raw.beton"),
+    rc = peer_ddpm.main(["--images", str(tmp_path / "png"),
+                         "--test-beton", str(digits_dataset / "digits_test_raw.beton"),
                          "--judge", str(judge), "--curve", str(curve_path), "--seconds", "0.1", "--n", "10",
                          "--eval-every", "2", "--batch", "16", "--dim", "8", "--dim-mults", "1,2", "--precision", "no",
                          "--sampling-steps", "3", "--work", str(tmp_path / "work")])

@@ -41,9 +41,9 @@ from pathlib import Path
 
 def import_peer():
     """The denoising_diffusion_pytorch module; ModuleNotFoundError (the race's one line) when it is not installed."""
-    from ffcv_ddpm.fid import _pytorch_fid_inception
+    from ffcv_ddpm.fid import pytorch_fid_inception
 
-    _pytorch_fid_inception()  # imports torchvision, also beside a CPU-only torch (its stub there); the peer needs it
+    pytorch_fid_inception()  # imports torchvision, also beside a CPU-only torch (its stub there); the peer needs it
     try:
         import denoising_diffusion_pytorch
     except ModuleNotFoundError as e:
@@ -109,7 +109,8 @@ def train(args, stop) -> None:
     write_info(args.curve, {
         "params": params, "sampler": sampler, "package": peer_versions(),
         "summary": f"{params:,} parameters (Unet dim {args.dim}, dim_mults {tuple(args.dim_mults)}); batch "
-                   f"{args.batch} ({args.loader} loader workers), amp {args.precision}, lr {trainer.opt.param_groups[0]['lr']:g}, EMA "
+                   f"{args.batch} ({args.loader} loader workers), amp {args.precision}, "
+                   f"lr {trainer.opt.param_groups[0]['lr']:g}, EMA "
                    f"{trainer.ema.beta} every {trainer.ema.update_every} steps; objective {diffusion.objective}; "
                    f"samples: {sampler}, {len(trainer.ds)} training images"})
     clock = Clock(args.launched, args.seconds, args.max_wall_s, args.curve)
@@ -121,7 +122,7 @@ def train(args, stop) -> None:
     accelerator = trainer.accelerator
     stop.phase = "start-up"  # a signal stops the side between two steps (stop.check)
     while True:
-        # ---- Trainer.train()'s step (gradient_accumulate_every = 1), its objects and order ----------------------------
+        # ---- Trainer.train()'s step (gradient_accumulate_every = 1), its objects and order ------------------------
         trainer.model.train()
         data = next(trainer.dl).to(device)
         with accelerator.autocast():
@@ -135,7 +136,7 @@ def train(args, stop) -> None:
         accelerator.wait_for_everyone()
         trainer.step += 1
         trainer.ema.update()
-        # ---- the race's evaluation in place of its save_and_sample_every block ----------------------------------------
+        # ---- the race's evaluation in place of its save_and_sample_every block ------------------------------------
         if trainer.step % args.eval_every == 0:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the steps so far are on the clock, not in the evaluation

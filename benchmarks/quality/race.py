@@ -25,7 +25,9 @@ evaluation at or past --seconds on its clock, or --max-wall-s after its launch (
 
 A threshold is reached at the first evaluation whose FD-digits is at or below it: its clock time, not a time
 interpolated between evaluations (the race reports what was measured). The headline is the ratio peer seconds / ours
-seconds at each threshold both sides reach. The floor (FD-digits of --n real images the judge never saw, to the test
+seconds at each threshold both sides reach, with the range the evaluation intervals leave it: each side crossed
+between its previous evaluation and that one, so the ratio lies between peer's previous / ours' reaching and peer's
+reaching / ours' previous (an end is open where a side reached it at its first evaluation). The floor (FD-digits of --n real images the judge never saw, to the test
 set) is what a generator that matched the data would score.
 
 Writes into --out after the judge and whenever a side reports an evaluation (a run cut short keeps what it measured):
@@ -101,16 +103,36 @@ def first_reach(curve: list[dict], threshold: float) -> dict | None:
     return next((p for p in sorted(curve, key=lambda p: p["step"]) if p["fd_digits"] <= threshold), None)
 
 
+def previous_clock(curve: list[dict], point: dict) -> float | None:
+    """The clock of the evaluation before `point` (the side crossed the threshold after it); None for the first."""
+    before = [p["clock_s"] for p in curve if p["step"] < point["step"]]
+    return max(before) if before else None
+
+
 def race_table(curves: dict[str, list[dict]], thresholds=THRESHOLDS) -> list[dict]:
-    """Per threshold: each side's first evaluation that reaches it (None: not reached), and the ratio peer seconds /
-    ours seconds where both reach it (> 1: ours is there sooner)."""
+    """Per threshold: each side's first evaluation that reaches it (None: not reached), and where both reach it the
+    ratio peer seconds / ours seconds (> 1: ours is there sooner) and its range [low, high] from each side's
+    previous evaluation (None: that end is open)."""
     rows = []
     for threshold in thresholds:
         hit = {side: first_reach(curves.get(side, []), threshold) for side in SIDES}
-        both = all(hit.values())
-        rows.append({"threshold": threshold, **hit,
-                     "ratio": hit["peer"]["clock_s"] / hit["ours"]["clock_s"] if both else None})
+        row = {"threshold": threshold, **hit, "ratio": None, "ratio_range": None}
+        if all(hit.values()):
+            ours, peer = hit["ours"]["clock_s"], hit["peer"]["clock_s"]
+            ours_before, peer_before = (previous_clock(curves[side], hit[side]) for side in ("ours", "peer"))
+            row["ratio"] = peer / ours
+            row["ratio_range"] = [None if peer_before is None else peer_before / ours,
+                                  None if ours_before is None else peer / ours_before]
+        rows.append(row)
     return rows
+
+
+def _ratio(row: dict) -> str:
+    """'1.87 (1.40-1.96)': the ratio and the range its evaluation intervals leave it ('?' for an open end)."""
+    if row["ratio"] is None:
+        return "-"
+    low, high = (("?" if x is None else f"{x:.2f}") for x in row.get("ratio_range") or (None, None))
+    return f"{row['ratio']:.2f} ({low}-{high})"
 
 
 def write_report(result: dict, out: Path, draw: bool = True) -> None:
@@ -134,17 +156,17 @@ def markdown(result: dict) -> str:
     floor = result.get("floor") or {}
     lines = [f"# Time to a good model: {NAMES['ours']} vs {NAMES['peer']}", "",
              f"`{result['command']}`", "",
-             f"Device: {result['device']}; sides {'one after the other' if result['sequential'] else 'at once, one GPU each'}"
+             f"Device: {result['device']}; sides "
+             f"{'one after the other' if result['sequential'] else 'at once, one GPU each'}"
              f"; budget {result['settings']['seconds']:g} s of training clock a side (evaluations off the clock), "
              f"{result['settings']['n']} unconditional EMA samples per evaluation.",
              f"Floor: FD-digits {floor['fd_digits']:.3f} ({floor['n']} held-out real images)." if floor else "Floor: -",
-             "", "| FD-digits <= | ours | ours cond. acc. there | peer | peer s / ours s |",
+             "", "| FD-digits <= | ours | ours cond. acc. there | peer | peer s / ours s (range) |",
              "|---:|---:|---:|---:|---:|"]
     for row in result.get("table", []):
         acc = row["ours"]["cond_acc"] if row["ours"] else None
-        ratio = row["ratio"]
         lines.append(f"| {row['threshold']:g} | {_seconds(row['ours'])} | {'-' if acc is None else f'{acc:.1%}'} | "
-                     f"{_seconds(row['peer'])} | {'-' if ratio is None else f'{ratio:.2f}'} |")
+                     f"{_seconds(row['peer'])} | {_ratio(row)} |")
     for side in SIDES:
         info = result["sides"].get(side)
         if not info:
@@ -293,7 +315,8 @@ def side_command(side: str, args, launched: float) -> list[str]:
                 "--preset", args.preset, *common, *args.overrides]
     return [sys.executable, "-m", "benchmarks.quality.peer_ddpm", "--images", str(args.images), "--test-beton",
             str(args.data / "digits_test_raw.beton"), "--work", str(args.work / "peer"), "--eval-every",
-            str(args.peer_eval_every), "--batch", str(args.peer_batch), "--loader", args.peer_loader, "--dim", str(args.peer_dim), "--dim-mults",
+            str(args.peer_eval_every), "--batch", str(args.peer_batch), "--loader", args.peer_loader,
+            "--dim", str(args.peer_dim), "--dim-mults",
             ",".join(map(str, args.peer_dim_mults)), "--precision", args.peer_precision, "--sampling-steps",
             str(args.peer_sampling_steps), *common]
 
@@ -398,7 +421,7 @@ def run(args, argv: list[str], stop) -> dict:
         result["complete"] = all(result["sides"][s]["status"] == "done" for s in args.sides)
         save()
     for row in result["table"]:
-        ratio = "" if row["ratio"] is None else f"; peer / ours {row['ratio']:.2f}"
+        ratio = "" if row["ratio"] is None else f"; peer / ours {_ratio(row)}"
         print(f"race: FD-digits <= {row['threshold']:g}: ours {_seconds(row['ours'])}, peer "
               f"{_seconds(row['peer'])}{ratio}")
     return result
@@ -434,7 +457,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--peer-eval-every", type=count, default=500, help="the peer's steps between evaluations")
     p.add_argument("--peer-batch", type=count, default=256, help="the peer Trainer's train_batch_size")
     p.add_argument("--peer-loader", choices=("persistent", "its"), default="persistent",
-                   help="its DataLoader with persistent workers (default), or its Trainer's own (benchmarks.quality.peer_ddpm)")
+                   help="its DataLoader with persistent workers (default), or its Trainer's own "
+                        "(benchmarks.quality.peer_ddpm)")
     p.add_argument("--peer-dim", type=count, default=24, help="the peer Unet's dim")
     p.add_argument("--peer-dim-mults", type=int_list(at_least(1)), default=[1, 2, 4], help="(default: 1,2,4)")
     p.add_argument("--peer-precision", choices=("fp16", "bf16", "no"), default="fp16",
