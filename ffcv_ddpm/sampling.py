@@ -43,6 +43,10 @@ class CompiledDenoiser(nn.Module):
         return getattr(self.model, "num_classes", 0)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        if y is None and self.num_classes:
+            # The null label, as the model itself fills it in: unconditional and labelled calls at one batch are one
+            # graph (y=None would be a guard of its own, and a second compilation: ~30 s of a tiny UNet on a CPU).
+            y = torch.full_like(t, self.num_classes, dtype=torch.long)
         if self.cudagraphs:
             # Each call is a new step: the graph may overwrite the previous call's output buffer, which the clone
             # below has already copied out (a sampler may still hold it, e.g. an ODE solver's stages).
