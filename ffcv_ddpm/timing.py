@@ -133,9 +133,9 @@ def untimed_steps(step: Callable[[Any, int], Any], fetch: Callable[[], Any], n: 
 def freeze_garbage() -> tuple[int, int]:
     """gc.collect(), then gc.freeze() (train.gc_freeze): what is alive now (the compiled graphs, the model, the loader)
     is left out of every later collection, so a full one walks only what was made since. Returns how many objects
-    this call froze and how many the process had frozen before it (for unfreeze_garbage; a library may freeze at its
-    import, before it forks workers: the GPU machine's torch 2.11 image does). Called outside timed steps: the
-    collection takes ~0.1-1 s."""
+    this call froze and how many the process had frozen before it (for unfreeze_garbage: on the GPU machine's image
+    at 922d6ff something froze objects in a test's process before the trainer did; which import, not yet known).
+    Called outside timed steps: the collection takes ~0.1-1 s."""
     gc.collect()  # what is garbage now is freed, not frozen with the rest
     before = gc.get_freeze_count()
     gc.freeze()

@@ -70,7 +70,7 @@ def build(args):
         from torch.utils.data import DataLoader
 
         dl = DataLoader(trainer.ds, batch_size=args.batch, shuffle=True, pin_memory=True, num_workers=cpu_count(),
-                        persistent_workers=True)  # its own DataLoader (2.3.4's Trainer.__init__) but for the last
+                        persistent_workers=True)  # 2.3.4's Trainer.__init__ builds this, without the last argument
         trainer.dl = peer.denoising_diffusion_pytorch.cycle(trainer.accelerator.prepare(dl))
     return trainer, params, diffusion
 

@@ -27,8 +27,8 @@ A threshold is reached at the first evaluation whose FD-digits is at or below it
 interpolated between evaluations (the race reports what was measured). The headline is the ratio peer seconds / ours
 seconds at each threshold both sides reach, with the range the evaluation intervals leave it: each side crossed
 between its previous evaluation and that one, so the ratio lies between peer's previous / ours' reaching and peer's
-reaching / ours' previous (an end is open where a side reached it at its first evaluation). The floor (FD-digits of --n real images the judge never saw, to the test
-set) is what a generator that matched the data would score.
+reaching / ours' previous (an end is open where a side reached it at its first evaluation). The floor (FD-digits
+of --n real images the judge never saw, to the test set) is what a generator that matched the data would score.
 
 Writes into --out after the judge and whenever a side reports an evaluation (a run cut short keeps what it measured):
 race.json (both curves: step, clock s, eval s, FD-digits, ours' conditional accuracy), race.md (the table), race.png
