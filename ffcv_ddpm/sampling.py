@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ffcv_ddpm.unet import null_labels
+
 SAMPLE_COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
@@ -46,7 +48,7 @@ class CompiledDenoiser(nn.Module):
         if y is None and self.num_classes:
             # The null label, as the model itself fills it in: unconditional and labelled calls at one batch are one
             # graph (y=None would be a guard of its own, and a second compilation: ~30 s of a tiny UNet on a CPU).
-            y = torch.full_like(t, self.num_classes, dtype=torch.long)
+            y = null_labels(t, self.num_classes)
         if self.cudagraphs:
             # Each call is a new step: the graph may overwrite the previous call's output buffer, which the clone
             # below has already copied out (a sampler may still hold it, e.g. an ODE solver's stages).

@@ -219,6 +219,11 @@ PRESETS: dict[str, ModelConfig] = {
 # ---------------------------------------------------------------------------------------------------- layers
 
 
+def null_labels(t: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """The "no label" index (num_classes) for every sample of t: what a class-conditional model reads for y=None."""
+    return torch.full_like(t, num_classes, dtype=torch.long)
+
+
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal embedding (B,) -> (B, dim) of integer or real t: [sin(t f_k), cos(t f_k)], f_k = 10000^(-k/(dim/2-1))."""
     half = dim // 2
@@ -387,7 +392,7 @@ class TimeEmbedding(nn.Module):
         # In the weights' dtype: a model cast to fp64 (the exactness tests) or bf16 runs; autocast casts anyway.
         emb = self.mlp(timestep_embedding(t, self.base).to(self.mlp[0].weight.dtype))  # (B, dim)
         if self.label is not None:
-            y = torch.full_like(t, self.num_classes, dtype=torch.long) if y is None else y
+            y = null_labels(t, self.num_classes) if y is None else y
             emb = emb + self.label(y)
         return emb
 

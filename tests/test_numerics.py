@@ -214,7 +214,8 @@ def test_time_limit_stops_the_legs_and_compares_the_intervals_all_logged(small_d
     # busy 2-core machine the three legs logged 30 steps in 40 s; on 24 of a GPU machine's cores, each busy with
     # another test, fewer than 10 (intervals of 5 failed there).
     limit, every = 40, 3
-    args = ["--data", str(small_dataset), *TINY, "--log-every", str(every), "--steps", "1000000", "--out", str(tmp_path),
+    args = ["--data", str(small_dataset), *TINY, "--log-every", str(every), "--steps", "1000000",
+            "--out", str(tmp_path),
             "--parallel", "--time-limit", str(limit), "--control", "model.norm_impl=torch", "--tol", "0.5"]
     assert numerics.main(args) == 0, capsys.readouterr()
     printed = capsys.readouterr().out

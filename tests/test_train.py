@@ -88,7 +88,10 @@ def test_gc_freeze_sets_the_objects_of_the_first_interval_aside_and_gives_them_b
     # something froze objects before the trainer did (not yet pinned down). The line now says how many were frozen
     # before; those stay frozen, with the run's.
     before = stats[0]["gc_frozen_before"]
-    assert gc.get_freeze_count() == 0 if before == 0 else gc.get_freeze_count() >= before + stats[0]["gc_frozen_objects"]
+    if before == 0:
+        assert gc.get_freeze_count() == 0
+    else:
+        assert gc.get_freeze_count() >= before + stats[0]["gc_frozen_objects"]
     for s in stats:
         assert s["gc_ms"] >= s["gc_max_ms"] >= 0 and len(s["gc_collections"]) == 3
     # A caller that froze objects of its own (a GPU machine's pytest had 375) keeps them frozen: gc.unfreeze() would
