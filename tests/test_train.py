@@ -84,14 +84,14 @@ def test_gc_freeze_sets_the_objects_of_the_first_interval_aside_and_gives_them_b
     gc.unfreeze()  # a GPU machine's pytest process had 375 objects frozen; given back, the counts below start at 0
     stats = read_stats(train_mod.train(tiny_cfg(beton, tmp_path, "train.gc_freeze=True")))
     assert stats[0]["gc_frozen_objects"] > 1000 and all("gc_frozen_objects" not in s for s in stats[1:])
-    # On the GPU machine (torch 2.11, Python 3.12, 922d6ff) 425,074 objects were frozen after this run: most likely
-    # something froze objects before the trainer did (not yet pinned down). The line now says how many were frozen
-    # before; those stay frozen, with the run's.
+    # On the GPU machine's image (torch 2.11, Python 3.12) something inside the run froze 375 objects before the
+    # trainer did (8793aab; which import, not pinned down): those and the run's stay frozen. Not all of them: a frozen
+    # object that reference counting frees leaves the permanent generation (471,028 left of 375 + 474,489 there).
     before = stats[0]["gc_frozen_before"]
     if before == 0:
         assert gc.get_freeze_count() == 0
     else:
-        assert gc.get_freeze_count() >= before + stats[0]["gc_frozen_objects"]
+        assert gc.get_freeze_count() > before + stats[0]["gc_frozen_objects"] // 2
     for s in stats:
         assert s["gc_ms"] >= s["gc_max_ms"] >= 0 and len(s["gc_collections"]) == 3
     # A caller that froze objects of its own (a GPU machine's pytest had 375) keeps them frozen: gc.unfreeze() would
