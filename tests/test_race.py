@@ -40,6 +40,12 @@ def test_clock_takes_each_evaluation_off_and_says_when_time_is_up(tmp_path, monk
     clock = race.Clock(launched=100.0, seconds=30.0, max_wall_s=35.0, curve=tmp_path / "w.jsonl")
     assert clock.evaluate(1, lambda: {"fd_digits": 5.0})
 
+    # Intervals of 20 s wall (15 training + 5 evaluating), max_wall_s 50: the second ends at 40, and a third would end
+    # at 60, so the side stops at the second (the next interval would be cut by the call's limit and lost).
+    times = iter([115.0, 120.0, 120.0, 135.0, 140.0, 140.0])
+    clock = race.Clock(launched=100.0, seconds=1000.0, max_wall_s=50.0, curve=tmp_path / "n.jsonl")
+    assert [clock.evaluate(step, lambda: {"fd_digits": 5.0}) for step in (1, 2)] == [False, True]
+
 
 def curve(*points):
     return [{"step": s, "clock_s": t, "eval_s": 1.0, "fd_digits": fd, "cond_acc": 0.5} for s, t, fd in points]

@@ -21,7 +21,9 @@ EMA model (ours: the null label, DDIM train.sample_steps; peer: its own sampler 
 named in the report), scores them with one judge against the test set (FD-digits, ffcv_ddpm.quality), and the
 evaluation's seconds are taken off its clock (Clock). Ours also draws --n conditional samples (labels 0..9 in turn)
 for its conditional accuracy at the same moment, inside the same off-clock evaluation. A side stops at its first
-evaluation at or past --seconds on its clock, or --max-wall-s after its launch (so that a GPU call holds).
+evaluation at or past --seconds on its clock, or at the last evaluation before --max-wall-s after its launch: when
+the next interval, as long in wall time as the last one, would end past it (so that a GPU call holds; a side is only
+stopped at an evaluation, and an interval the call's own limit cuts is lost: at 8793aab the peer's was).
 
 A threshold is reached at the first evaluation whose FD-digits is at or below it: its clock time, not a time
 interpolated between evaluations (the race reports what was measured). The headline is the ratio peer seconds / ours
@@ -69,10 +71,12 @@ class Clock:
     def __init__(self, launched: float, seconds: float, max_wall_s: float, curve: Path):
         self.launched, self.seconds, self.max_wall_s, self.curve = launched, seconds, max_wall_s, Path(curve)
         self.eval_s = 0.0  # the evaluations so far, off the clock
+        self.wall_s = 0.0  # wall seconds from launch to the end of the last evaluation
 
     def evaluate(self, step: int, measure: Callable[[], dict]) -> bool:
         """Runs measure() (the evaluation: its result's keys go into the curve point) off the clock; True when the
-        side's time is up (its clock at or past `seconds`, or `max_wall_s` since launch)."""
+        side's time is up: its clock at or past `seconds`, or the next interval, as long as this one (training and
+        evaluation, in wall time), would end past `max_wall_s` since launch."""
         t0 = time.time()
         clock_s = t0 - self.launched - self.eval_s
         metrics = measure()
@@ -82,7 +86,8 @@ class Clock:
         point = {"step": step, "clock_s": clock_s, "eval_s": eval_s, "wall_s": wall_s, **metrics}
         with open(self.curve, "a") as f:
             f.write(json.dumps(point) + "\n")
-        return clock_s >= self.seconds or wall_s >= self.max_wall_s
+        interval, self.wall_s = wall_s - self.wall_s, wall_s
+        return clock_s >= self.seconds or wall_s + interval > self.max_wall_s
 
 
 def read_curve(path: Path) -> list[dict]:
@@ -353,7 +358,13 @@ def run(args, argv: list[str], stop) -> dict:
         write_report(result, args.out, draw)
         stop.kept["report"] = f"the report {args.out / 'race.json'}"
 
-    with saved_when_stopped(stop, result, lambda: save(draw=False)), tempfile.TemporaryDirectory() as tmp:
+    def save_stopped() -> None:
+        for entry in result["sides"].values():
+            if entry.get("status") == "running":
+                entry["status"] = "stopped with the race"
+        save(draw=False)
+
+    with saved_when_stopped(stop, result, save_stopped), tempfile.TemporaryDirectory() as tmp:
         # ---- judge and floor (before either clock starts) ----------------------------------------------------------
         stop.doing("training the judge")
         device = torch.device("cuda:0" if gpus else "cpu")
@@ -448,7 +459,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="training clock of each side (from launch, evaluations off): it stops at its first "
                         "evaluation past it")
     p.add_argument("--max-wall-s", type=option(float, above(0)), default=520.0,
-                   help="a side also stops at its first evaluation this long after its launch, evaluations included")
+                   help="a side also stops at its last evaluation before this long after its launch (evaluations "
+                        "included; the next interval taken as long as the last)")
     p.add_argument("--n", type=option(int, at_least(10)), default=500,
                    help="unconditional samples per evaluation (and the judge's held-out images for the floor)")
     p.add_argument("--sides", type=str_list(one_of(SIDES)), default=list(SIDES), help="(default: ours,peer)")
