@@ -1,0 +1,38 @@
+"""benchmarks.speed.cudnn_fusion on a CPU machine: what it refuses, what it prices and how it reports (its graphs
+need cuDNN on a GPU: benchmarks/results/<card>/cudnn-fusion-*/ hold what they measured)."""
+
+import torch
+
+from benchmarks.speed import cudnn_fusion as cf
+
+
+def test_without_a_gpu_or_with_a_bad_graph_it_is_one_line(tmp_path, capsys):
+    assert cf.main(["--out", str(tmp_path), "--graphs", "conv,conv+bn"]) == 2
+    assert "--graphs conv+bn: expected some of conv, conv+genstats" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cf.main(["--out", str(tmp_path)]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_passes_a_fusion_removes():
+    n, cin, cout, h = 4, 8, 16, 10
+    act, out = 2 * n * h * h * cin, 2 * n * 5 * 5 * cout  # bf16 input and a stride-2 output
+    removed = {g: cf.passes_removed(g, n, cin, cout, h, 5) for g in cf.GRAPHS}
+    assert removed == {"conv": 0, "conv+genstats": out, "conv+stats_nc": out, "sbr+conv": 2 * act,
+                       "gn_silu+conv": 2 * act, "gn_silu+conv+stats_nc": 2 * act + out, "gn_silu+wgrad": act,
+                       "dgrad+dsilu": 2 * act}
+
+
+def test_the_report_marks_unsupported_graphs_and_wrong_results():
+    ok = {"graph": "conv", "ms": 1.0, "base_ms": 0.9, "passes_ms": 0.0, "rel_err": 1e-3, "timing": "graph"}
+    wrong = {"graph": "gn_silu+conv", "ms": 1.1, "base_ms": 0.9, "passes_ms": 0.4, "rel_err": 0.3, "timing": "events"}
+    unsupported = {"graph": "conv+stats_nc", "error": "cudnnGraphNotSupportedError: no engine | for\nthis graph"}
+    result = {"command": "python -m benchmarks.speed.cudnn_fusion --out x", "environment": {"commit": "abc1234567",
+              "torch": "2.11"}, "device_name": "NVIDIA H200", "batch": 1024, "copy_gbs": 3900.0,
+              "sites": [{"name": "128->128 32x32/s1 [GN+SiLU; stats]", "count": 6,
+                         "graphs": [ok, wrong, unsupported]}]}
+    md = cf.render(result)
+    assert "| 128->128 32x32/s1 [GN+SiLU; stats] | 6 | conv | 1.000 | +0.100 | 0.000 | ok, base 0.900 ms |" in md
+    assert "| gn_silu+conv | 1.100 | +0.200 | 0.400 | WRONG (3.0e-01), base 0.900 ms, events |" in md
+    assert "| conv+stats_nc | - | - | - | unsupported: cudnnGraphNotSupportedError: no engine / for this graph |" in md
