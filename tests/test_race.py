@@ -159,9 +159,10 @@ def test_peer_a_few_steps_on_cpu(digits_dataset, tmp_path):
                          "--test-beton", str(digits_dataset / "digits_test_raw.beton"),
                          "--judge", str(judge), "--curve", str(curve_path), "--seconds", "0.1", "--n", "10",
                          "--eval-every", "2", "--batch", "16", "--dim", "8", "--dim-mults", "1,2", "--precision", "no",
-                         "--sampling-steps", "3", "--work", str(tmp_path / "work")])
+                         "--sampling-steps", "3", "--train-seed", "5", "--work", str(tmp_path / "work")])
     assert rc == 0
     (point,) = race.read_curve(curve_path)
     assert point["step"] == 2 and point["fd_digits"] > 0 and point["eval_s"] > 0
     info = json.loads((tmp_path / "peer-info.json").read_text())
     assert info["params"] > 0 and info["sampler"] == "DDIM eta 0, 3 steps" and info["package"]["ema-pytorch"]
+    assert info["train_seed"] == 5 and "training seed 5" in info["summary"]

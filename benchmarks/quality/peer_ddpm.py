@@ -22,7 +22,10 @@ What it runs, all the package's own code at its defaults but for what is listed:
   images are 6 batches of 256, so on the digits it spends most of its time starting workers (4 steps/s on an H200
   at 922d6ff, benchmarks/results/h200/race-922d6ff). On CIFAR-10 (196 batches an epoch) that cost is amortized;
   --loader its keeps the Trainer's own.
-The batch: --batch 256 by default (the race's small GPU version measures whether a larger one helps it).
+- --train-seed (the race passes its --seed, as it gives ours train.seed) seeds torch, numpy and random before the
+  Unet is built; its Trainer seeds nothing, and unseeded its time to FD-digits 8 on an H200 was 145-194 s in one race
+  and 289-383 s in another (benchmarks/results/h200/race-peer-8793aab).
+The batch: --batch 256 by default (512 was slower to every threshold: benchmarks/results/h200/race-8793aab).
 
 Its Trainer.train() has no hook between steps: train() below reproduces its loop's step as written in
 denoising-diffusion-pytorch 2.3.4 (the forward under accelerator.autocast, loss.item() every step, backward, clip,
@@ -98,6 +101,14 @@ def train(args, stop) -> None:
     from benchmarks.quality.race import Clock, write_info
     from ffcv_ddpm import quality
 
+    if args.train_seed is not None:  # its Trainer seeds nothing: its Unet's initialisation and its data order
+        import random
+
+        import numpy as np
+
+        random.seed(args.train_seed)
+        np.random.seed(args.train_seed)
+        torch.manual_seed(args.train_seed)  # and the DataLoader's shuffle and workers' seeds, drawn from it
     trainer, params, diffusion = build(args)
     device = trainer.device
     judge = quality.load_judge(args.judge, device)
@@ -107,11 +118,12 @@ def train(args, stop) -> None:
     print(f"peer: Unet dim {args.dim}, dim_mults {tuple(args.dim_mults)}: {params:,} parameters; sampler {sampler}",
           flush=True)
     write_info(args.curve, {
-        "params": params, "sampler": sampler, "package": peer_versions(),
+        "params": params, "sampler": sampler, "package": peer_versions(), "train_seed": args.train_seed,
         "summary": f"{params:,} parameters (Unet dim {args.dim}, dim_mults {tuple(args.dim_mults)}); batch "
                    f"{args.batch} ({args.loader} loader workers), amp {args.precision}, "
                    f"lr {trainer.opt.param_groups[0]['lr']:g}, EMA "
                    f"{trainer.ema.beta} every {trainer.ema.update_every} steps; objective {diffusion.objective}; "
+                   f"training seed {'none' if args.train_seed is None else args.train_seed}; "
                    f"samples: {sampler}, {len(trainer.ds)} training images"})
     clock = Clock(args.launched, args.seconds, args.max_wall_s, args.curve)
 
@@ -183,6 +195,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sampling-steps", type=option(int, at_least(0)), default=0,
                    help="sampling_timesteps (0: its default, all 1000 steps, ancestral)")
     p.add_argument("--seed", type=option(int, at_least(0)), default=0, help="sampling seed")
+    p.add_argument("--train-seed", type=option(int, at_least(0)),
+                   help="seeds torch, numpy and random before its Unet is built (default: none, as its Trainer)")
     p.add_argument("--work", type=Path, required=True, help="its results_folder")
     args = p.parse_args(argv)
     args.launched = time.time() if args.launched is None else args.launched

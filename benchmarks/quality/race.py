@@ -323,7 +323,7 @@ def side_command(side: str, args, launched: float) -> list[str]:
             str(args.peer_eval_every), "--batch", str(args.peer_batch), "--loader", args.peer_loader,
             "--dim", str(args.peer_dim), "--dim-mults",
             ",".join(map(str, args.peer_dim_mults)), "--precision", args.peer_precision, "--sampling-steps",
-            str(args.peer_sampling_steps), *common]
+            str(args.peer_sampling_steps), "--train-seed", str(args.seed), *common]  # seeded as ours is
 
 
 def run(args, argv: list[str], stop) -> dict:
@@ -479,7 +479,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the peer GaussianDiffusion's sampling_timesteps (0: its default, ancestral over all 1000)")
     p.add_argument("--judge", type=Path, help="a saved judge (default: train one)")
     p.add_argument("--judge-steps", type=count, default=2000)
-    p.add_argument("--seed", type=option(int, at_least(0)), default=0)
+    p.add_argument("--seed", type=option(int, at_least(0)), default=0,
+                   help="both sides' training seed (ours train.seed, the peer's --train-seed), the judge's and the "
+                        "samples'")
     p.add_argument("--preset", default="ddpm-cifar10", type=option(str, one_of(lambda: tuple(PRESETS))),
                    help="preset our MODEL overrides start from")
     p.add_argument("--work", type=Path, help="where the sides' runs go (default: a temporary folder)")
