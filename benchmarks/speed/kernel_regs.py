@@ -2,11 +2,13 @@
 
     python -m benchmarks.speed.kernel_regs                       # the default plan, sm_90 (H100, H200)
     python -m benchmarks.speed.kernel_regs --plan 2048,65536,4,2 --site 1024,256,16,16 --arch 90
+    python -m benchmarks.speed.kernel_regs --plan 8,0,8                 # the slab plan's two kernels
 
 No GPU is needed: Triton compiles each kernel of ffcv_ddpm.gn_kernels for the architecture with its own ptxas and
 the launch constants a site would get (norm.plan_for: batch, channels, rows, the plan's tile, chunk, warps and
 stages), once per variant the DDPM UNet uses, and cuobjdump reads the registers back. Printed per kernel and variant:
-registers a thread, shared memory a program, and how many programs an SM can hold by those two and its thread limit.
+registers a thread, the stack bytes of spilled ones, shared memory a program, and how many programs an SM can hold
+by those two and its thread limit.
 Why it exists: a variant's registers decide how many of its programs an SM runs at once, which a GPU profile shows
 only after the call. The backward reduction's add + dropout + SiLU variant builds here to 168 registers, 3 programs
 an SM, as the H100 trace of benchmarks/results/h100/profile-best-0c88903 reports it (168, 19% occupancy; NOTES item
@@ -47,12 +49,13 @@ VARIANTS = {
 RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
 KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
            "_bwd_dx_kernel")
+SLAB_KERNELS = ("_slab_fwd_kernel", "_slab_bwd_kernel")  # the slab plan's (CHUNK 0): no mask bits, no residual sum
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
 # 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites. C1 (the first part's channels: 128 or
 # 256) among them: built as not divisible, the up blocks' two-part variants lost their vector loads and pipelining
 # here, where the H100 trace of profile-best-0c88903 shows them with both (its reduction 125 registers, 36 KB).
 UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
-NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr24", "eps", "inv_keep"}
+NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "GB", "thr24", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
                  "ds_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
@@ -70,9 +73,9 @@ def programs_per_sm(registers: int, shared: int, warps: int, sm: dict = SM[90]) 
     return min(by_registers, by_shared, sm["threads"] // (32 * warps), sm["programs"])
 
 
-def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int]:
-    """(registers a thread, shared memory bytes a program) of `kernel` compiled for sm_<arch> with `constants` for its
-    constexpr parameters."""
+def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int, int]:
+    """(registers a thread, shared memory bytes a program, stack bytes a thread: spilled registers) of `kernel`
+    compiled for sm_<arch> with `constants` for its constexpr parameters."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -106,7 +109,8 @@ def build(kernel, constants: dict, warps: int, arch: int) -> tuple[int, int]:
     found = re.search(r"REG:(\d+)", usage.stdout)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no register count for {kernel.fn.__name__}: {usage.stdout[:200]}")
-    return int(found.group(1)), compiled.metadata.shared
+    stack = re.search(r"STACK:(\d+)", usage.stdout)
+    return int(found.group(1)), compiled.metadata.shared, int(stack.group(1)) if stack else 0
 
 
 def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, groups: int = 32,
@@ -114,19 +118,26 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
     """One row per kernel and variant at `site` (N, C, H, W) with `plan` (tile, chunk, warps[, stages]), on a GPU of
     `sms` SMs (132: the H100 and H200; it sets how the reductions split small batches)."""
     from ffcv_ddpm import gn_kernels
-    from ffcv_ddpm.norm import plan_args, plan_for
+    from ffcv_ddpm.norm import plan_args, plan_for, slab_plan_for
 
     tile, chunk, warps, stages = plan_args(plan)
     n, c, h, w = site
-    pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
-    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
-                 WORD=pl["WORD"], BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"])
+    variants, kernels = VARIANTS, KERNELS
+    if chunk == 0:  # the slab plan: its two kernels, the variants it runs (no mask bits, no residual sum)
+        pl = slab_plan_for(n, c, h * w, groups, tile)
+        given = dict(BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], BLOCK_GB=pl["BLOCK_GB"])
+        variants = {k: v for k, v in VARIANTS.items() if not any(v[5:7])}
+        kernels = SLAB_KERNELS
+    else:
+        pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
+        given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
+                     WORD=pl["WORD"], BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"])
     out = []
-    for name in KERNELS:
+    for name in kernels:
         kernel = getattr(gn_kernels, name)
         params = inspect.signature(kernel.fn).parameters
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
-        for variant, flags in VARIANTS.items():
+        for variant, flags in variants.items():
             flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False),  # the defaults
                      **dict(zip(FLAGS, flags))}
             # the finalize kernels keep and read the means where the reduction does not sum xhat
@@ -135,11 +146,11 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
                 flags[on] if isinstance(on, str) else flags["RES"] >= on))
             read = tuple((k, v) for k, v in flags.items() if k in params) + unused
             builds.setdefault(read, []).append(variant)
-        for read, variants in builds.items():
+        for read, launched in builds.items():
             constants = {**{k: v for k, v in given.items() if k in params}, **dict(read)}
-            registers, shared = build(kernel, constants, warps, arch)
-            out.append(dict(kernel=name, variants=variants, registers=registers, shared=shared, warps=warps,
-                            programs_per_sm=programs_per_sm(registers, shared, warps, SM[arch])))
+            registers, shared, stack = build(kernel, constants, warps, arch)
+            out.append(dict(kernel=name, variants=launched, registers=registers, shared=shared, stack=stack,
+                            warps=warps, programs_per_sm=programs_per_sm(registers, shared, warps, SM[arch])))
     return out
 
 
@@ -175,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         built = rows(plan, site, args.arch)
     except RuntimeError as e:
         return fail("kernel_regs", str(e))
-    print("| kernel | variant | registers a thread | shared memory a program | programs an SM |")
-    print("|---|---|---|---|---|")
+    print("| kernel | variant | registers a thread | spilled (stack bytes a thread) | shared memory a program | "
+          "programs an SM |")
+    print("|---|---|---|---|---|---|")
     for r in built:
-        print(f"| `{r['kernel']}` | {', '.join(r['variants'])} | {r['registers']} | {r['shared'] // 1024} KB | "
-              f"{r['programs_per_sm']} ({r['programs_per_sm'] * r['warps']} warps) |")
+        print(f"| `{r['kernel']}` | {', '.join(r['variants'])} | {r['registers']} | {r['stack']} | "
+              f"{r['shared'] // 1024} KB | {r['programs_per_sm']} ({r['programs_per_sm'] * r['warps']} warps) |")
     return 0
 
 

@@ -38,9 +38,12 @@ BATCH = 1024  # unless data.batch_size says otherwise: the batch of the bench's 
 
 
 def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
-    """--variant NAME:KEY=VALUE[,KEY=VALUE...] as (name, overrides); ValueError saying what to write."""
+    """--variant NAME:KEY=VALUE[,KEY=VALUE...] as (name, overrides); ValueError saying what to write. A comma
+    starts another override only before KEY=: a value may hold commas (model.norm_plan=16,0,8,256)."""
+    import re
+
     name, _, rest = text.partition(":")
-    overrides = tuple(o for o in rest.split(",") if o)
+    overrides = tuple(o for o in re.split(r",(?=[A-Za-z_][\w.]*=)", rest) if o)
     if not name or not overrides or not all("=" in o for o in overrides):
         raise ValueError(f"--variant {text!r}: write NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
                          "bits:model.norm_mask_bits=True")
