@@ -497,12 +497,12 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     from ffcv_ddpm import gn_kernels as K
 
     tile, chunk, warps, stages = site_plan((tile, chunk, warps, stages), x[0, 0].numel())
-    x2_, c1, x2s, two = _second_part(x, x2)
     if chunk == 0:
         if res is not None or mask_bits:
             raise ValueError("fused GroupNorm: the slab plan (CHUNK=0) has no residual sum (model.norm_residual) and "
                              "no mask bits (model.norm_mask_bits); turn them off or use a plan with chunks")
         return _slab_forward(x, x2, a, b, e, seed, groups, eps, silu, p, tile, warps, saved_means)
+    x2_, c1, x2s, two = _second_part(x, x2)
     pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
     out = _output_like(x, x2)
@@ -566,12 +566,12 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     from ffcv_ddpm import gn_kernels as K
 
     tile, chunk, warps, stages = site_plan((tile, chunk, warps, stages), x[0, 0].numel())
-    x2_, c1, x2s, two = _second_part(x, x2)
     if chunk == 0:
         if ds is not None or bits is not None:
             raise ValueError("fused GroupNorm backward: the slab plan (CHUNK=0) takes no residual gradient and no mask "
                              "bits (its forward makes neither)")
         return _slab_backward(dout, x, x2, a, b, e, seed, mean, rstd, groups, silu, p, tile, warps)
+    x2_, c1, x2s, two = _second_part(x, x2)
     pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
     dx = torch.empty_like(x)
