@@ -1,6 +1,7 @@
 """benchmarks.speed.cudnn_fusion on a CPU machine: what it refuses, what it prices and how it reports (its graphs
 need cuDNN on a GPU: benchmarks/results/<card>/cudnn-fusion-*/ hold what they measured)."""
 
+import pytest
 import torch
 
 from benchmarks.speed import cudnn_fusion as cf
@@ -36,3 +37,14 @@ def test_the_report_marks_unsupported_graphs_and_wrong_results():
     assert "| 128->128 32x32/s1 [GN+SiLU; stats] | 6 | conv | 1.000 | +0.100 | 0.000 | ok, base 0.900 ms |" in md
     assert "| gn_silu+conv | 1.100 | +0.200 | 0.400 | WRONG (3.0e-01), base 0.900 ms, events |" in md
     assert "| conv+stats_nc | - | - | - | unsupported: cudnnGraphNotSupportedError: no engine / for this graph |" in md
+
+
+def test_every_graph_is_built_through_the_frontends_python_api():
+    """Where nvidia-cudnn-frontend is importable (not a dependency: the GPU call installs its wheel; 1.32.0 on the CPU
+    machine at 553b4c7), each graph of one small site is built node by node, which needs no GPU: argument names and
+    output dims as the frontend takes them, so that a GPU call finds only what cuDNN's engines support or not."""
+    cudnn = pytest.importorskip("cudnn")
+    site = cf.Site(cudnn, None, cin=8, cout=16, h=6, stride=2, batch=3, device="cpu")
+    for name in cf.GRAPHS:
+        _, outs, refs = site.build(name, lower=False)
+        assert outs.keys() == refs.keys() and all(o.shape == refs[k].shape for k, o in outs.items()), name

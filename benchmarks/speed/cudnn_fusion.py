@@ -63,13 +63,13 @@ def passes_removed(graph: str, n: int, cin: int, cout: int, h: int, ho: int) -> 
 class Site:
     """One site's tensors (random, not zero), its torch references and the cuDNN graphs built on them."""
 
-    def __init__(self, cudnn, handle, cin: int, cout: int, h: int, stride: int, batch: int):
-        self.cudnn, self.handle, self.stride = cudnn, handle, stride
-        g = torch.Generator(device="cuda").manual_seed(0)
+    def __init__(self, cudnn, handle, cin: int, cout: int, h: int, stride: int, batch: int, device: str = "cuda"):
+        self.cudnn, self.handle, self.stride, self.device = cudnn, handle, stride, device
+        g = torch.Generator(device=device).manual_seed(0)
         cl = torch.channels_last
 
         def rand(*shape, scale=1.0):
-            return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16).to(memory_format=cl)
+            return (torch.randn(*shape, device=device, generator=g) * scale).to(torch.bfloat16).to(memory_format=cl)
 
         self.x = rand(batch, cin, h, h)
         self.w = rand(cout, cin, 3, 3, scale=(cin * 9) ** -0.5)
@@ -83,8 +83,10 @@ class Site:
         return F.conv2d(x, self.w, stride=self.stride, padding=1)
 
     # ---- the graphs --------------------------------------------------------------------------------------------
-    def build(self, name: str):
-        """(execute(), output tensors, fp32 references); raises cudnn's error when no engine supports the graph."""
+    def build(self, name: str, lower: bool = True):
+        """(execute(), output tensors, fp32 references); raises cudnn's error when no engine supports the graph.
+        lower=False stops before the graph is lowered to cuDNN's (which needs a GPU): the tests' check that every
+        node is built as the frontend's Python API takes it."""
         cudnn = self.cudnn
         g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
@@ -125,7 +127,7 @@ class Site:
             refs["dx"] = da * sig * (1 + xf * (1 - sig))
         else:
             Y = g.conv_fprop(image=inp, weight=W, **conv_args)
-            outs["y"] = torch.empty(self.dy.shape, device="cuda", dtype=torch.bfloat16).to(
+            outs["y"] = torch.empty(self.dy.shape, device=self.device, dtype=torch.bfloat16).to(
                 memory_format=torch.channels_last)
             Y.set_output(True).set_data_type(cudnn.data_type.BFLOAT16)
             feeds[Y] = outs["y"]
@@ -146,14 +148,16 @@ class Site:
             if "stats" in name:
                 for key, T in (("sum", SUM), ("sq", SQ)):
                     T.set_output(True).set_data_type(cudnn.data_type.FLOAT)
-                    outs[key] = torch.zeros(shape, device="cuda", dtype=torch.float32)
+                    outs[key] = torch.zeros(shape, device=self.device, dtype=torch.float32)
                     feeds[T] = outs[key]
-        g.validate()
+        if not lower:
+            return None, outs, refs
+        g.validate()  # lowers the graph to cuDNN's: from here on a GPU
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans()
-        workspace = torch.empty(max(g.get_workspace_size(), 1), device="cuda", dtype=torch.uint8)
+        workspace = torch.empty(max(g.get_workspace_size(), 1), device=self.device, dtype=torch.uint8)
         accumulates = [outs[k] for k in ("sum", "sq") if k in outs]
 
         def execute():
