@@ -20,7 +20,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.reducer_ops": True, "benchmarks.speed.floors": True, "benchmarks.speed.merge": False, "benchmarks.speed.report": False,
     "benchmarks.speed.kernel_regs": False, "benchmarks.speed.conv_gn_bench": True,
     "benchmarks.speed.conv_autotune": True,
-    "benchmarks.speed.levers": True, "benchmarks.speed.cudnn_fusion": True,
+    "benchmarks.speed.levers": True, "benchmarks.speed.cudnn_fusion": True, "benchmarks.speed.numerics_draws": False,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
