@@ -228,8 +228,31 @@ def dataset_info(path) -> dict:
     }
 
 
+# read_beton's last reads in this process: {(path, inode, size, mtime_ns): (images, labels)}. A study reads the same
+# small .beton several times (the judge's training, the test set, the floor, each model's trainer), and every FFCV
+# Loader compiles its pipeline again (~1 s on a CPU, most of reading the digits). The last reads are kept up to
+# READ_CACHE_BYTES of images in all (the digits' two splits: 11 MB; a bigger file is never kept); callers get
+# copies, so none can change another's arrays. A file rewritten since (another inode, size or mtime) is read again.
+_read_cache: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+READ_CACHE_BYTES = 64 * 2**20
+
+
 def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """All images (N, H, W, 3) uint8 and labels (N,) int64 of a .beton, in file order (one sequential FFCV pass)."""
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key in _read_cache:
+        images, labels = _read_cache[key] = _read_cache.pop(key)  # now the most recent
+        return images.copy(), labels.copy()
+    images, labels = _read_beton(path, num_workers)
+    if images.nbytes <= READ_CACHE_BYTES:
+        _read_cache[key] = images.copy(), labels.copy()
+        while sum(i.nbytes for i, _ in _read_cache.values()) > READ_CACHE_BYTES:
+            del _read_cache[next(iter(_read_cache))]  # the least recently read
+    return images, labels
+
+
+def _read_beton(path, num_workers: int | None) -> tuple[np.ndarray, np.ndarray]:
     threads = torch.get_num_threads()  # before FFCV's import, which sets it to 1
     cache_typed_dict()
     from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder

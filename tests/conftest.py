@@ -55,6 +55,59 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cpu_only" in item.keywords:
                 item.add_marker(skip)
+    if "PYTEST_XDIST_WORKER" in os.environ:  # every worker collects, and must order its collection the same way
+        items[:] = costliest_first(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+# Module-scoped fixtures cheap enough to set up again where a module's tests are split between the workers.
+CHEAP_MODULE_FIXTURES = {"one_thread"}
+
+
+def recorded_costs() -> dict[str, float]:
+    """tests/durations.txt: {node id under tests/: seconds} of the costly tests, as measured under make test."""
+    costs = {}
+    for line in (Path(__file__).parent / "durations.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            seconds, nodeid = line.split(" ", 1)
+            costs[nodeid.strip()] = float(seconds)
+    return costs
+
+
+def costliest_first(items: list, workers: int) -> list:
+    """The collection in the order that keeps both workers busy to the end. xdist's worksteal gives each worker a
+    contiguous share of the collection and lets a worker that runs out take the end of another's queue: in the
+    collected (alphabetical) order a 70 s test could start last and run alone while the other core idles. So the
+    costly units (a test; or a whole module whose tests share a costly module-scoped fixture, kept together so
+    that it is built once) are dealt to the workers' shares by cost, costliest first (longest processing time
+    first), and the cheap tests, in collected order, fill each share behind them, where stealing takes from."""
+    if workers < 2:
+        return items
+    costs = recorded_costs()
+    cost = {id(item): costs.get(item.nodeid.removeprefix("tests/"), 0.0) for item in items}
+    grouped = {item.module for item in items if any(
+        defs[-1].scope == "module" and name not in CHEAP_MODULE_FIXTURES
+        for name, defs in item._fixtureinfo.name2fixturedefs.items())}
+    units: dict = {}  # unit key -> its items in collected order
+    for item in items:
+        units.setdefault(item.module if item.module in grouped else id(item), []).append(item)
+    costly = sorted((u for u in units.values() if sum(cost[id(i)] for i in u) >= 3.0),
+                    key=lambda u: -sum(cost[id(i)] for i in u))
+    shares, loads = [[] for _ in range(workers)], [0.0] * workers
+    for unit in costly:
+        w = loads.index(min(loads))
+        shares[w] += unit
+        loads[w] += sum(cost[id(i)] for i in unit)
+    taken = {id(i) for share in shares for i in share}
+    cheap = [item for item in items if id(item) not in taken]
+    # xdist sends worker w (of k) len(rest) // (k - w) of the tests not yet sent: each share is filled to its size.
+    ordered, left = [], len(items)
+    for w, share in enumerate(shares):
+        size = left // (workers - w)
+        left -= size
+        fill = max(0, size - len(share)) if w < workers - 1 else len(cheap)
+        ordered += share + cheap[:fill]
+        cheap = cheap[fill:]
+    return ordered
 
 
 def pytest_xdist_auto_num_workers(config):

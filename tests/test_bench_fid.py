@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
@@ -31,7 +32,12 @@ def run_dir(small_dataset, tmp_path_factory):
 
 
 def test_fid_of_a_run_on_synthetic_data(small_dataset, small_dataset_arrays, run_dir, tmp_path, capsys):
-    ref = small_dataset / "cifar10_test_raw.beton"
+    # A copy of the test split (and its manifest) of its own: the statistics are cached beside the data, and another
+    # test of this worker may have cached them beside small_dataset's first (the tests start in order of cost).
+    (tmp_path / "data").mkdir()
+    for name in ("cifar10_test_raw.beton", "manifest.json"):
+        shutil.copy(small_dataset / name, tmp_path / "data" / name)
+    ref = tmp_path / "data" / "cifar10_test_raw.beton"
     common = ["--data", str(ref), "--max-ref", "10", "--random-inception", "0", "--sample-batch", "5", "--out",
               str(tmp_path)]
     assert fid_cli.main([*common, "--run", str(run_dir), "--n", "10", "--sample-steps", "2"]) == 0

@@ -271,6 +271,9 @@ def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
     (the CPU tests run their convolutions on one thread, and two on a busy 2-core machine were 10-30x slower)."""
     from ffcv_ddpm.data import read_beton
 
+    from ffcv_ddpm import data
+
+    data._read_cache.clear()  # a read from memory (below) would not reach FFCV's Loader
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -278,6 +281,25 @@ def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
         assert len(images) > 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_read_beton_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
+    """A study reads one small .beton several times: later reads come from memory (FFCV's Loader compiles its
+    pipeline for each read, ~1 s on a CPU), each a copy of its own; a file rewritten in between is read again."""
+    from conftest import write_beton
+    from ffcv_ddpm import data
+
+    path = write_beton(tmp_path / "a.beton", 20, seed=0)
+    reads, real = [], data._read_beton
+    monkeypatch.setattr(data, "_read_beton", lambda *a: reads.append(a) or real(*a))
+    first, _ = data.read_beton(path)
+    kept = first.copy()
+    first[:] = 0  # the caller's copy: not what the next caller gets
+    again, _ = data.read_beton(path)
+    assert len(reads) == 1 and np.array_equal(again, kept) and again.std() > 0
+    write_beton(path, 20, seed=1)
+    other, _ = data.read_beton(path)
+    assert len(reads) == 2 and not np.array_equal(other, kept)
 
 
 class _FakeEpochIterator:

@@ -44,15 +44,31 @@ TINY = ["--preset", "tiny", "data.batch_size=16", "--log-every", "2", "--smooth"
         "data.num_workers=1", "data.loader=torch-memory"]
 
 
-def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_dataset, tmp_path, capsys):
+def study_args(data, out) -> list[str]:
     # The control: nn.GroupNorm instead of the default scale-and-shift GroupNorm, fp32 like the reference. --ref
     # train.compile=False reaches the reference and the control, not the candidate (compile is ignored on CPU).
-    args = ["--data", str(small_dataset), *TINY, "--steps", "8", "--out", str(tmp_path),
-            "--ref", "train.compile=False", "--control", "model.norm_impl=torch"]
-    rc = numerics.main([*args, "--tol", "0.5"])
-    printed = capsys.readouterr().out
+    return ["--data", str(data), *TINY, "--steps", "8", "--out", str(out), "--ref", "train.compile=False",
+            "--control", "model.norm_impl=torch"]
+
+
+@pytest.fixture(scope="module")
+def in_process(small_dataset, tmp_path_factory):
+    """The study's three legs trained in this process, once for the module (the bf16 test checks it, the --from-runs
+    test compares run folders made of its legs): (its --out folder, exit status, what it printed, its result)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("numerics")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = numerics.main([*study_args(small_dataset, out), "--tol", "0.5"])
+    return out, rc, printed.getvalue(), json.loads((out / "numerics-bf16.json").read_text())
+
+
+def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_dataset, in_process, capsys):
+    tmp_path, rc, printed, r = in_process
+    args = study_args(small_dataset, tmp_path)
     assert rc == 0, printed
-    r = json.loads((tmp_path / "numerics-bf16.json").read_text())
     ref, cand, ctl = r["reference"]["stats"], r["candidate"]["stats"], r["control"]["stats"]
     assert [s["step"] for s in ref] == [s["step"] for s in cand] == [s["step"] for s in ctl] == [2, 4, 6, 8]
     assert ref != cand  # two runs, in two precisions...
@@ -159,13 +175,12 @@ def test_too_few_steps_is_an_error(tmp_path, capsys):
     assert "fewer than two logged intervals" in capsys.readouterr().err
 
 
-def test_from_runs_compares_finished_runs_on_their_common_steps(small_dataset, tmp_path, capsys):
+def test_from_runs_compares_finished_runs_on_their_common_steps(in_process, tmp_path, capsys):
     """Runs made elsewhere: compared on the logged steps all of them reached (a run stopped early counts up to its last
-    full interval); a run folder that is not one, or an unpaired pair, is a clear error."""
-    base = ["--data", str(small_dataset), "--preset", "tiny", "--steps", "8", "--log-every", "2", "data.batch_size=8",
-            "train.device=cpu", "data.num_workers=1"]
-    assert numerics.main([*base, "--control", "model.norm_impl=torch", "--out", str(tmp_path / "first")]) == 0
-    first = json.loads((tmp_path / "first" / "numerics-bf16.json").read_text())
+    full interval); a run folder that is not one, or an unpaired pair, is a clear error. The runs are the in-process
+    study's legs (8 steps, logged every 2, with a control), written as the trainer leaves its folders."""
+    first = in_process[3]
+    assert in_process[1] == 0 and [s["step"] for s in first["reference"]["stats"]] == [2, 4, 6, 8]
     runs = {}
     for leg in ("reference", "candidate", "control"):  # as the trainer would have left them, the candidate cut short
         d = runs[leg] = tmp_path / leg

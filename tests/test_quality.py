@@ -67,6 +67,30 @@ def test_fd_digits_and_conditional_accuracy(judged):
     assert evaluate_samples(judge, sevens, None, test_x)["fd_digits"] > 5 * floor["fd_digits"]
 
 
+def test_the_reference_set_is_embedded_once_per_judge_state(monkeypatch):
+    """evaluate_samples keeps the reference set's features (a study scores every row against the same set) and
+    embeds the set again when the judge's weights, its mode or the set change."""
+    judge = Judge().eval()
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randint(0, 256, (100, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    samples = torch.randint(0, 256, (80, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    embedded, real = [], Judge.features
+    monkeypatch.setattr(Judge, "features", lambda self, x, **k: embedded.append(len(x)) or real(self, x, **k))
+    first = evaluate_samples(judge, samples, None, ref)
+    assert evaluate_samples(judge, samples, None, ref) == first and embedded == [80, 100, 80]
+    with torch.no_grad():
+        judge.body[0][0].weight.mul_(0.5)  # an in-place update (an optimiser step) of a feature weight
+    changed = evaluate_samples(judge, samples, None, ref)
+    assert embedded[-2:] == [80, 100] and changed["fd_digits"] != first["fd_digits"]
+    evaluate_samples(judge, samples, None, ref.clone())  # another tensor, same values: embedded again
+    ref[0] = 0  # the set changed in place
+    evaluate_samples(judge, samples, None, ref)
+    assert embedded[-4:] == [80, 100, 80, 100]
+    judge.train()
+    evaluate_samples(judge, samples, None, ref)
+    assert embedded[-2:] == [80, 100] and len(embedded) == 11
+
+
 def test_the_floor_comes_from_images_the_judge_never_trained_on(judged):
     """The held-out images are class-balanced and never in a training batch (unless a copy of one is among the kept
     images); fd_floor scores a class-balanced share of them, and a judge that held none out has no floor."""
