@@ -77,7 +77,6 @@ class Site:
         self.scale_c, self.shift_c = self.scale_nc[:1].clone(), self.shift_nc[:1].clone()
         self.ho = (h - 1) // stride + 1
         self.dy = rand(batch, cout, self.ho, self.ho)
-        self.copy_src = None  # set by passes_ms
 
     def conv(self, x):
         return F.conv2d(x, self.w, stride=self.stride, padding=1)
@@ -110,7 +109,8 @@ class Site:
             feeds[DY] = self.dy
             DW = g.conv_wgrad(image=inp, loss=DY, **conv_args)
             outs["dw"] = torch.empty_like(self.w)
-            DW.set_output(True).set_dim(list(self.w.shape)).set_data_type(cudnn.data_type.BFLOAT16)
+            DW.set_output(True).set_dim(list(self.w.shape)).set_stride(list(self.w.stride()))
+            DW.set_data_type(cudnn.data_type.BFLOAT16)
             feeds[DW] = outs["dw"]
             refs["dw"] = torch.nn.grad.conv2d_weight(a_ref, self.w.shape, self.dy.float(), self.stride, 1)
         elif name == "dgrad+dsilu":
@@ -129,7 +129,7 @@ class Site:
             Y = g.conv_fprop(image=inp, weight=W, **conv_args)
             outs["y"] = torch.empty(self.dy.shape, device=self.device, dtype=torch.bfloat16).to(
                 memory_format=torch.channels_last)
-            Y.set_output(True).set_data_type(cudnn.data_type.BFLOAT16)
+            Y.set_output(True).set_stride(list(outs["y"].stride())).set_data_type(cudnn.data_type.BFLOAT16)
             feeds[Y] = outs["y"]
             y_ref = F.conv2d(a_ref, wf, stride=self.stride, padding=1)
             refs["y"] = y_ref
