@@ -29,14 +29,16 @@ def test_the_report_marks_unsupported_graphs_and_wrong_results():
     ok = {"graph": "conv", "ms": 1.0, "base_ms": 0.9, "passes_ms": 0.0, "rel_err": 1e-3, "timing": "graph"}
     wrong = {"graph": "gn_silu+conv", "ms": 1.1, "base_ms": 0.9, "passes_ms": 0.4, "rel_err": 0.3, "timing": "events"}
     unsupported = {"graph": "conv+stats_nc", "error": "cudnnGraphNotSupportedError: no engine | for\nthis graph"}
+    failed = {"graph": "dgrad+dsilu", "error": "TypeError: conv_dgrad() got an unexpected keyword argument 'w'"}
     result = {"command": "python -m benchmarks.speed.cudnn_fusion --out x", "environment": {"commit": "abc1234567",
               "torch": "2.11"}, "device_name": "NVIDIA H200", "batch": 1024, "copy_gbs": 3900.0,
               "sites": [{"name": "128->128 32x32/s1 [GN+SiLU; stats]", "count": 6,
-                         "graphs": [ok, wrong, unsupported]}]}
+                         "graphs": [ok, wrong, unsupported, failed]}]}
     md = cf.render(result)
     assert "| 128->128 32x32/s1 [GN+SiLU; stats] | 6 | conv | 1.000 | +0.100 | 0.000 | ok, base 0.900 ms |" in md
     assert "| gn_silu+conv | 1.100 | +0.200 | 0.400 | WRONG (3.0e-01), base 0.900 ms, events |" in md
     assert "| conv+stats_nc | - | - | - | unsupported: cudnnGraphNotSupportedError: no engine / for this graph |" in md
+    assert "| dgrad+dsilu | - | - | - | error: TypeError: conv_dgrad() got an unexpected keyword argument 'w' |" in md
 
 
 def test_every_graph_is_built_through_the_frontends_python_api():
