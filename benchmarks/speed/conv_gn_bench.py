@@ -155,6 +155,11 @@ def record_sites(model_cfg) -> list[tuple[Site, int]]:
     return list(counts.items())
 
 
+def sites_by_cost(model_cfg, batch: int) -> list[tuple[Site, int]]:
+    """record_sites' sites, the costliest first: by their convolution FLOPs a step at `batch`."""
+    return sorted(record_sites(model_cfg), key=lambda sc: -sc[0].flops(batch) * sc[1])
+
+
 # ---------------------------------------------------------------------------------------------------- one site
 
 
@@ -528,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.speed.norm_bench import graph_ms, time_ms
 
     batch = cfg.data.batch_size
-    sites = sorted(record_sites(cfg.model), key=lambda sc: -sc[0].flops(batch) * sc[1])
+    sites = sites_by_cost(cfg.model, batch)
     total = len(sites)
     sites = sites[:args.sites] if args.sites else sites
     if args.smoke:

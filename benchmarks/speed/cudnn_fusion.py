@@ -247,26 +247,24 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         return fail("cudnn_fusion", f"cannot import cudnn ({e}): pip install --no-deps nvidia-cudnn-frontend (a "
                                     "wheel downloaded elsewhere, on a machine without network)")
-    from benchmarks.speed.conv_gn_bench import record_sites
+    from benchmarks.speed.conv_gn_bench import sites_by_cost
     from ffcv_ddpm.env import environment
 
     torch.backends.cudnn.benchmark = True  # F.conv2d's baseline as the step runs it
     batch = cfg.data.batch_size
-    sites = sorted(record_sites(cfg.model), key=lambda sc: -sc[0].flops(batch) * sc[1])
-    sites = sites[:args.sites] if args.sites else sites
+    sites = sites_by_cost(cfg.model, batch)[:args.sites]  # (None: all)
     handle = cudnn.create_handle()
     result = {"command": "python -m benchmarks.speed.cudnn_fusion " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "device_name": torch.cuda.get_device_name(), "batch": batch,
               "cudnn_backend": cudnn.backend_version_string(), "cudnn_frontend": getattr(cudnn, "__version__", "?"),
               "torch_cudnn": torch.backends.cudnn.version(), "graphs": graphs, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
+    src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()  # 128 MB: past the L2
+    result["copy_gbs"] = 2 * src.numel() * 2 / timed(lambda: src.clone(), args.iters)[0] / 1e6  # read + write
+    del src
     t0 = time.time()
     for spec, count in sites:
         site = Site(cudnn, handle, spec.cin, spec.cout, spec.h, spec.stride, batch)
-        src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()  # 128 MB: past the L2
-        copy_ms = timed(lambda: src.clone(), args.iters)[0]
-        result["copy_gbs"] = 2 * src.numel() * 2 / copy_ms / 1e6  # read + write
-        del src
         entry = {"name": spec.name(), "count": count, "site": {"cin": spec.cin, "cout": spec.cout, "h": spec.h,
                                                                 "stride": spec.stride}, "graphs": []}
         result["sites"].append(entry)
