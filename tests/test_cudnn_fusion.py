@@ -41,12 +41,16 @@ def test_the_report_marks_unsupported_graphs_and_wrong_results():
     assert "| dgrad+dsilu | - | - | - | error: TypeError: conv_dgrad() got an unexpected keyword argument 'w' |" in md
 
 
-def test_every_graph_is_built_through_the_frontends_python_api():
+@pytest.mark.parametrize("dtype,intermediate", [("bf16", "io"), ("fp16", "io"), ("bf16", "float")])
+def test_every_graph_is_built_through_the_frontends_python_api(dtype, intermediate):
     """Where nvidia-cudnn-frontend is importable (not a dependency: the GPU call installs its wheel; 1.32.0 on the CPU
     machine at 553b4c7), each graph of one small site is built node by node, which needs no GPU: argument names and
     output dims as the frontend takes them, so that a GPU call finds only what cuDNN's engines support or not."""
     cudnn = pytest.importorskip("cudnn")
-    site = cf.Site(cudnn, None, cin=8, cout=16, h=6, stride=2, batch=3, device="cpu")
+    site = cf.Site(cudnn, None, cin=8, cout=16, h=6, stride=2, batch=3, device="cpu", dtype=dtype,
+                   intermediate=intermediate)
+    assert site.x.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     for name in cf.GRAPHS:
         _, outs, refs = site.build(name, lower=False)
         assert outs.keys() == refs.keys() and all(o.shape == refs[k].shape for k, o in outs.items()), name
+        assert all(o.dtype in (site.x.dtype, torch.float32) for o in outs.values()), name

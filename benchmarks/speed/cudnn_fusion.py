@@ -63,13 +63,19 @@ def passes_removed(graph: str, n: int, cin: int, cout: int, h: int, ho: int) -> 
 class Site:
     """One site's tensors (random, not zero), its torch references and the cuDNN graphs built on them."""
 
-    def __init__(self, cudnn, handle, cin: int, cout: int, h: int, stride: int, batch: int, device: str = "cuda"):
+    def __init__(self, cudnn, handle, cin: int, cout: int, h: int, stride: int, batch: int, device: str = "cuda",
+                 dtype: str = "bf16", intermediate: str = "io"):
         self.cudnn, self.handle, self.stride, self.device = cudnn, handle, stride, device
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        self.io = {"bf16": cudnn.data_type.BFLOAT16, "fp16": cudnn.data_type.HALF}[dtype]
+        # cuDNN's own samples of its BatchNorm fusions keep the intermediates at the io type (fp16); fp32
+        # intermediates were refused at every site on an H200 (results/h200/cudnn-fusion-7d43009)
+        self.intermediate = self.io if intermediate == "io" else cudnn.data_type.FLOAT
         g = torch.Generator(device=device).manual_seed(0)
         cl = torch.channels_last
 
         def rand(*shape, scale=1.0):
-            return (torch.randn(*shape, device=device, generator=g) * scale).to(torch.bfloat16).to(memory_format=cl)
+            return (torch.randn(*shape, device=device, generator=g) * scale).to(self.dtype).to(memory_format=cl)
 
         self.x = rand(batch, cin, h, h)
         self.w = rand(cout, cin, 3, 3, scale=(cin * 9) ** -0.5)
@@ -87,7 +93,7 @@ class Site:
         lower=False stops before the graph is lowered to cuDNN's (which needs a GPU): the tests' check that every
         node is built as the frontend's Python API takes it."""
         cudnn = self.cudnn
-        g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+        g = cudnn.pygraph(io_data_type=self.io, intermediate_data_type=self.intermediate,
                           compute_data_type=cudnn.data_type.FLOAT, handle=self.handle)
         X, W = g.tensor_like(self.x), g.tensor_like(self.w)
         feeds = {X: self.x, W: self.w}
@@ -110,7 +116,7 @@ class Site:
             DW = g.conv_wgrad(image=inp, loss=DY, **conv_args)
             outs["dw"] = torch.empty_like(self.w)
             DW.set_output(True).set_dim(list(self.w.shape)).set_stride(list(self.w.stride()))
-            DW.set_data_type(cudnn.data_type.BFLOAT16)
+            DW.set_data_type(self.io)
             feeds[DW] = outs["dw"]
             refs["dw"] = torch.nn.grad.conv2d_weight(a_ref, self.w.shape, self.dy.float(), self.stride, 1)
         elif name == "dgrad+dsilu":
@@ -120,16 +126,16 @@ class Site:
             DA.set_dim(list(self.x.shape)).set_stride(list(self.x.stride()))
             DX = g.swish_backward(loss=DA, input=X)  # the gradient at SiLU's input: x is the pre-activation here
             outs["dx"] = torch.empty_like(self.x)
-            DX.set_output(True).set_data_type(cudnn.data_type.BFLOAT16)
+            DX.set_output(True).set_data_type(self.io)
             feeds[DX] = outs["dx"]
             da = torch.nn.grad.conv2d_input(self.x.shape, wf, self.dy.float(), self.stride, 1)
             sig = torch.sigmoid(xf)
             refs["dx"] = da * sig * (1 + xf * (1 - sig))
         else:
             Y = g.conv_fprop(image=inp, weight=W, **conv_args)
-            outs["y"] = torch.empty(self.dy.shape, device=self.device, dtype=torch.bfloat16).to(
+            outs["y"] = torch.empty(self.dy.shape, device=self.device, dtype=self.dtype).to(
                 memory_format=torch.channels_last)
-            Y.set_output(True).set_stride(list(outs["y"].stride())).set_data_type(cudnn.data_type.BFLOAT16)
+            Y.set_output(True).set_stride(list(outs["y"].stride())).set_data_type(self.io)
             feeds[Y] = outs["y"]
             y_ref = F.conv2d(a_ref, wf, stride=self.stride, padding=1)
             refs["y"] = y_ref
@@ -201,7 +207,7 @@ def render(result: dict) -> str:
              f"`{result['command']}`", "",
              f"commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}, cuDNN "
              f"{result.get('cudnn_backend')}, cudnn-frontend {result.get('cudnn_frontend')}; batch {result['batch']}, "
-             f"bf16, channels_last; ms per call, CUDA-graph replays (median; events where one could not be captured); "
+             f"{result.get('dtype', 'bf16')} (intermediates {result.get('intermediate', 'float')}), channels_last; ms per call, CUDA-graph replays (median; events where one could not be captured); "
              f"copy rate {result.get('copy_gbs', 0):.0f} GB/s (a bf16 clone of 128 MB).", "",
              "extra = the graph's ms - torch's same arithmetic (F.conv2d or its gradient) in the same process; "
              "passes = the bytes the fusion removes, at the copy rate. A fusion pays where extra < passes.", ""]
@@ -230,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites", type=option(int, at_least(1)), help="only the first N sites (by FLOPs a step)")
     p.add_argument("--graphs", default=",".join(GRAPHS), help=f"comma-separated, of {', '.join(GRAPHS)}")
     p.add_argument("--iters", type=option(int, at_least(1)), default=10, help="calls per captured graph")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the inputs' and outputs' type")
+    p.add_argument("--intermediate", choices=("io", "float"), default="io",
+                   help="the type of the graph's virtual tensors (the prologue's and the statistics' operands)")
     args, overrides = p.parse_with_overrides(argv)
     graphs = [g for g in args.graphs.split(",") if g]
     if bad := [g for g in graphs if g not in GRAPHS]:
@@ -257,14 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python -m benchmarks.speed.cudnn_fusion " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "device_name": torch.cuda.get_device_name(), "batch": batch,
               "cudnn_backend": cudnn.backend_version_string(), "cudnn_frontend": getattr(cudnn, "__version__", "?"),
-              "torch_cudnn": torch.backends.cudnn.version(), "graphs": graphs, "sites": []}
+              "torch_cudnn": torch.backends.cudnn.version(), "graphs": graphs, "dtype": args.dtype,
+              "intermediate": args.intermediate, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
     src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()  # 128 MB: past the L2
     result["copy_gbs"] = 2 * src.numel() * 2 / timed(lambda: src.clone(), args.iters)[0] / 1e6  # read + write
     del src
     t0 = time.time()
     for spec, count in sites:
-        site = Site(cudnn, handle, spec.cin, spec.cout, spec.h, spec.stride, batch)
+        site = Site(cudnn, handle, spec.cin, spec.cout, spec.h, spec.stride, batch, dtype=args.dtype,
+                    intermediate=args.intermediate)
         entry = {"name": spec.name(), "count": count, "site": {"cin": spec.cin, "cout": spec.cout, "h": spec.h,
                                                                 "stride": spec.stride}, "graphs": []}
         result["sites"].append(entry)
