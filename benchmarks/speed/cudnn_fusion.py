@@ -49,6 +49,32 @@ GRAPHS = ("conv", "conv+genstats", "conv+stats_nc", "sbr+conv", "gn_silu+conv", 
 TOL = 2e-2  # max |cuDNN - fp32 torch| / max |fp32 torch|: bf16 inputs and outputs, fp32 accumulation
 
 
+def preload_nvrtc_builtins() -> str | None:
+    """cuDNN's runtime-fusion engines compile their kernels with NVRTC, which dlopens libnvrtc-builtins by its bare
+    name from the caller's search path: cuDNN's RUNPATH (nvidia/cudnn/lib), where pip's CUDA wheels do not put it.
+    Every such plan then fails with COMPILATION_FAILED (an H200 at 650afdd: every prologue graph). Loading the
+    builtins first, globally, from the wheel that ships NVRTC (or CUDA_HOME) lets the engines build. Returns the
+    path loaded, or None where none was found (the engines may still find one on LD_LIBRARY_PATH)."""
+    import ctypes
+    import glob
+    import os
+    import site
+
+    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    pattern = [os.path.join(r, "nvidia", "*", "lib", "libnvrtc-builtins.so*") for r in roots if r]
+    pattern.append(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "lib64", "libnvrtc-builtins.so*"))
+    for pat in pattern:
+        for path in sorted(glob.glob(pat)):
+            if ".alt." in path or path.endswith(".a"):
+                continue
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                return path
+            except OSError:
+                continue
+    return None
+
+
 def passes_removed(graph: str, n: int, cin: int, cout: int, h: int, ho: int) -> int:
     """Bytes (bf16) that the separate kernels move and the fused graph does not: the activation written and read
     again (the prologue; dSiLU's input gradient in dgrad+dsilu), the output read again (per-(sample, channel)
@@ -208,7 +234,8 @@ def render(result: dict) -> str:
              f"commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}, cuDNN "
              f"{result.get('cudnn_backend')}, cudnn-frontend {result.get('cudnn_frontend')}; batch {result['batch']}, "
              f"{result.get('dtype', 'bf16')} (intermediates {result.get('intermediate', 'float')}), channels_last; ms per call, CUDA-graph replays (median; events where one could not be captured); "
-             f"copy rate {result.get('copy_gbs', 0):.0f} GB/s (a bf16 clone of 128 MB).", "",
+             f"copy rate {result.get('copy_gbs', 0):.0f} GB/s (a bf16 clone of 128 MB); NVRTC's builtins preloaded "
+             f"from {result.get('nvrtc_builtins')}.", "",
              "extra = the graph's ms - torch's same arithmetic (F.conv2d or its gradient) in the same process; "
              "passes = the bytes the fusion removes, at the copy rate. A fusion pays where extra < passes.", ""]
     rows = []
@@ -259,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.speed.conv_gn_bench import sites_by_cost
     from ffcv_ddpm.env import environment
 
+    nvrtc_builtins = preload_nvrtc_builtins()
+
     torch.backends.cudnn.benchmark = True  # F.conv2d's baseline as the step runs it
     batch = cfg.data.batch_size
     sites = sites_by_cost(cfg.model, batch)[:args.sites]  # (None: all)
@@ -267,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
               "environment": environment(), "device_name": torch.cuda.get_device_name(), "batch": batch,
               "cudnn_backend": cudnn.backend_version_string(), "cudnn_frontend": getattr(cudnn, "__version__", "?"),
               "torch_cudnn": torch.backends.cudnn.version(), "graphs": graphs, "dtype": args.dtype,
-              "intermediate": args.intermediate, "sites": []}
+              "intermediate": args.intermediate, "nvrtc_builtins": nvrtc_builtins, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
     src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()  # 128 MB: past the L2
     result["copy_gbs"] = 2 * src.numel() * 2 / timed(lambda: src.clone(), args.iters)[0] / 1e6  # read + write
