@@ -18,10 +18,8 @@ NCHW works. Each direction is three launches, so that the two passes over the da
 - a residual sum folded in (model.norm_residual): x's first part given as the addends of s = h + res (+ res2) (+ a
   bias per channel); `_stats` writes s while it reads them, the other kernels read s, and `_bwd_dx` adds the
   gradient s gets from its other readers to dx, so that s and its gradient are each written once.
-- the slab plan (a plan with CHUNK 0, the end of this file): one launch each way, a program per (sample, block of
-  whole groups) holding all the block's rows: x read once forward, x and dout once backward.
 Statistics in fp32: shifted sums within a chunk (stable when |mean| >> std), Chan's formula across chunks, the law
-of total variance across the channels of a group; the slab plan's from the values it holds, deviations squared.
+of total variance across the channels of a group.
 
 On CPU tensors the kernels run only under Triton's interpreter (TRITON_INTERPRET=1 before triton is imported; the
 tests set it), which is how they are tested on machines without a GPU.
@@ -388,98 +386,3 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
         dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],
                       other=0.0).to(tl.float32)
     _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-
-
-# ---- the slab plan (a plan with CHUNK 0): one pass each way, a block of whole groups held on chip -------------------
-# One program per (sample, block of whole groups) loads all the block's rows at once (HW x BLOCK_C elements: 16,384
-# at 32x32 and 16 channels), so that the statistics and the output (forward), the sums and dx (backward) come from
-# one read: 2 passes forward and 3 backward instead of 3 and 5, and one launch each way instead of three. Its rows
-# are one load, not a loop over tiles: the rows plan (NOTES item 23) walked them a tile at a time and kept too few
-# loads in flight. Whether this holds the bytes in flight without spilling is what the GPU measures (NOTES item 33).
-
-
-@triton.jit
-def _group_sum(v, cl, CPG, BLOCK_GB: tl.constexpr):
-    """Per-channel values v [BLOCK_C] summed over each group of the block and given back to its channels (cl: the
-    channel's index within the block, its group cl // CPG; any CPG, not only powers of two)."""
-    onehot = (cl // CPG)[None, :] == tl.arange(0, BLOCK_GB)[:, None]  # [BLOCK_GB, BLOCK_C]
-    per_group = tl.sum(tl.where(onehot, v[None, :], 0.0), axis=1)
-    return tl.sum(tl.where(onehot, per_group[:, None], 0.0), axis=0)
-
-
-@triton.jit
-def _slab_block(C, HW, CPG, GB, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """(n, cl, cols, cmask, rows, m) of this program: sample n, the channels of its GB groups (cl within the block,
-    cols in the tensor), all HW rows. The block is the grid's first axis, so the blocks of a sample run side by side
-    (a block narrower than a 32-byte sector shares its sectors with its neighbours: read once, from L2 the second
-    time)."""
-    n = tl.program_id(1)
-    cl = tl.arange(0, BLOCK_C)
-    cols = tl.program_id(0) * GB * CPG + cl
-    cmask = (cl < GB * CPG) & (cols < C)
-    rows = tl.arange(0, BLOCK_R)
-    return n, cl, cols, cmask, rows, (rows < HW)[:, None] & cmask[None, :]
-
-
-@triton.jit
-def _slab_fwd_kernel(x_ptr, x2_ptr, out_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr, cmean_ptr,
-                     C, HW, G, CPG, GB, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_on, s_oc, s_ohw,
-                     s_an, s_ac, s_en, s_ec, eps, thr24, inv_keep,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GB: tl.constexpr,
-                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
-                     SAVE_MEANS: tl.constexpr):
-    """The forward in one read of x: the block's group statistics of x + e (two passes over the values held, so
-    the variance is of deviations, not a difference of sums), then out = dropout(silu(xhat * a + b)); mean and rstd
-    per (n, group) for the backward, with SAVE_MEANS also the per-channel means of x + e."""
-    n, cl, cols, cmask, rows, m = _slab_block(C, HW, CPG, GB, BLOCK_R, BLOCK_C)
-    x = _load_x(x_ptr, x2_ptr, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-    if HAS_ADD:
-        x += tl.load(e_ptr + n * s_en + cols * s_ec, mask=cmask, other=0.0)[None, :]
-    mean_c = tl.sum(tl.where(m, x, 0.0), axis=0) / HW
-    mean_g = _group_sum(mean_c, cl, CPG, BLOCK_GB) / CPG  # each channel's group mean (channels count equally)
-    d = tl.where(m, x - mean_g[None, :], 0.0)
-    rstd_g = 1.0 / tl.sqrt(_group_sum(tl.sum(d * d, axis=0), cl, CPG, BLOCK_GB) / (CPG * HW) + eps)
-    a = tl.load(a_ptr + n * s_an + cols * s_ac, mask=cmask, other=0.0)
-    b = tl.load(b_ptr + n * s_an + cols * s_ac, mask=cmask, other=0.0)
-    y = d * (a * rstd_g)[None, :] + b[None, :]
-    if SILU:
-        y = y * tl.sigmoid(y)
-    if DROPOUT:
-        keep = _keep((n * HW + rows[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
-        y = tl.where(keep, y * inv_keep, 0.0)
-    tl.store(out_ptr + n * s_on + rows[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
-    first = cmask & (cl % CPG == 0)  # a group's statistics, written once
-    tl.store(mean_ptr + n * G + cols // CPG, mean_g, mask=first)
-    tl.store(rstd_ptr + n * G + cols // CPG, rstd_g, mask=first)
-    if SAVE_MEANS:
-        tl.store(cmean_ptr + n * C + cols, mean_c, mask=cmask)
-
-
-@triton.jit
-def _slab_bwd_kernel(dout_ptr, x_ptr, x2_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
-                     da_ptr, db_ptr, de_ptr, C, HW, G, CPG, GB, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
-                     s_dn, s_dc, s_dhw, s_an, s_ac, s_en, s_ec, thr24, inv_keep,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_GB: tl.constexpr,
-                     HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr):
-    """The backward in one read of x and dout: the sums of dy and dy * xhat (dL/db, dL/da per (n, channel)), the
-    group means _bwd_finalize_kernel takes from them, and dx = alpha * dy + beta * xhat + gamma from the values held;
-    with an add, dL/de = the sum of dx over the rows."""
-    n, cl, cols, cmask, rows, m = _slab_block(C, HW, CPG, GB, BLOCK_R, BLOCK_C)
-    u, v, a, b = _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_an, s_ac, s_en, s_ec,
-                              HAS_ADD)
-    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, x_ptr, n, rows, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr24,
-                          inv_keep, C, HW, 1, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
-                          DROPOUT, TWO, False, BLOCK_R, BLOCK_C, BLOCK_C)
-    s1 = tl.sum(dy, axis=0)  # dout is 0 off the block, so dy is too
-    s2 = tl.sum(dy * xhat, axis=0)
-    tl.store(da_ptr + n * C + cols, s2, mask=cmask)
-    tl.store(db_ptr + n * C + cols, s1, mask=cmask)
-    inv_m = 1.0 / (CPG * HW)
-    alpha = u * a
-    beta = -u * _group_sum(a * s2, cl, CPG, BLOCK_GB) * inv_m
-    gamma = -u * _group_sum(a * s1, cl, CPG, BLOCK_GB) * inv_m
-    dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
-    _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-    if HAS_ADD:
-        s3 = tl.sum(tl.where(m, xhat, 0.0), axis=0)
-        tl.store(de_ptr + n * C + cols, alpha * s1 + beta * s3 + gamma * HW, mask=cmask)

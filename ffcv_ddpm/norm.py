@@ -41,42 +41,27 @@ PLAN_WARPS = (1, 2, 4, 8, 16)  # num_warps values a launch may take on every GPU
 # Triton's pipeliner keeps that many tiles' loads in flight. Why: the two reduction kernels move bytes at 1.7-2.1
 # TB/s where the elementwise ones reach 2.9-3.2 on the same tensors (H200, b1e09eb: NOTES item 25).
 PLAN_STAGES = (0, 2, 3, 4)
-# The slab plan, CHUNK 0 ("16,0,8[,ROWS]": TILE is then the channels a program holds, rounded to whole groups): one
-# program per (sample, block of whole groups) holds all of the block's rows, one pass each way (gn_kernels' _slab
-# kernels). It fits where a sample's rows times the block's channels (rounded up to powers of two) are at most
-# SLAB_ELEMENTS. The optional fourth part, ROWS, limits it to sites of at most ROWS rows (H*W); larger sites then
-# run DEFAULT_PLAN (the same arithmetic; a plan decides speed only), e.g. '16,0,8,256': the slab at 16x16 and below.
-SLAB_ELEMENTS = 32768
-PLAN_HELP = ("TILE,CHUNK,WARPS[,STAGES], e.g. '1024,16384,4' or '2048,65536,4,3', or CHANNELS,0,WARPS[,ROWS] for the "
-             "one-pass slab plan, e.g. '16,0,8' or '16,0,8,256', or '' for the default {}".format(
-                 ",".join(map(str, DEFAULT_PLAN))))
+PLAN_HELP = "TILE,CHUNK,WARPS[,STAGES], e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default {}".format(
+    ",".join(map(str, DEFAULT_PLAN)))
 
 
 def plan_problem(tile: int, chunk: int, warps: int, stages: int = 0) -> str | None:
     """What makes (tile, chunk, warps[, stages]) no plan for the kernels, in words; None if it is one.
 
     Why these rules: tiles and chunks are tl.arange extents (powers of two), a reduction program covers whole tiles,
-    num_warps is a power of two up to what every GPU runs, and stages is PLAN_STAGES' (see there). The slab plan
-    (CHUNK 0): TILE its channels a program, the fourth part ROWS (0: every site) a power of two."""
-    if min(tile, warps) < 1 or chunk < 0 or stages < 0:
-        return "TILE and WARPS must be positive integers, CHUNK a positive integer or 0 (the slab plan)"
-    for name, v in (("TILE", tile), ("CHUNK", chunk), ("ROWS", stages if chunk == 0 else 0)):
+    num_warps is a power of two up to what every GPU runs, and stages is PLAN_STAGES' (see there)."""
+    if min(tile, chunk, warps) < 1:
+        return "every part must be a positive integer"
+    for name, v in (("TILE", tile), ("CHUNK", chunk)):
         if v & (v - 1):
             return f"{name}={v} is not a power of two"
-    if 0 < chunk < tile:
+    if chunk < tile:
         return f"CHUNK={chunk} is below TILE={tile} (a reduction program covers whole tiles)"
     if warps not in PLAN_WARPS:
         return f"WARPS={warps} is not one of {', '.join(map(str, PLAN_WARPS))}"
-    if chunk and stages not in PLAN_STAGES:
+    if stages not in PLAN_STAGES:
         return f"STAGES={stages} is not one of {', '.join(map(str, PLAN_STAGES))}"
     return None
-
-
-def site_plan(plan: tuple[int, int, int, int], hw: int) -> tuple[int, int, int, int]:
-    """The (tile, chunk, warps, stages) a site of `hw` rows runs: the plan, or DEFAULT_PLAN where a slab plan's ROWS
-    leaves the site out."""
-    tile, chunk, warps, stages = plan
-    return plan_args(DEFAULT_PLAN) if chunk == 0 and stages and hw > stages else plan
 
 
 def plan_args(plan: tuple[int, ...]) -> tuple[int, int, int, int]:
@@ -388,41 +373,17 @@ def _plan(x: Tensor, groups: int, tile: int, chunk: int, channels: int | None = 
     """Tile sizes, and the split of each sample's rows into K chunks for the reductions (ffcv_ddpm.gn_kernels):
     about `tile` elements per tile of the elementwise kernels and `chunk` per program of the reductions. `channels`:
     the concatenation's when x is its first part."""
+    import triton
+
     if problem := plan_problem(tile, chunk, 1):
         raise ValueError(f"fused GroupNorm plan tile={tile}, chunk={chunk}: {problem}")
-    _check_device(x)
+    if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise RuntimeError("the fused GroupNorm's Triton kernels run on CUDA tensors, or on CPU tensors under "
+                           "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
     n, c = x.shape[0], channels or x.shape[1]
     hw = x[0, 0].numel()
     sms = 4 if x.device.type != "cuda" else torch.cuda.get_device_properties(x.device).multi_processor_count
     return plan_for(n, c, hw, groups, tile, chunk, sms)
-
-
-def _check_device(x: Tensor) -> None:
-    import triton
-
-    if x.device.type != "cuda" and not triton.knobs.runtime.interpret:
-        raise RuntimeError("the fused GroupNorm's Triton kernels run on CUDA tensors, or on CPU tensors under "
-                           "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)")
-
-
-def slab_plan_for(n: int, c: int, hw: int, groups: int, channels: int) -> dict:
-    """The slab plan's launch constants (gn_kernels' _slab kernels) for N samples of C channels and HW rows: GB whole
-    groups a program, about `channels` channels (at least one group), all HW rows; ValueError where a program's
-    block (rows and channels rounded up to powers of two) is over SLAB_ELEMENTS."""
-    import triton
-
-    if n * c * hw >= 2**31:
-        raise ValueError(f"the fused GroupNorm indexes with 32-bit integers: (N, C, H*W) = {(n, c, hw)} has too "
-                         "many elements; use a smaller batch or model.norm_impl=scale-shift")
-    cpg = c // groups
-    gb = min(groups, max(1, channels // cpg))
-    block_r, block_c = triton.next_power_of_2(hw), triton.next_power_of_2(gb * cpg)
-    if block_r * block_c > SLAB_ELEMENTS:
-        raise ValueError(f"the fused GroupNorm's slab plan holds a sample's {hw} rows x {block_c} channels on chip "
-                         f"({block_r * block_c} elements, over {SLAB_ELEMENTS}): give it fewer channels a program, "
-                         "or a plan with chunks (model.norm_plan='')")
-    return dict(N=n, C=c, HW=hw, G=groups, CPG=cpg, GB=gb, BLOCKS=triton.cdiv(groups, gb), BLOCK_R=block_r,
-                BLOCK_C=block_c, BLOCK_GB=triton.next_power_of_2(gb))
 
 
 def plan_for(n: int, c: int, hw: int, groups: int, tile: int, chunk: int, sms: int) -> dict:
@@ -496,12 +457,6 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
 
     from ffcv_ddpm import gn_kernels as K
 
-    tile, chunk, warps, stages = site_plan((tile, chunk, warps, stages), x[0, 0].numel())
-    if chunk == 0:
-        if res is not None or mask_bits:
-            raise ValueError("fused GroupNorm: the slab plan (CHUNK=0) has no residual sum (model.norm_residual) and "
-                             "no mask bits (model.norm_mask_bits); turn them off or use a plan with chunks")
-        return _slab_forward(x, x2, a, b, e, seed, groups, eps, silu, p, tile, warps, saved_means)
     x2_, c1, x2s, two = _second_part(x, x2)
     pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
@@ -565,12 +520,6 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
 
     from ffcv_ddpm import gn_kernels as K
 
-    tile, chunk, warps, stages = site_plan((tile, chunk, warps, stages), x[0, 0].numel())
-    if chunk == 0:
-        if ds is not None or bits is not None:
-            raise ValueError("fused GroupNorm backward: the slab plan (CHUNK=0) takes no residual gradient and no mask "
-                             "bits (its forward makes neither)")
-        return _slab_backward(dout, x, x2, a, b, e, seed, mean, rstd, groups, silu, p, tile, warps)
     x2_, c1, x2s, two = _second_part(x, x2)
     pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
@@ -613,52 +562,6 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
         dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *dstr, a.stride(0),
         a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
         **flags, **extra)
-    return dx, da, db, de, dx2
-
-
-def _slab_setup(x: Tensor, x2: Tensor | None, groups: int, channels: int) -> tuple:
-    """(plan, x2 as the kernels take it, the input's strides and the second part's, TWO) of the slab kernels."""
-    x2_, c1, x2s, two = _second_part(x, x2)
-    _check_device(x)
-    pl = slab_plan_for(x.shape[0], x.shape[1] + (x2.shape[1] if two else 0), x[0, 0].numel(), groups, channels)
-    return pl, x2_, (*_nchw_strides(x), c1, *x2s), two
-
-
-def _slab_forward(x, x2, a, b, e, seed, groups, eps, silu, p, channels, warps, saved_means):
-    """triton_forward under the slab plan: one launch, (out, mean, rstd, cmean, bits, s) as there (bits and s empty)."""
-    from ffcv_ddpm import gn_kernels as K
-
-    pl, x2_, xs, two = _slab_setup(x, x2, groups, channels)
-    n, c, hw = pl["N"], pl["C"], pl["HW"]
-    out = _output_like(x, x2)
-    mean = x.new_empty((n, groups), dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    cmean, bits = _extra_outputs(x, n, c, hw, e is not None and saved_means, False)
-    e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
-    K._slab_fwd_kernel[(pl["BLOCKS"], n)](
-        x, x2_, out, a, b, e_, seed, mean, rstd, cmean if cmean.numel() else mean, c, hw, groups, pl["CPG"], pl["GB"],
-        *xs, *_nchw_strides(out), a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), eps, *_dropout_args(p),
-        BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], BLOCK_GB=pl["BLOCK_GB"], HAS_ADD=e is not None, SILU=silu,
-        DROPOUT=p > 0, TWO=two, SAVE_MEANS=cmean.numel() > 0, num_warps=warps)
-    return out, mean, rstd, cmean, bits, x.new_empty(0)
-
-
-def _slab_backward(dout, x, x2, a, b, e, seed, mean, rstd, groups, silu, p, channels, warps):
-    """triton_backward under the slab plan: one launch, (dx, da, db, de, dx2) as there."""
-    from ffcv_ddpm import gn_kernels as K
-
-    pl, x2_, xs, two = _slab_setup(x, x2, groups, channels)
-    n, c = pl["N"], pl["C"]
-    dx = torch.empty_like(x)
-    dx2 = torch.empty_like(x2) if two else x.new_empty(0)
-    da, db = (x.new_empty((n, c), dtype=torch.float32) for _ in range(2))
-    de = x.new_empty((n, c) if e is not None else 0, dtype=torch.float32)
-    e_ = a if e is None else e
-    K._slab_bwd_kernel[(pl["BLOCKS"], n)](
-        dout, x, x2_, dx, dx2 if two else dx, a, b, e_, seed, mean, rstd, da, db, de if e is not None else da, c,
-        pl["HW"], groups, pl["CPG"], pl["GB"], *xs, *_nchw_strides(dout), a.stride(0), a.stride(1), e_.stride(0),
-        e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], BLOCK_GB=pl["BLOCK_GB"],
-        HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, num_warps=warps)
     return dx, da, db, de, dx2
 
 

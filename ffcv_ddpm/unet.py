@@ -113,10 +113,7 @@ class ModelConfig:
             raise ValueError(f"attn_impl={self.attn_impl!r}: use 'sdpa' or 'math'")
         if self.norm_impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={self.norm_impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
-        plan = parse_plan(self.norm_plan)  # ValueError('norm_plan=...: ...') naming what is wrong
-        if plan[1] == 0 and (self.norm_residual or self.norm_mask_bits):  # at run time the first call would say so
-            raise ValueError(f"norm_plan={self.norm_plan!r} is the slab plan, which keeps no residual sum and no mask "
-                             "bits: set norm_residual=False and norm_mask_bits=False, or use a plan with chunks")
+        parse_plan(self.norm_plan)  # ValueError('norm_plan=...: ...') naming what is wrong
         if self.norm_plan and self.norm_impl != "fused":  # else the plan would be recorded but change nothing
             raise ValueError(f"norm_plan={self.norm_plan!r} is the fused GroupNorm kernels' plan, but "
                              f"norm_impl={self.norm_impl!r} runs no such kernels; set norm_impl=fused or norm_plan=''")

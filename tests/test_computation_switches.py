@@ -233,8 +233,6 @@ def test_flops_count_the_reference_network():
     ("model.pad_image_channels=-1", "model.pad_image_channels=-1: expected an integer >= 0"),
     ("model.conv_bias_in_norm=True model.weight_standardize=True", "model.conv_bias_in_norm=True is built for "
      "arch='ddpm' res blocks with plain 3x3 convs"),
-    ("model.norm_plan=16,0,8 model.norm_residual=True", "norm_plan='16,0,8' is the slab plan, which keeps no residual "
-     "sum and no mask bits"),
 ])
 def test_bad_switch_values_are_one_line(override, message):
     with pytest.raises(BadValue, match=message):

@@ -103,8 +103,8 @@ def test_every_number_tuple_and_choice_field_has_a_rule():
 
 @pytest.mark.parametrize("plan,message", [
     ("2048,65536", "model.norm_plan='2048,65536': expected three or four comma-separated integers "
-                   "TILE,CHUNK,WARPS[,STAGES], e.g. '1024,16384,4' or '2048,65536,4,3', or CHANNELS,0,WARPS[,ROWS] "
-                   "for the one-pass slab plan, e.g. '16,0,8' or '16,0,8,256', or '' for the default 2048,65536,4"),
+                   "TILE,CHUNK,WARPS[,STAGES], e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default "
+                   "2048,65536,4"),
     ("(2048,65536,4)", "model.norm_plan='(2048,65536,4)': expected three or four comma-separated integers"),
     ("2048,65536,6", "model.norm_plan='2048,65536,6': WARPS=6 is not one of 1, 2, 4, 8, 16; write TILE,CHUNK,WARPS"),
     ("2048,65536,4,5", "model.norm_plan='2048,65536,4,5': STAGES=5 is not one of 0, 2, 3, 4; write "

@@ -8,8 +8,8 @@ from benchmarks.speed import levers
 def test_rows_are_rounds_of_the_defaults_and_each_variant():
     assert levers.parse_variant("bits:model.norm_mask_bits=True,train.seed=3") == (
         "bits", ("model.norm_mask_bits=True", "train.seed=3"))
-    assert levers.parse_variant("slab:model.norm_plan=16,0,8,256,train.seed=3") == (
-        "slab", ("model.norm_plan=16,0,8,256", "train.seed=3"))
+    assert levers.parse_variant("plan:model.norm_plan=1024,16384,4,train.seed=3") == (
+        "plan", ("model.norm_plan=1024,16384,4", "train.seed=3"))
     rows = levers.plan_rows(list(levers.DEFAULT_VARIANTS))
     names = ["defaults", "all", "residual", "saved-means", "mask-bits"]
     assert [name for name, _ in rows] == names * 2 and rows[0][1] == ()

@@ -163,18 +163,14 @@ def check_kernels(case, plan):
 
 
 @pytest.mark.parametrize("plan,cases", [((1024, 8192, 4), (2, 5)), ((8192, 131072, 8), (2, 5)), ((16, 16, 1), (2,)),
-                                        ((1024, 16384, 4, 3), (2, 5)), ((16, 16, 1, 4), (2,)),
-                                        ((4, 0, 4), (1, 2, 3)), ((16, 0, 8), (0, 5)), ((8, 0, 2, 16), (2, 5))],
-                         ids=["grid-smallest", "grid-largest", "a-row-per-tile", "stages-3", "stages-4-row-per-tile",
-                              "slab-a-group-a-program", "slab-16-channels", "slab-up-to-16-rows"])
+                                        ((1024, 16384, 4, 3), (2, 5)), ((16, 16, 1, 4), (2,))],
+                         ids=["grid-smallest", "grid-largest", "a-row-per-tile", "stages-3", "stages-4-row-per-tile"])
 def test_triton_kernels_under_the_swept_plans(plan, cases):
     """benchmarks.speed.norm_bench --plans grid times the kernels under other tile, chunk and warp plans: the
     extremes of its grid, and the least plan model.norm_plan allows (a tile of fewer elements than a row has
     channels: one row per tile), compute the same as the default plan (padded tiles, dropout, add, bf16); --plans
     stages the reductions' loops pipelined (the interpreter runs them as plain loops: on a GPU this checks what
-    Triton's pipeliner makes of them). --plans slab: the one-pass kernels (CHUNK 0), one group or several a program
-    (groups of 3, 4 and 12 channels: blocks padded to powers of two; NCHW, dropout, an add, bf16, no SiLU); with ROWS
-    16 the 15-row case runs them and the 256-row one the default plan."""
+    Triton's pipeliner makes of them)."""
     for i in cases:
         check_kernels(CASES[i], plan)
 
@@ -183,7 +179,7 @@ def test_triton_kernels_under_the_swept_plans(plan, cases):
 WIDE_CASE = (2, 120, 3, 3, 10, False, 0.0, True, False, torch.float32)
 
 
-@pytest.mark.parametrize("plan", [N.DEFAULT_PLAN, FIRST_PLAN, (8, 0, 4)], ids=["default-plan", "first-plan", "slab"])
+@pytest.mark.parametrize("plan", [N.DEFAULT_PLAN, FIRST_PLAN], ids=["default-plan", "first-plan"])
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], WIDE_CASE], ids=lambda c: f"c{c[1]}-g{c[4]}")
 def test_two_parts_compute_what_their_concatenation_does(case, plan):
     """model.fused_parts: the kernels read the parts of a channel concatenation where they lie (the up path's
@@ -334,23 +330,21 @@ def test_keep_mask_is_a_fair_coin_per_element():
     assert 0.5 < (k1 == k2).double().mean() < 0.7  # two seeds agree only by chance (0.75^2 + 0.25^2 = 0.625)
 
 
-@pytest.mark.parametrize("n,plan,tiles", [(16, FIRST_PLAN, 8), (2, FIRST_PLAN, 1), (16, N.DEFAULT_PLAN, 4),
-                                         (3, (8, 0, 4), None)],
-                         ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile", "default-plan", "slab"])
+@pytest.mark.parametrize("n,plan,tiles", [(16, FIRST_PLAN, 8), (2, FIRST_PLAN, 1), (16, N.DEFAULT_PLAN, 4)],
+                         ids=["one-chunk-of-8-tiles", "8-chunks-of-one-tile", "default-plan"])
 def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, tiles, monkeypatch):
     """GroupNormAct("fused") as the UNet calls it (time-embedding add, FiLM, SiLU, dropout, channels_last, training
     mode), with the custom op routed to its Triton kernels (interpreted without a GPU): forward and every gradient
     against nn.GroupNorm + autograd in fp64 with the same dropout mask. 3 channels per group (not a power of 2:
     padded tiles); under the interpreter 16x16 pixels make one chunk of 8 row tiles per sample at n=16 and 8
     one-tile chunks at n=2 with the first plan, and one chunk of 4 tiles with the default (a GPU's SM count splits
-    small batches further); the slab plan, two groups of 3 channels a program, each holding its 256 rows."""
+    small batches further)."""
     needs_triton()
     monkeypatch.setattr(N, "_on_triton", lambda x: True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     c, groups, p = 24, 8, 0.2
-    if tiles is not None:
-        pl = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *plan[:2])
-        assert pl["CPG"] == 3 and (dev == "cuda" or pl["CHUNK"] // pl["BLOCK_R"] == tiles)
+    pl = N._plan(torch.empty(n, c, 16, 16, device=dev), groups, *plan[:2])
+    assert pl["CPG"] == 3 and (dev == "cuda" or pl["CHUNK"] // pl["BLOCK_R"] == tiles)
     g = torch.Generator().manual_seed(3)
     x = spread_input((n, c, 16, 16), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
     temb, scale, shift = (torch.randn(n, c, generator=g).to(dev) for _ in range(3))
@@ -385,11 +379,11 @@ def test_fused_op_through_its_triton_kernels_against_nn_group_norm(n, plan, tile
     ("2048,65536", "expected three or four comma-separated integers TILE,CHUNK,WARPS[,STAGES]"),
     ("a,b,c", "expected three or four comma-separated integers"),
     ("2048;65536;4", "expected three or four comma-separated integers"),
-    ("0,65536,4", "TILE and WARPS must be positive integers, CHUNK a positive integer or 0 (the slab plan)"),
-    ("2048,65536,-4", "TILE and WARPS must be positive integers"),
-    ("2048,-1,4", "TILE and WARPS must be positive integers"),
-    ("16,0,8,100", "ROWS=100 is not a power of two"),  # CHUNK 0: the slab plan, its fourth part ROWS
-    ("12,0,8", "TILE=12 is not a power of two"),
+    ("0,65536,4", "every part must be a positive integer"),
+    ("2048,65536,-4", "every part must be a positive integer"),
+    # CHUNK 0 was the rows plan (NOTES 23), then the slab plan with a fourth part ROWS (NOTES 33): both slower, removed
+    ("2048,0,4", "every part must be a positive integer"),
+    ("16,0,8,256", "every part must be a positive integer"),
     ("1000,65536,4", "TILE=1000 is not a power of two"),
     ("2048,60000,4", "CHUNK=60000 is not a power of two"),
     ("4096,2048,4", "CHUNK=2048 is below TILE=4096"),
@@ -403,8 +397,7 @@ def test_a_bad_plan_says_what_is_wrong_and_what_to_write(text, message):
     with pytest.raises(ValueError) as e:
         N.parse_plan(text)
     assert str(e.value).startswith(f"norm_plan={text!r}: ") and message in str(e.value)
-    assert ("e.g. '1024,16384,4' or '2048,65536,4,3', or CHANNELS,0,WARPS[,ROWS] for the one-pass slab plan, e.g. "
-            "'16,0,8' or '16,0,8,256', or '' for the default 2048,65536,4,4") in str(e.value)
+    assert "e.g. '1024,16384,4' or '2048,65536,4,3', or '' for the default 2048,65536,4,4" in str(e.value)
 
 
 def test_a_plan_parses_to_its_three_or_four_integers():
@@ -412,11 +405,6 @@ def test_a_plan_parses_to_its_three_or_four_integers():
     assert N.parse_plan("1024,16384,4") == (1024, 16384, 4) and N.parse_plan(" 64, 64, 1") == (64, 64, 1)
     assert N.parse_plan("2048,65536,4,3") == (2048, 65536, 4, 3)
     assert N.parse_plan("2048,65536,4,0") == (2048, 65536, 4, 0)
-    assert N.parse_plan("16,0,8") == (16, 0, 8) and N.parse_plan("16,0,8,256") == (16, 0, 8, 256)
-    # A slab plan's ROWS: sites of more rows run the default plan.
-    assert N.site_plan((16, 0, 8, 256), 256) == (16, 0, 8, 256)
-    assert N.site_plan((16, 0, 8, 256), 1024) == N.plan_args(N.DEFAULT_PLAN) == N.site_plan((2048, 65536, 4, 4), 1024)
-    assert N.site_plan((16, 0, 8, 0), 1024) == (16, 0, 8, 0)
     # The ops take four: a plan of three runs the reductions' loops as written (stages 0).
     assert N.plan_args((2048, 65536, 4)) == N.plan_args((2048, 65536, 4, 0)) == (2048, 65536, 4, 0)
     assert N.plan_args((2048, 65536, 4, 3)) == (2048, 65536, 4, 3)
@@ -593,22 +581,3 @@ def test_two_parts_compile_as_one_call_of_the_op():
     want = ref((r1, r2))
     want.square().sum().backward()
     assert torch.allclose(y, want) and torch.allclose(x1.grad, r1.grad) and torch.allclose(x2.grad, r2.grad)
-
-
-def test_the_slab_plan_says_where_it_does_not_fit_and_what_it_does_not_do():
-    """The slab plan holds a block's rows on chip: a site over SLAB_ELEMENTS is one error naming the way out (a ROWS
-    limit or the default plan); it keeps neither a residual sum nor mask bits (model.norm_residual, norm_mask_bits)."""
-    pl = N.slab_plan_for(1024, 384, 1024, 32, 16)  # the up path's 384 channels at 32x32: groups of 12, one a program
-    assert (pl["GB"], pl["BLOCK_C"], pl["BLOCKS"], pl["BLOCK_R"]) == (1, 16, 32, 1024)
-    assert N.slab_plan_for(1024, 128, 1024, 32, 16)["GB"] == 4  # groups of 4: 16 channels
-    with pytest.raises(ValueError, match=r"slab plan holds a sample's 4096 rows x 16 channels on chip \(65536 "
-                                         r"elements, over 32768\): give it fewer channels a program, or a plan"):
-        N.slab_plan_for(8, 128, 4096, 32, 16)
-    needs_triton()
-    x = torch.randn(2, 8, 4, 4)
-    a = b = torch.ones(2, 8)
-    seed = torch.tensor([1])
-    with pytest.raises(ValueError, match="the slab plan .* has no residual sum .* and no mask bits"):
-        N.triton_forward(x, a, b, None, seed, 2, 1e-5, True, 0.1, 8, 0, 4, 0, mask_bits=True)
-    with pytest.raises(ValueError, match="the slab plan .* has no residual sum"):
-        N.triton_forward(x, a, b, None, seed, 2, 1e-5, True, 0.0, 8, 0, 4, 0, res=torch.randn_like(x))

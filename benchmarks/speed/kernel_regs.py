@@ -2,7 +2,6 @@
 
     python -m benchmarks.speed.kernel_regs                       # the default plan, sm_90 (H100, H200)
     python -m benchmarks.speed.kernel_regs --plan 2048,65536,4,2 --site 1024,256,16,16 --arch 90
-    python -m benchmarks.speed.kernel_regs --plan 8,0,8                 # the slab plan's two kernels
 
 No GPU is needed: Triton compiles each kernel of ffcv_ddpm.gn_kernels for the architecture with its own ptxas and
 the launch constants a site would get (norm.plan_for: batch, channels, rows, the plan's tile, chunk, warps and
@@ -49,13 +48,12 @@ VARIANTS = {
 RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
 KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
            "_bwd_dx_kernel")
-SLAB_KERNELS = ("_slab_fwd_kernel", "_slab_bwd_kernel")  # the slab plan's (CHUNK 0): no mask bits, no residual sum
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
 # 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites. C1 (the first part's channels: 128 or
 # 256) among them: built as not divisible, the up blocks' two-part variants lost their vector loads and pipelining
 # here, where the H100 trace of profile-best-0c88903 shows them with both (its reduction 125 registers, 36 KB).
 UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
-NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "GB", "thr24", "eps", "inv_keep"}
+NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr24", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
                  "ds_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
@@ -118,26 +116,19 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
     """One row per kernel and variant at `site` (N, C, H, W) with `plan` (tile, chunk, warps[, stages]), on a GPU of
     `sms` SMs (132: the H100 and H200; it sets how the reductions split small batches)."""
     from ffcv_ddpm import gn_kernels
-    from ffcv_ddpm.norm import plan_args, plan_for, slab_plan_for
+    from ffcv_ddpm.norm import plan_args, plan_for
 
     tile, chunk, warps, stages = plan_args(plan)
     n, c, h, w = site
-    variants, kernels = VARIANTS, KERNELS
-    if chunk == 0:  # the slab plan: its two kernels, the variants it runs (no mask bits, no residual sum)
-        pl = slab_plan_for(n, c, h * w, groups, tile)
-        given = dict(BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], BLOCK_GB=pl["BLOCK_GB"])
-        variants = {k: v for k, v in VARIANTS.items() if not any(v[5:7])}
-        kernels = SLAB_KERNELS
-    else:
-        pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
-        given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
-                     WORD=pl["WORD"], BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"])
+    pl = plan_for(n, c, h * w, groups, tile, chunk, sms)
+    given = dict(CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], STAGES=stages or None,
+                 WORD=pl["WORD"], BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"])
     out = []
-    for name in kernels:
+    for name in KERNELS:
         kernel = getattr(gn_kernels, name)
         params = inspect.signature(kernel.fn).parameters
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
-        for variant, flags in variants.items():
+        for variant, flags in VARIANTS.items():
             flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False),  # the defaults
                      **dict(zip(FLAGS, flags))}
             # the finalize kernels keep and read the means where the reduction does not sum xhat

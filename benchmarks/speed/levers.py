@@ -39,7 +39,7 @@ BATCH = 1024  # unless data.batch_size says otherwise: the batch of the bench's 
 
 def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     """--variant NAME:KEY=VALUE[,KEY=VALUE...] as (name, overrides); ValueError saying what to write. A comma
-    starts another override only before KEY=: a value may hold commas (model.norm_plan=16,0,8,256)."""
+    starts another override only before KEY=: a value may hold commas (model.norm_plan=1024,16384,4)."""
     import re
 
     name, _, rest = text.partition(":")

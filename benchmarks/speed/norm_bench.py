@@ -5,7 +5,6 @@
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans grid   # 40 kernel plans per site
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans stages # the reductions pipelined
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans neighbours  # the default's neighbours
-    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans slab   # one pass each way (CHUNK 0)
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
@@ -49,11 +48,7 @@ FUSED_PLANS = {"default": ((2048, 65536, 4, 4), (2048, 65536, 4), (1024, 16384, 
                "stages": ((2048, 65536, 4), (2048, 65536, 4, 2), (2048, 65536, 4, 3), (2048, 65536, 4, 4),
                           (2048, 32768, 4, 3)),
                "neighbours": ((2048, 65536, 4, 4), (2048, 131072, 4, 4), (4096, 131072, 4, 4), (4096, 65536, 4, 4),
-                              (2048, 32768, 4, 4), (1024, 65536, 4, 4)),
-               # The slab plan (NOTES item 33): DEFAULT_PLAN, then channels a program x warps. Offline sm_90 builds at
-               # 32x32 (kernel_regs): 16 channels hold 1 program an SM (255 registers at 8 warps, 128 at 16, the
-               # backward spilling), 8 channels 1-2, 4 channels 2-5; narrower blocks share 32-byte sectors.
-               "slab": ((2048, 65536, 4, 4), (16, 0, 16), (16, 0, 8), (8, 0, 8), (8, 0, 4), (4, 0, 4), (4, 0, 2))}
+                              (2048, 32768, 4, 4), (1024, 65536, 4, 4))}
 
 
 def time_ms(fn, iters: int, warmup: int, device: str = "cuda") -> float:
@@ -176,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plans", choices=tuple(FUSED_PLANS), default="default",
                    help="the fused kernels' tile/chunk/warp plans to sweep (default: 4, the default plan first; "
                         "grid: 40 per site; stages: the default plan with its reductions' loops pipelined; "
-                        "neighbours: the default's tile and chunk halved and doubled, pipelined; slab: the one-pass "
-                        "plan's channels and warps)")
+                        "neighbours: the default's tile and chunk halved and doubled, pipelined)")
     p.add_argument("--timing", choices=("graph", "events"), default="graph",
                    help="graph: the calls replayed as one CUDA graph (the kernels alone); events: launched one by "
                         "one from the host, CUDA events per call (what a step without CUDA graphs pays)")

@@ -60,7 +60,7 @@ _SPECIFIC = tuple((c, re.compile(p)) for c, p in (
                       r"|compute1d|var_mean"
                       # The fused GroupNorm's own Triton kernels (ffcv_ddpm/gn_kernels.py): under CUDA graphs nothing
                       # but their names says what they are (the launching op is the whole compiled graph).
-                      r"|^_(stats|finalize|apply|bwd_reduce|bwd_finalize|bwd_dx|slab_fwd|slab_bwd)_kernel$"),
+                      r"|^_(stats|finalize|apply|bwd_reduce|bwd_finalize|bwd_dx)_kernel$"),
 ))
 # Names that are only a kernel family: used when neither the name nor the launching ops said more.
 _GENERIC = tuple((c, re.compile(p)) for c, p in (
