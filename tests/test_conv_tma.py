@@ -23,6 +23,9 @@ def needs_triton():
     (2, 32, 32, 8, 8, CT.Tiles(4, 8, 16, 16, 4, 2)),    # two pixel tiles a sample, two channel blocks, two K steps
     (3, 16, 48, 4, 16, CT.Tiles(2, 16, 16, 16, 4, 2)),  # an odd batch, a wide image, three channel blocks
     (1, 32, 16, 8, 8, CT.Tiles(8, 8, 16, 32, 4, 1)),    # the whole image one tile: every box starts outside it
+    (2, 32, 32, 8, 8, CT.Tiles(4, 8, 16, 16, 4, 2, True)),   # rows: half an image a program
+    (5, 16, 16, 4, 4, CT.Tiles(8, 4, 16, 16, 4, 2, True)),   # rows across samples: 2 images a program, an odd batch
+    (3, 16, 32, 4, 16, CT.Tiles(4, 16, 32, 16, 4, 1, True)),  # rows: a whole image a program
 ])
 def test_the_tma_convolution_is_conv2d_with_zero_padding(n, c, co, h, w, tiles):
     needs_triton()
@@ -41,9 +44,12 @@ def test_shapes_it_cannot_tile_or_layouts_it_cannot_read_are_one_error():
     w = torch.randn(16, 32, 3, 3).to(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match=r"does not tile a 8x8 image of 32 -> 16 channels"):
         CT.conv3x3(x, w, CT.Tiles(4, 8, 32, 16))
+    with pytest.raises(ValueError, match=r"does not tile a 8x8 image"):  # rows take whole image rows
+        CT.conv3x3(x, w, CT.Tiles(8, 4, 16, 16, rows=True))
     with pytest.raises(ValueError, match="must be channels_last"):
         CT.conv3x3(x.contiguous(), w, CT.Tiles(4, 8, 16, 16))
     assert all(t.bh * t.bw in (64, 128, 256) for t in CT.configs_for(32, 32) + CT.configs_for(8, 8))
+    assert all(t.fits(4, 4, 256, 256) for t in CT.configs_for(4, 4) if t.rows)  # 8 images of 4x4 a program
 
 
 def test_without_a_hopper_gpu_it_is_one_line(tmp_path, capsys):
