@@ -1,7 +1,7 @@
-"""benchmarks.speed.conv_tma's TMA-fed convolutions: the Triton one against F.conv2d, on the GPU or through Triton's
+"""benchmarks.speed.conv_tma: its plain Triton TMA-fed convolution against F.conv2d, on the GPU or through Triton's
 interpreter (conftest sets TRITON_INTERPRET=1, which reads tensor descriptors as TMA does: a box starting at -1 or
-running past the edge reads zeros); the Gluon one built for sm_90 (no interpreter runs Gluon; the GPU call checks
-its answers); and what the benchmark refuses."""
+running past the edge reads zeros), the passes it prices, and what it refuses (the Gluon kernel it also times:
+tests/test_conv_gluon.py)."""
 
 import pytest
 import torch
@@ -42,12 +42,10 @@ def test_shapes_it_cannot_tile_or_layouts_it_cannot_read_are_one_error():
     w = torch.randn(16, 32, 3, 3).to(memory_format=torch.channels_last)
     with pytest.raises(ValueError, match=r"does not tile a 8x8 image of 32 -> 16 channels"):
         CT.conv3x3(x, w, CT.Tiles(4, 8, 32, 16))
-    with pytest.raises(ValueError, match=r"does not tile a 8x8 image"):  # Gluon's tiles are whole image rows
-        CT.conv3x3(x, w, CT.Tiles(8, 4, 16, 16, kind="gluon"))
     with pytest.raises(ValueError, match="must be channels_last"):
         CT.conv3x3(x.contiguous(), w, CT.Tiles(4, 8, 16, 16))
-    assert all(t.bh * t.bw in (64, 128, 256) for t in CT.configs_for(32, 32) + CT.configs_for(8, 8))
-    assert all(t.fits(4, 4, 256, 256) for t in CT.configs_for(4, 4) if t.kind == "gluon")  # 32 images of 4x4
+    assert all(t.bh * t.bw in (64, 128, 256) for h in (32, 8) for t in CT.configs_for(h, h)["box"])
+    assert all(t.fits(4, 4, 256, 256) for t in CT.configs_for(4, 4)["gluon"])  # whole 4x4 images a program
 
 
 def test_without_a_hopper_gpu_it_is_one_line(tmp_path, capsys):
@@ -57,26 +55,16 @@ def test_without_a_hopper_gpu_it_is_one_line(tmp_path, capsys):
     assert "needs a CUDA GPU with TMA (sm_90 or newer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("tiles,h,cin", [
-    (CT.Tiles(4, 32, 128, 64, 4, 4, "gluon"), 32, 128),  # 4 rows of a 32x32 image, one warpgroup
-    (CT.Tiles(8, 16, 256, 64, 8, 3, "gluon"), 16, 256),  # 256 output channels, two warpgroups
-    (CT.Tiles(16, 8, 128, 64, 4, 4, "gluon"), 8, 512),   # two 8x8 images a program
-])
-def test_the_gluon_kernel_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin):
-    """An offline sm_90 build (Triton's own ptxas, no GPU): the input box reshaped to the GEMM's operand must stay a
-    view in shared memory (no load into registers, which is where the plain Triton kernel went wrong), the loads be
-    TMA and the wgmma asynchronous with one group in flight."""
-    import os
-    import re
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a build, not an interpreted run
-    code = ("import sys; from benchmarks.speed import conv_tma as CT; "
-            f"sys.stdout.write(CT.build_gluon(CT.{tiles!r}, {h}, {cin}, {2 * tiles.bn}))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ptx = done.stdout
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-    assert not re.search(r"ld\.shared|ldmatrix", ptx)
-    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)) == {"0", "1"}
+def test_the_epilogue_is_priced_by_the_passes_todays_chain_makes():
+    """A residual site: the inductor add reads the output and writes the sum, the statistics read the sum (3 passes
+    of the output's bf16 bytes); a statistics-only site: 1; neither: 0."""
+    from benchmarks.speed.conv_gn_bench import Site
+
+    def site(residual, stats):
+        return Site(cin=128, cout=256, h=16, stride=1, c1=128, norm=True, silu=True, p=0.0, norm_add=False,
+                    bias="channel", residual=residual, stats=stats, groups=32)
+
+    out = 2 * 8 * 16 * 16 * 256
+    assert [CT.passes_removed(site(r, s), 8) for r, s in ((True, True), (False, True), (False, False))] == \
+        [3 * out, out, 0]

@@ -1,0 +1,68 @@
+"""ffcv_ddpm.conv_gluon, the Gluon convolution with GroupNorm's epilogue: built for sm_90 without a GPU (no
+interpreter runs Gluon; its answers are checked on the GPU by benchmarks.speed.conv_tma), what the build did, its
+torch reference, and what it refuses."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ffcv_ddpm import conv_gluon as CG
+
+
+def build(tiles, h, cin, cout, **kw) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a build, not an interpreted run
+    code = ("import sys; from ffcv_ddpm import conv_gluon as CG; "
+            f"sys.stdout.write(CG.build(CG.{tiles!r}, {h}, {cin}, {cout}, **{kw!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("tiles,h,cin,kw", [
+    (CG.GluonTiles(4, 128, 64, 4, 4), 32, 128, {}),                                    # the plain convolution
+    (CG.GluonTiles(8, 256, 64, 8, 3), 16, 256, {"bias": 1, "res": True, "stats": True}),  # a res block's conv2
+    (CG.GluonTiles(16, 256, 64, 8, 3), 8, 512, {"bias": 2, "stats": True}),            # two 8x8 images, time bias
+])
+def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin, kw):
+    """The input box reshaped to the GEMM's operand stays a view in shared memory (no load into registers, where
+    plain Triton's kernel went wrong, NOTES 34), the loads are TMA, the wgmma asynchronous with one group in flight;
+    with the epilogue, the residual arrives by TMA too and the statistics are stored."""
+    ptx = build(tiles, h, cin, 2 * tiles.bn, **kw)
+    assert "wgmma.mma_async" in ptx
+    assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)) == {"0", "1"}
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx))
+    assert loads >= 2 + kw.get("res", False)  # the input box and the weights (+ the residual)
+    if not kw:  # the main loop, alone: no operand read from shared memory into registers (the epilogue's
+        assert not re.search(r"ld\.shared|ldmatrix", ptx)  # residual and cross-warp sums are)
+    assert ("st.global" in ptx) == kw.get("stats", False)  # the statistics; the output goes by TMA
+
+
+def test_the_reference_is_conv2d_plus_bias_and_residual_and_its_tile_statistics():
+    g = torch.Generator().manual_seed(0)
+    cl = torch.channels_last
+    x = torch.randn(3, 16, 8, 8, generator=g).to(torch.bfloat16).to(memory_format=cl)
+    w = (torch.randn(8, 16, 3, 3, generator=g) * 0.1).to(torch.bfloat16).to(memory_format=cl)
+    bias, res = torch.randn(3, 8, generator=g), torch.randn(3, 8, 8, 8, generator=g).to(torch.bfloat16)
+    out, part = CG.reference(x, w, 4, bias, res)
+    want = (F.conv2d(x.double(), w.double(), padding=1) + bias.double()[:, :, None, None] + res.double())
+    assert (out.double() - want).abs().max() < 0.05  # bf16 rounding of |values| up to ~8
+    assert part.shape == (3, 2, 2, 8)  # (sample, tile of 4 rows, mean and M2, channel)
+    top = out[:, :, :4].float()
+    torch.testing.assert_close(part[:, 0, 0], top.mean((2, 3)))
+    torch.testing.assert_close(part[:, 0, 1], ((top - top.mean((2, 3), keepdim=True)) ** 2).sum((2, 3)))
+    # whole images a tile where rows exceed H: one tile a sample
+    assert CG.reference(x, w, 16)[1].shape == (3, 1, 2, 8)
+
+
+def test_shapes_it_cannot_tile_or_layouts_it_cannot_read_are_one_error():
+    x = torch.randn(1, 64, 8, 8).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    w = torch.randn(128, 64, 3, 3).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"does not tile a 8x8 image of 64 -> 128 channels"):
+        CG.conv3x3(x, w, CG.GluonTiles(3))
+    with pytest.raises(ValueError, match="must be channels_last"):
+        CG.conv3x3(x.contiguous(), w, CG.GluonTiles(8))
