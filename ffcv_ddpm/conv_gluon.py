@@ -136,7 +136,9 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N
     cout = w_desc.shape[0]
     if BIAS == 1:  # per channel
         acc = acc + gl.expand_dims(gl.load(bias_ptr + cols), 0)
-    if BIAS == 2:  # per (sample, channel), a small table in L2
+    if BIAS == 2 and NB == 1:  # per (sample, channel): the tile's one sample's row of the table
+        acc = acc + gl.expand_dims(gl.load(bias_ptr + n0 * cout + cols), 0)
+    if BIAS == 2 and NB > 1:  # ... each row's sample's, a small table in L2
         keep = gl.expand_dims(n_rows < x_desc.shape[0], 1)
         acc = acc + gl.load(bias_ptr + gl.expand_dims(n_rows, 1) * cout + gl.expand_dims(cols, 0), mask=keep,
                             other=0.0)
@@ -149,9 +151,17 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N
     c_smem.store(y)
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [row0, co], c_smem)
-    if STATS:
-        # each sample's rows of the tile, summed in one pass (the sum and the sum of squares of the values written:
-        # fp32 over <= 256 pixels, so M2 = sum y^2 - sum y * mean keeps ~1e-4 of the variance unless |mean| > ~30 std)
+    if STATS and NB == 1:
+        # the tile's column sums and sums of squares of the values written, in one pass (fp32 over <= 256 pixels:
+        # M2 = sum y^2 - sum y * mean keeps ~1e-4 of the variance unless |mean| > ~30 std)
+        yf = y.to(gl.float32)
+        s1 = gl.sum(yf, axis=0)
+        mean = s1 / HW
+        at = part_ptr + (n0 * TILES + t % TILES) * 2 * cout + cols
+        ok = (cols < cout) & (n0 < x_desc.shape[0])
+        gl.store(at, mean, mask=ok)
+        gl.store(at + cout, gl.sum(yf * yf, axis=0) - s1 * mean, mask=ok)
+    if STATS and NB > 1:  # the same a sample: the tile's rows as (samples, pixels, channels)
         y3 = gl.reshape(y.to(gl.float32), [NB, HW, BN])
         s1 = gl.sum(y3, axis=1)
         s2 = gl.sum(y3 * y3, axis=1)
@@ -159,7 +169,7 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N
         sl: gl.constexpr = s1.type.layout
         samples = gl.expand_dims(n0 + gl.arange(0, NB, layout=gl.SliceLayout(1, sl)), 1)
         chans = gl.expand_dims(co + gl.arange(0, BN, layout=gl.SliceLayout(0, sl)), 0)
-        at = part_ptr + (samples * TILES + t % TILES) * 2 * cout + chans
+        at = part_ptr + samples * TILES * 2 * cout + chans
         ok = (samples < x_desc.shape[0]) & (chans < cout)
         gl.store(at, mean, mask=ok)
         gl.store(at + cout, s2 - s1 * mean, mask=ok)
