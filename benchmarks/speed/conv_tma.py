@@ -57,13 +57,15 @@ class Tiles(NamedTuple):
 def configs_for(h: int, w: int) -> dict[str, list]:
     """A few tile shapes a site, each kernel. Box: 128 output pixels a program (a wgmma M of 128, two warpgroups),
     64 at 8x8; 128 or 256 output channels. Gluon: 128 pixels a program at every size (whole images below 16x16), 128
-    or 256 channels, or 256 pixels."""
+    or 256 channels, or 256 pixels; 3-4 ring slots, or 2 (two programs an SM)."""
     bw = min(w, 32)
     m = 128 if h * w >= 128 else 64
     return {"box": [Tiles(m // bw, bw, 128, 64, 8, 4), Tiles(m // bw, bw, 128, 64, 4, 4),
                     Tiles(m // bw, bw, 256, 64, 8, 3), Tiles(2 * m // bw, bw, 128, 64, 8, 3)],
             "gluon": [CG.GluonTiles(128 // w, 128, 64, 4, 4), CG.GluonTiles(128 // w, 128, 64, 8, 4),
-                      CG.GluonTiles(128 // w, 256, 64, 8, 3), CG.GluonTiles(256 // w, 128, 64, 8, 3)]}
+                      CG.GluonTiles(128 // w, 256, 64, 8, 3), CG.GluonTiles(256 // w, 128, 64, 8, 3),
+                      # two programs an SM (two ring slots, ~96 KB): one's epilogue runs beside the other's loop
+                      CG.GluonTiles(128 // w, 128, 64, 4, 2), CG.GluonTiles(128 // w, 128, 64, 8, 2)]}
 
 
 def run(kind: str, x: Tensor, w: Tensor, tiles) -> Tensor:
@@ -129,28 +131,37 @@ def conv3x3(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
     return out
 
 
-def epilogue_row(spec, batch: int, x: Tensor, w: Tensor, tiles, randn, iters: int, copy_gbs: float,
+def epilogue_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iters: int, copy_gbs: float,
                  plain_ms: float) -> dict:
-    """The Gluon kernel with the site's epilogue (its bias, residual and statistics) at its best plain tiles: checked
-    against conv_gluon.reference, its time over the plain kernel's against the passes it removes."""
+    """The Gluon kernel with the site's epilogue (its bias, residual and statistics) at each of `configs`: each
+    checked against conv_gluon.reference; the fastest correct one's time over the plain kernel's best (plain_ms),
+    against the passes it removes. The epilogue runs after the main loop: tiles that fit two programs an SM may
+    hide it behind the other program's loop, so the fastest epilogue need not be at the plain kernel's best tiles."""
     from benchmarks.speed.norm_bench import graph_ms
 
     bias = {"channel": randn(spec.cout, dt=torch.float32), "sample": randn(batch, spec.cout, dt=torch.float32),
             "": None}[spec.bias]
     res = randn(batch, spec.cout, spec.h, spec.h).to(memory_format=torch.channels_last) if spec.residual else None
-    row = {"bias": spec.bias, "res": spec.residual, "stats": spec.stats}
-    try:
-        out, part = CG.conv3x3(x, w, tiles, bias, res, spec.stats)
-        want, want_part = CG.reference(x, w, tiles.rows, bias, res)
-        row["rel_err"] = rel_error(out, want.float())
-        if spec.stats:
-            row["stats_err"] = max(rel_error(part[:, :, i], want_part[:, :, i]) for i in (0, 1))
-        row["ms"] = graph_ms(lambda: CG.conv3x3(x, w, tiles, bias, res, spec.stats), iters, warmup=2)
-        row["extra_ms"] = row["ms"] - plain_ms
-        row["passes_ms"] = passes_removed(spec, batch) / copy_gbs / 1e6
-    except Exception as e:  # noqa: BLE001 - an epilogue that cannot build is a row with its error
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return row
+    entry = {"bias": spec.bias, "res": spec.residual, "stats": spec.stats, "configs": []}
+    for tiles in configs:
+        row = {"tiles": list(tiles)}
+        try:
+            out, part = CG.conv3x3(x, w, tiles, bias, res, spec.stats)
+            want, want_part = CG.reference(x, w, tiles.rows, bias, res)
+            row["rel_err"] = rel_error(out, want.float())
+            if spec.stats:
+                row["stats_err"] = max(rel_error(part[:, :, i], want_part[:, :, i]) for i in (0, 1))
+            row["ms"] = graph_ms(lambda: CG.conv3x3(x, w, tiles, bias, res, spec.stats), iters, warmup=2)
+        except Exception as e:  # noqa: BLE001 - an epilogue that cannot build is a row with its error
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        entry["configs"].append(row)
+    good = [r for r in entry["configs"] if "ms" in r and r["rel_err"] <= 2e-2 and r.get("stats_err", 0) <= 2e-2]
+    if not good:
+        return {**entry, "error": "no correct config: " + "; ".join(
+            r.get("error", f"wrong ({r.get('rel_err')}, {r.get('stats_err')})") for r in entry["configs"])[:300]}
+    best = min(good, key=lambda r: r["ms"])
+    return {**entry, **best, "extra_ms": best["ms"] - plain_ms,
+            "passes_ms": passes_removed(spec, batch) / copy_gbs / 1e6}
 
 
 def rel_error(out: Tensor, ref: Tensor) -> float:
@@ -190,12 +201,12 @@ def render(result: dict) -> str:
             ok = epi["rel_err"] <= 2e-2 and epi.get("stats_err", 0) <= 2e-2
             epilogue[0] += s["count"] * epi["extra_ms"]
             epilogue[1] += s["count"] * epi["passes_ms"]
-            cells.append(f"{epi['ms']:.3f}: {epi['extra_ms']:+.3f} for {epi['passes_ms']:.3f}" +
+            cells.append(f"{epi['ms']:.3f} {tuple(epi['tiles'])}: {epi['extra_ms']:+.3f} for {epi['passes_ms']:.3f}" +
                          ("" if ok else f" WRONG ({epi['rel_err']:.1e}, {epi.get('stats_err', 0):.1e})"))
         rows.append(cells)
     lines += md_table(["site", "a step", "cuDNN ms (TFLOP/s)",
                        *(f"{k} ms (TFLOP/s), rate vs cuDNN, tiles" for k in kinds),
-                       "gluon + epilogue ms: extra for passes ms"], rows)
+                       "gluon + epilogue ms, tiles: extra for passes ms"], rows)
     lines.append("")
     for k, (c, t) in tot.items():
         if t:
@@ -276,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             if good:
                 entry["best"][k] = min(good, key=lambda r: r["ms"])
         if (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
-            entry["epilogue"] = epilogue_row(spec, batch, x, w, CG.GluonTiles(*best["tiles"]), randn, args.iters,
-                                             result["copy_gbs"], best["ms"])
+            fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
+            entry["epilogue"] = epilogue_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
+                                             best["ms"])
         write_json(args.out / "conv_tma.json", result)
         write_text(args.out / "conv_tma.md", render(result))
         found = ", ".join(f"{k} {b['ms']:.3f} ms {tuple(b['tiles'])}" for k, b in entry["best"].items())
