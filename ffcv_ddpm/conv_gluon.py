@@ -33,12 +33,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 class GluonTiles(NamedTuple):
     """Output pixels a program (`rows` image rows of one sample, or rows // H whole samples where rows > H), output
-    channels, input channels a step, warps, ring slots."""
+    channels, input channels a step, warps, ring slots; late: the output's buffer allocated after the main loop, in
+    the ring's memory (two programs an SM where the ring is small enough), the residual then read into it."""
     rows: int
     bn: int = 128
     bk: int = 64
     warps: int = 8
     stages: int = 3
+    late: bool = False
 
     def fits(self, h: int, w: int, cin: int, cout: int) -> bool:
         return (self.rows % h == 0 or h % self.rows == 0) and cin % self.bk == 0 and cout % self.bn == 0 and \
@@ -81,7 +83,7 @@ def _issue(x_desc, w_desc, a_smem, b_smem, bars, j, n0, h0, co, C: gl.constexpr,
 @gluon.jit
 def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N_BLOCKS, C: gl.constexpr,
                     STAGES: gl.constexpr, BIAS: gl.constexpr, RES: gl.constexpr, STATS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    LATE: gl.constexpr, num_warps: gl.constexpr):
     NB: gl.constexpr = x_desc.block_type.shape[0]  # whole samples a program (1 from 16x16 up)
     BH: gl.constexpr = x_desc.block_type.shape[1]
     W: gl.constexpr = x_desc.block_type.shape[2]
@@ -104,12 +106,13 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
-    c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
-    if RES:  # the residual tile lands while the main loop runs, in the output's buffer
-        r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(r_bar, count=1)
-        mbarrier.expect(r_bar, r_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
+    if not LATE:  # the output's buffer now, and the residual landing in it while the main loop runs
+        c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+        if RES:
+            r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(r_bar, count=1)
+            mbarrier.expect(r_bar, r_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
     for s in gl.static_range(STAGES - 1):
         _issue(x_desc, w_desc, a_smem, b_smem, bars, s, n0, h0, co, C, KC, STAGES)
 
@@ -128,6 +131,14 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
+    if LATE:  # allocated after the ring's last use, the output's buffer takes the ring's memory: less shared memory
+        # a program, two programs an SM, one's epilogue beside the other's main loop; the residual is read now
+        c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
+        if RES:
+            r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(r_bar, count=1)
+            mbarrier.expect(r_bar, r_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
 
     HW: gl.constexpr = BH * W  # a sample's pixels in this tile (BH = H where a program holds whole samples)
     cols = co + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
@@ -209,7 +220,7 @@ def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None,
     _conv3x3_kernel[grid](_desc(xh, [nb, bh, wd, tiles.bk]), _desc(wk, [tiles.bn, tiles.bk]), o_desc, r_desc,
                           bias if bias is not None else out, part if stats else out, tiles_h, nblocks, C=c,
                           STAGES=tiles.stages, BIAS=bias_kind, RES=res is not None, STATS=stats,
-                          num_warps=tiles.warps)
+                          LATE=tiles.late, num_warps=tiles.warps)
     return out, part
 
 
@@ -230,8 +241,9 @@ def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: 
 
 
 def build(tiles: GluonTiles, h: int, cin: int, cout: int, bias: int = 0, res: bool = False, stats: bool = False,
-          arch: int = 90) -> str:
-    """The kernel compiled for sm_<arch> without a GPU (Triton's own ptxas), for tiles at an h x h site: its PTX.
+          arch: int = 90) -> tuple[str, int]:
+    """The kernel compiled for sm_<arch> without a GPU (Triton's own ptxas), for tiles at an h x h site: its PTX and
+    the shared memory a program takes.
     Not under TRITON_INTERPRET=1 (that makes the kernel an interpreted function): tests/test_conv_gluon.py runs it in
     a subprocess without it."""
     from triton.backends.compiler import GPUTarget
@@ -250,10 +262,11 @@ def build(tiles: GluonTiles, h: int, cin: int, cout: int, bias: int = 0, res: bo
                  "w_desc": desc((cout, 9 * cin), [tiles.bn, tiles.bk]), "o_desc": o, "r_desc": o,
                  "bias_ptr": "*fp32" if bias else "*bf16", "part_ptr": "*fp32" if stats else "*bf16",
                  "TILES": "i32", "N_BLOCKS": "i32", "C": "constexpr", "STAGES": "constexpr", "BIAS": "constexpr",
-                 "RES": "constexpr", "STATS": "constexpr", "num_warps": "constexpr"}
+                 "RES": "constexpr", "STATS": "constexpr", "LATE": "constexpr", "num_warps": "constexpr"}
     names = list(signature)
-    constants = {"C": cin, "STAGES": tiles.stages, "BIAS": bias, "RES": res, "STATS": stats,
+    constants = {"C": cin, "STAGES": tiles.stages, "BIAS": bias, "RES": res, "STATS": stats, "LATE": tiles.late,
                  "num_warps": tiles.warps}
     source = GluonASTSource(fn=_conv3x3_kernel, signature=signature,
                             constexprs={(names.index(k),): v for k, v in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.warps}).asm["ptx"]
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.warps})
+    return compiled.asm["ptx"], compiled.metadata.shared

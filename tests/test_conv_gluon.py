@@ -2,6 +2,7 @@
 interpreter runs Gluon; its answers are checked on the GPU by benchmarks.speed.conv_tma), what the build did, its
 torch reference, and what it refuses."""
 
+import json
 import os
 import re
 import subprocess
@@ -14,13 +15,15 @@ import torch.nn.functional as F
 from ffcv_ddpm import conv_gluon as CG
 
 
-def build(tiles, h, cin, cout, **kw) -> str:
+def build(tiles, h, cin, cout, **kw) -> tuple[str, int]:
+    """(PTX, shared memory bytes a program) of an offline sm_90 build, in a process without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a build, not an interpreted run
-    code = ("import sys; from ffcv_ddpm import conv_gluon as CG; "
-            f"sys.stdout.write(CG.build(CG.{tiles!r}, {h}, {cin}, {cout}, **{kw!r}))")
+    code = ("import json, sys; from ffcv_ddpm import conv_gluon as CG; "
+            f"json.dump(CG.build(CG.{tiles!r}, {h}, {cin}, {cout}, **{kw!r}), sys.stdout)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    ptx, shared = json.loads(done.stdout)
+    return ptx, shared
 
 
 @pytest.mark.parametrize("tiles,h,cin,kw", [
@@ -32,7 +35,7 @@ def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin,
     """The input box reshaped to the GEMM's operand stays a view in shared memory (no load into registers, where
     plain Triton's kernel went wrong, NOTES 34), the loads are TMA, the wgmma asynchronous with one group in flight;
     with the epilogue, the residual arrives by TMA too and the statistics are stored."""
-    ptx = build(tiles, h, cin, 2 * tiles.bn, **kw)
+    ptx, _ = build(tiles, h, cin, 2 * tiles.bn, **kw)
     assert "wgmma.mma_async" in ptx
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)) == {"0", "1"}
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx))
@@ -40,6 +43,16 @@ def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin,
     if not kw:  # the main loop, alone: no operand read from shared memory into registers (the epilogue's
         assert not re.search(r"ld\.shared|ldmatrix", ptx)  # residual and cross-warp sums are)
     assert ("st.global" in ptx) == kw.get("stats", False)  # the statistics; the output goes by TMA
+
+
+def test_a_late_output_buffer_takes_the_rings_memory_two_programs_an_sm():
+    """late=True allocates the output's buffer after the main loop: the allocator gives it the ring's memory, so a
+    128 x 128 tile with three slots fits twice in an SM's 228 KB (the residual then read after the loop)."""
+    kw = {"bias": 1, "res": True, "stats": True}
+    _, early = build(CG.GluonTiles(4, 128, 64, 8, 3), 32, 128, 256, **kw)
+    _, late = build(CG.GluonTiles(4, 128, 64, 8, 3, late=True), 32, 128, 256, **kw)
+    ring, out = 3 * 2 * 128 * 64 * 2, 128 * 128 * 2
+    assert early >= ring + out and ring <= late < ring + out and 2 * late <= 228 * 1024
 
 
 def test_the_reference_is_conv2d_plus_bias_and_residual_and_its_tile_statistics():
