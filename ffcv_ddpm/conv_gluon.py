@@ -1,6 +1,7 @@
-"""A 3x3 convolution of our own at about cuDNN's rate on Hopper, in Gluon, with an epilogue for GroupNorm (issue 47).
+"""A 3x3 convolution of our own at about cuDNN's rate on Hopper, in Gluon, that can own its GroupNorm (issue 47).
 
-    out  = conv3x3(x, w) (+ bias[c] or bias[n, c]) (+ res)     channels_last bf16, fp32 accumulation, stride 1
+    out  = conv3x3(act(x), w) (+ bias[c] or bias[n, c]) (+ res)   channels_last bf16, fp32 accumulation, stride 1
+    act(x) = silu(x * scale[n, c] + shift[n, c]) with a prologue, else x (zero padding is act's)
     part[n, t, 0, c], part[n, t, 1, c] = mean and M2 of out[n, c] over the pixels of tile t of sample n
 
 The input is read with TMA: a 4-D box [samples, rows, W, 64] of the NHWC tensor a tap, starting at the tap's shift
@@ -9,6 +10,10 @@ GEMM's [pixels, 64] operand where it landed; the weights are [Cout, 9 * Cin] box
 barrier each; one asynchronous wgmma in flight, its predecessor's slot refilled at once (NOTES item 34: plain
 Triton's own pipelining of the same loads raced; Gluon, Triton's lower-level language, lets every wait be written).
 
+The prologue (optional) is the input's GroupNorm apply + SiLU (scale and shift per (sample, channel): the group
+statistics with the affine and any time embedding folded in, as gn_kernels' finalize writes them): the box is read
+from shared memory into registers, activated, its padding rows zeroed, and fed to wgmma from registers; once a tap,
+so 9 times an element (no dropout yet: the res blocks' second convolution is not covered).
 The epilogue (optional) adds the bias (per channel, or per (sample, channel): the time embedding) and a residual,
 writes the output once, and writes the statistics the next GroupNorm needs from the values it wrote (bf16-rounded):
 per (sample, tile, channel) the mean and the sum of squared deviations (M2), which gn_kernels' finalize combines
@@ -81,9 +86,9 @@ def _issue(x_desc, w_desc, a_smem, b_smem, bars, j, n0, h0, co, C: gl.constexpr,
 
 
 @gluon.jit
-def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N_BLOCKS, C: gl.constexpr,
-                    STAGES: gl.constexpr, BIAS: gl.constexpr, RES: gl.constexpr, STATS: gl.constexpr,
-                    LATE: gl.constexpr, num_warps: gl.constexpr):
+def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_ptr, shift_ptr, TILES, N_BLOCKS,
+                    C: gl.constexpr, STAGES: gl.constexpr, PRO: gl.constexpr, BIAS: gl.constexpr,
+                    RES: gl.constexpr, STATS: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
     NB: gl.constexpr = x_desc.block_type.shape[0]  # whole samples a program (1 from 16x16 up)
     BH: gl.constexpr = x_desc.block_type.shape[1]
     W: gl.constexpr = x_desc.block_type.shape[2]
@@ -118,12 +123,39 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, TILES, N
 
     layout: gl.constexpr = _mma_layout(BM, BN, num_warps)
     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+    if PRO:  # each row's pixel, to zero the activation where a tap falls outside the image (TMA's zeros are x's)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+        a_rows = gl.arange(0, BM, layout=gl.SliceLayout(1, a_layout))
+        a_cols = gl.arange(0, BK, layout=gl.SliceLayout(0, a_layout))
+        hh = h0 + (a_rows % (BH * W)) // W
+        ww = a_rows % W
+        a_n = gl.expand_dims(n0 + a_rows // (BH * W), 1)
+        H = x_desc.shape[1]
     for i in range(STEPS):
         slot = i % STAGES
         mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
         # [NB, BH, W, BK] rows of 128 bytes are the GEMM's [BM, BK] operand as they lie: a view, not a copy
-        acc = warpgroup_mma(a_smem.index(slot).reshape([BM, BK]), b_smem.index(slot).permute((1, 0)), acc,
-                            is_async=True)
+        a_view = a_smem.index(slot).reshape([BM, BK])
+        if PRO:
+            # the input's GroupNorm apply and SiLU on the box as wgmma takes it from registers: act = silu(x * scale
+            # + shift) per (sample, channel), zero where the tap is padding; once a tap (9 times an element)
+            tap = i // KC
+            ch = gl.expand_dims((i - tap * KC) * BK + a_cols, 0)
+            if NB == 1:
+                sc = gl.load(scale_ptr + n0 * C + ch)
+                sh = gl.load(shift_ptr + n0 * C + ch)
+            else:
+                sc = gl.load(scale_ptr + a_n * C + ch)
+                sh = gl.load(shift_ptr + a_n * C + ch)
+            v = a_view.load(a_layout).to(gl.float32) * sc + sh
+            v = v / (1.0 + gl.exp2(v * -1.4426950408889634))
+            dr = tap // 3 - 1
+            dc = tap % 3 - 1
+            inside = (hh + dr >= 0) & (hh + dr < H) & (ww + dc >= 0) & (ww + dc < W)
+            acc = warpgroup_mma(gl.where(gl.expand_dims(inside, 1), v, 0.0).to(dtype),
+                                b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_view, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
         # step i-1's wgmma is done once at most one is in flight: its slot takes step i + STAGES - 1's boxes
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         if i + STAGES - 1 < STEPS:
@@ -194,10 +226,11 @@ def _desc(t: Tensor, block: list[int]):
 
 
 def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None, res: Tensor | None = None,
-            stats: bool = False) -> tuple[Tensor, Tensor | None]:
-    """(out, part): F.conv2d(x, w, padding=1) + bias + res for channels_last bf16 x (N, C, H, W) and w (Cout, C, 3, 3),
-    stride 1; bias fp32 (Cout,) or (N, Cout); res like out. part (N, tiles a sample, 2, Cout) fp32, the mean and M2
-    of out over each tile's pixels, if stats; else None."""
+            stats: bool = False, prologue: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+    """(out, part): F.conv2d(act(x), w, padding=1) + bias + res for channels_last bf16 x (N, C, H, W) and w
+    (Cout, C, 3, 3), stride 1; act(x) = silu(x * scale + shift) with prologue = (scale, shift), fp32 (N, C) (a
+    GroupNorm's apply with its affine folded in: gn_kernels' coef), else x; bias fp32 (Cout,) or (N, Cout); res like
+    out. part (N, tiles a sample, 2, Cout) fp32, the mean and M2 of out over each tile's pixels, if stats; else None."""
     n, c, h, wd = x.shape
     cout = w.shape[0]
     if not tiles.fits(h, wd, c, cout):
@@ -216,17 +249,23 @@ def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None,
     tiles_h, nblocks = h // bh, cout // tiles.bn
     part = torch.empty((n, tiles_h, 2, cout), device=x.device, dtype=torch.float32) if stats else None
     bias_kind = 0 if bias is None else 1 if bias.dim() == 1 else 2
+    scale, shift = prologue if prologue is not None else (out, out)
     grid = (triton.cdiv(n, nb) * tiles_h * nblocks,)
     _conv3x3_kernel[grid](_desc(xh, [nb, bh, wd, tiles.bk]), _desc(wk, [tiles.bn, tiles.bk]), o_desc, r_desc,
-                          bias if bias is not None else out, part if stats else out, tiles_h, nblocks, C=c,
-                          STAGES=tiles.stages, BIAS=bias_kind, RES=res is not None, STATS=stats,
-                          LATE=tiles.late, num_warps=tiles.warps)
+                          bias if bias is not None else out, part if stats else out, scale, shift, tiles_h, nblocks,
+                          C=c, STAGES=tiles.stages, PRO=prologue is not None, BIAS=bias_kind, RES=res is not None,
+                          STATS=stats, LATE=tiles.late, num_warps=tiles.warps)
     return out, part
 
 
-def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: Tensor | None = None):
-    """conv3x3's (out, part) in torch, fp32 arithmetic, out rounded to bf16 as the kernel writes it."""
-    out = torch.nn.functional.conv2d(x.float(), w.float(), padding=1)
+def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: Tensor | None = None,
+              prologue: tuple[Tensor, Tensor] | None = None):
+    """conv3x3's (out, part) in torch, fp32 arithmetic, the activation and out rounded to bf16 as the kernel has them."""
+    a = x.float()
+    if prologue is not None:
+        scale, shift = prologue
+        a = torch.nn.functional.silu(a * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype).float()
+    out = torch.nn.functional.conv2d(a, w.float(), padding=1)
     if bias is not None:
         out = out + (bias.float()[None, :, None, None] if bias.dim() == 1 else bias.float()[:, :, None, None])
     if res is not None:
@@ -241,7 +280,7 @@ def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: 
 
 
 def build(tiles: GluonTiles, h: int, cin: int, cout: int, bias: int = 0, res: bool = False, stats: bool = False,
-          arch: int = 90) -> tuple[str, int]:
+          prologue: bool = False, arch: int = 90) -> tuple[str, int]:
     """The kernel compiled for sm_<arch> without a GPU (Triton's own ptxas), for tiles at an h x h site: its PTX and
     the shared memory a program takes.
     Not under TRITON_INTERPRET=1 (that makes the kernel an interpreted function): tests/test_conv_gluon.py runs it in
@@ -261,11 +300,13 @@ def build(tiles: GluonTiles, h: int, cin: int, cout: int, bias: int = 0, res: bo
     signature = {"x_desc": desc((2 * nb, h, h, cin), [nb, bh, h, tiles.bk]),
                  "w_desc": desc((cout, 9 * cin), [tiles.bn, tiles.bk]), "o_desc": o, "r_desc": o,
                  "bias_ptr": "*fp32" if bias else "*bf16", "part_ptr": "*fp32" if stats else "*bf16",
-                 "TILES": "i32", "N_BLOCKS": "i32", "C": "constexpr", "STAGES": "constexpr", "BIAS": "constexpr",
-                 "RES": "constexpr", "STATS": "constexpr", "LATE": "constexpr", "num_warps": "constexpr"}
+                 "scale_ptr": "*fp32" if prologue else "*bf16", "shift_ptr": "*fp32" if prologue else "*bf16",
+                 "TILES": "i32", "N_BLOCKS": "i32", "C": "constexpr", "STAGES": "constexpr", "PRO": "constexpr",
+                 "BIAS": "constexpr", "RES": "constexpr", "STATS": "constexpr", "LATE": "constexpr",
+                 "num_warps": "constexpr"}
     names = list(signature)
-    constants = {"C": cin, "STAGES": tiles.stages, "BIAS": bias, "RES": res, "STATS": stats, "LATE": tiles.late,
-                 "num_warps": tiles.warps}
+    constants = {"C": cin, "STAGES": tiles.stages, "PRO": prologue, "BIAS": bias, "RES": res, "STATS": stats,
+                 "LATE": tiles.late, "num_warps": tiles.warps}
     source = GluonASTSource(fn=_conv3x3_kernel, signature=signature,
                             constexprs={(names.index(k),): v for k, v in constants.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.warps})

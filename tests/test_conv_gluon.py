@@ -30,6 +30,7 @@ def build(tiles, h, cin, cout, **kw) -> tuple[str, int]:
     (CG.GluonTiles(4, 128, 64, 4, 4), 32, 128, {}),                                    # the plain convolution
     (CG.GluonTiles(8, 256, 64, 8, 3), 16, 256, {"bias": 1, "res": True, "stats": True}),  # a res block's conv2
     (CG.GluonTiles(16, 256, 64, 8, 3), 8, 512, {"bias": 2, "stats": True}),            # two 8x8 images, time bias
+    (CG.GluonTiles(8, 128, 64, 8, 3, True), 16, 256, {"prologue": True, "bias": 2, "stats": True}),  # norm1 + conv1
 ])
 def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin, kw):
     """The input box reshaped to the GEMM's operand stays a view in shared memory (no load into registers, where
@@ -42,6 +43,8 @@ def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin,
     assert loads >= 2 + kw.get("res", False)  # the input box and the weights (+ the residual)
     if not kw:  # the main loop, alone: no operand read from shared memory into registers (the epilogue's
         assert not re.search(r"ld\.shared|ldmatrix", ptx)  # residual and cross-warp sums are)
+    if kw.get("prologue"):  # the activation computed where wgmma takes it: SiLU's exponential in the main loop
+        assert "ex2.approx" in ptx
     assert ("st.global" in ptx) == kw.get("stats", False)  # the statistics; the output goes by TMA
 
 
@@ -70,6 +73,11 @@ def test_the_reference_is_conv2d_plus_bias_and_residual_and_its_tile_statistics(
     torch.testing.assert_close(part[:, 0, 1], ((top - top.mean((2, 3), keepdim=True)) ** 2).sum((2, 3)))
     # whole images a tile where rows exceed H: one tile a sample
     assert CG.reference(x, w, 16)[1].shape == (3, 1, 2, 8)
+    # the prologue: SiLU of the input's affine per (sample, channel), zero padding applied to the activation
+    scale, shift = 1 + torch.rand(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    act = F.silu(x.double() * scale.double()[:, :, None, None] + shift.double()[:, :, None, None])
+    out, _ = CG.reference(x, w, 4, prologue=(scale, shift))
+    assert (out.double() - F.conv2d(act, w.double(), padding=1)).abs().max() < 0.05
 
 
 def test_shapes_it_cannot_tile_or_layouts_it_cannot_read_are_one_error():

@@ -58,7 +58,7 @@ def test_without_a_hopper_gpu_it_is_one_line(tmp_path, capsys):
 
 def test_the_epilogue_is_priced_by_the_passes_todays_chain_makes():
     """A residual site: the inductor add reads the output and writes the sum, the statistics read the sum (3 passes
-    of the output's bf16 bytes); a statistics-only site: 1; neither: 0."""
+    of the output's bf16 bytes); a statistics-only site: 1; neither: 0; the prologue two of the input's."""
     from benchmarks.speed.conv_gn_bench import Site
 
     def site(residual, stats):
@@ -68,3 +68,5 @@ def test_the_epilogue_is_priced_by_the_passes_todays_chain_makes():
     out = 2 * 8 * 16 * 16 * 256
     assert [CT.passes_removed(site(r, s), 8) for r, s in ((True, True), (False, True), (False, False))] == \
         [3 * out, out, 0]
+    # the prologue: the apply pass's read of the input and write of the activation
+    assert CT.passes_removed(site(False, True), 8, prologue=True) == out + 2 * (2 * 8 * 16 * 16 * 128)

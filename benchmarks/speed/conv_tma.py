@@ -74,13 +74,14 @@ def run(kind: str, x: Tensor, w: Tensor, tiles) -> Tensor:
     return conv3x3(x, w, tiles) if kind == "box" else CG.conv3x3(x, w, tiles)[0]
 
 
-def passes_removed(site, batch: int) -> int:
-    """Bytes that today's chain moves after cuDNN's convolution and the Gluon kernel's epilogue does not: the
+def passes_removed(site, batch: int, prologue: bool = False) -> int:
+    """Bytes that today's chain moves around cuDNN's convolution and the Gluon kernel does not. Its epilogue: the
     inductor add of the residual reads the output and writes the sum (2 passes), the next GroupNorm's statistics
-    read it again (1). Biases cost no pass today (the conv bias and the time embedding are added inside the fused
-    GroupNorm: conv_bias_in_norm, norm2's add)."""
+    read it again (1); biases cost no pass today (the conv bias and the time embedding are added inside the fused
+    GroupNorm: conv_bias_in_norm, norm2's add). Its prologue: the input's GroupNorm apply reads x and writes the
+    activation (2 passes of the input) that the convolution then reads, where the kernel reads x itself."""
     out = 2 * batch * site.out_h ** 2 * site.cout
-    return out * (2 * site.residual + site.stats)
+    return out * (2 * site.residual + site.stats) + (2 * 2 * batch * site.h ** 2 * site.cin if prologue else 0)
 
 
 @triton.jit
@@ -133,27 +134,30 @@ def conv3x3(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
     return out
 
 
-def epilogue_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iters: int, copy_gbs: float,
-                 plain_ms: float) -> dict:
-    """The Gluon kernel with the site's epilogue (its bias, residual and statistics) at each of `configs`: each
-    checked against conv_gluon.reference; the fastest correct one's time over the plain kernel's best (plain_ms),
-    against the passes it removes. The epilogue runs after the main loop: tiles that fit two programs an SM may
-    hide it behind the other program's loop, so the fastest epilogue need not be at the plain kernel's best tiles."""
+def fused_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iters: int, copy_gbs: float,
+              plain_ms: float, prologue: bool = False) -> dict:
+    """The Gluon kernel with the site's epilogue (its bias, residual and statistics), and with prologue the input's
+    GroupNorm apply + SiLU, at each of `configs`: each checked against conv_gluon.reference; the fastest correct
+    one's time over the plain kernel's best (plain_ms), against the passes it removes. The epilogue runs after the
+    main loop: tiles that fit two programs an SM may hide it behind the other program's loop, so the fastest need
+    not be at the plain kernel's best tiles."""
     from benchmarks.speed.norm_bench import graph_ms
 
     bias = {"channel": randn(spec.cout, dt=torch.float32), "sample": randn(batch, spec.cout, dt=torch.float32),
             "": None}[spec.bias]
     res = randn(batch, spec.cout, spec.h, spec.h).to(memory_format=torch.channels_last) if spec.residual else None
-    entry = {"bias": spec.bias, "res": spec.residual, "stats": spec.stats, "configs": []}
+    pro = (1 + 0.5 * randn(batch, spec.cin, dt=torch.float32), 0.5 * randn(batch, spec.cin, dt=torch.float32)) \
+        if prologue else None
+    entry = {"bias": spec.bias, "res": spec.residual, "stats": spec.stats, "prologue": prologue, "configs": []}
     for tiles in configs:
         row = {"tiles": list(tiles)}
         try:
-            out, part = CG.conv3x3(x, w, tiles, bias, res, spec.stats)
-            want, want_part = CG.reference(x, w, tiles.rows, bias, res)
+            out, part = CG.conv3x3(x, w, tiles, bias, res, spec.stats, pro)
+            want, want_part = CG.reference(x, w, tiles.rows, bias, res, pro)
             row["rel_err"] = rel_error(out, want.float())
             if spec.stats:
                 row["stats_err"] = max(rel_error(part[:, :, i], want_part[:, :, i]) for i in (0, 1))
-            row["ms"] = graph_ms(lambda: CG.conv3x3(x, w, tiles, bias, res, spec.stats), iters, warmup=2)
+            row["ms"] = graph_ms(lambda: CG.conv3x3(x, w, tiles, bias, res, spec.stats, pro), iters, warmup=2)
         except Exception as e:  # noqa: BLE001 - an epilogue that cannot build is a row with its error
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         entry["configs"].append(row)
@@ -163,7 +167,7 @@ def epilogue_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, i
             r.get("error", f"wrong ({r.get('rel_err')}, {r.get('stats_err')})") for r in entry["configs"])[:300]}
     best = min(good, key=lambda r: r["ms"])
     return {**entry, **best, "extra_ms": best["ms"] - plain_ms,
-            "passes_ms": passes_removed(spec, batch) / copy_gbs / 1e6}
+            "passes_ms": passes_removed(spec, batch, prologue) / copy_gbs / 1e6}
 
 
 def rel_error(out: Tensor, ref: Tensor) -> float:
@@ -182,7 +186,18 @@ def render(result: dict) -> str:
              "call (TFLOP/s), CUDA-graph replays; each kernel's fastest tile shape a site among those whose worst "
              "error over three calls is <= 2e-2 (the json has every config, wrong ones included).", ""]
     rows, tot = [], {k: [0.0, 0.0] for k in kinds}  # kind: [cuDNN ms, kernel ms] over the sites it ran
-    epilogue = [0.0, 0.0]  # a step: the epilogue's ms over the plain Gluon kernel, the passes it removes
+    sums = {"epilogue": [0.0, 0.0], "fused": [0.0, 0.0]}  # a step: ms over the plain Gluon kernel, passes removed
+
+    def fused_cell(s: dict, key: str) -> str:
+        row = s.get(key)
+        if row is None:
+            return "-"
+        if "error" in row:
+            return "error: " + row["error"][:100].replace("|", "/")
+        sums[key][0] += s["count"] * row["extra_ms"]
+        sums[key][1] += s["count"] * row["passes_ms"]
+        return f"{row['ms']:.3f} {tuple(row['tiles'])}: {row['extra_ms']:+.3f} for {row['passes_ms']:.3f}"
+
     for s in result["sites"]:
         cells = [s["name"], str(s["count"]), f"{s['cudnn_ms']:.3f} ({s['flop'] / s['cudnn_ms'] / 1e9:.0f})"]
         for k in kinds:
@@ -194,31 +209,22 @@ def render(result: dict) -> str:
             tot[k][1] += s["count"] * best["ms"]
             cells.append(f"{best['ms']:.3f} ({s['flop'] / best['ms'] / 1e9:.0f}), {s['cudnn_ms'] / best['ms']:.2f}x, "
                          f"{tuple(best['tiles'])}")
-        epi = s.get("epilogue")
-        if epi is None:
-            cells.append("-")
-        elif "error" in epi:
-            cells.append("error: " + epi["error"][:100].replace("|", "/"))
-        else:
-            ok = epi["rel_err"] <= 2e-2 and epi.get("stats_err", 0) <= 2e-2
-            epilogue[0] += s["count"] * epi["extra_ms"]
-            epilogue[1] += s["count"] * epi["passes_ms"]
-            cells.append(f"{epi['ms']:.3f} {tuple(epi['tiles'])}: {epi['extra_ms']:+.3f} for {epi['passes_ms']:.3f}" +
-                         ("" if ok else f" WRONG ({epi['rel_err']:.1e}, {epi.get('stats_err', 0):.1e})"))
-        rows.append(cells)
+        rows.append(cells + [fused_cell(s, "epilogue"), fused_cell(s, "fused")])
     lines += md_table(["site", "a step", "cuDNN ms (TFLOP/s)",
                        *(f"{k} ms (TFLOP/s), rate vs cuDNN, tiles" for k in kinds),
-                       "gluon + epilogue ms, tiles: extra for passes ms"], rows)
+                       "gluon + epilogue ms, tiles: extra for passes ms", "+ prologue too"], rows)
     lines.append("")
     for k, (c, t) in tot.items():
         if t:
             lines.append(f"- {k}: over the sites it ran, a step: cuDNN {c:.2f} ms, {k} {t:.2f} ms ({c / t:.2f}x "
                          "cuDNN's rate).")
-    if epilogue[1]:
-        lines.append(f"- the epilogue (bias, residual, statistics) in the Gluon kernel: {epilogue[0]:+.2f} ms a step "
-                     f"over the plain kernel, for {epilogue[1]:.2f} ms of passes removed at the copy rate "
-                     f"({result.get('copy_gbs', 0):.0f} GB/s): the inductor add's read and write of the residual "
-                     "sum and the next GroupNorm's read for its statistics.")
+    what = {"epilogue": "the epilogue (bias, residual, statistics) in the Gluon kernel, every site with one",
+            "fused": "the prologue (the input's GroupNorm apply + SiLU) and the epilogue, every site with one input "
+                     "and no dropout"}
+    for key, (extra, passes) in sums.items():
+        if passes:
+            lines.append(f"- {what[key]}: {extra:+.2f} ms a step over the plain kernel, for {passes:.2f} ms of "
+                         f"passes removed at the copy rate ({result.get('copy_gbs', 0):.0f} GB/s).")
     return "\n".join(lines) + "\n"
 
 
@@ -290,15 +296,18 @@ def main(argv: list[str] | None = None) -> int:
                 entry["best"][k] = min(good, key=lambda r: r["ms"])
         if (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
             fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
-            entry["epilogue"] = epilogue_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
-                                             best["ms"])
+            entry["epilogue"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
+                                          best["ms"])
+            if spec.norm and spec.silu and not spec.p and spec.c1 == spec.cin:  # one input, no dropout (yet)
+                entry["fused"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
+                                           best["ms"], prologue=True)
         write_json(args.out / "conv_tma.json", result)
         write_text(args.out / "conv_tma.md", render(result))
         found = ", ".join(f"{k} {b['ms']:.3f} ms {tuple(b['tiles'])}" for k, b in entry["best"].items())
-        epi = entry.get("epilogue", {})
+        fused = "".join(f"; {key} {entry[key].get('ms', 0):.3f} ms, err {entry[key].get('rel_err')}"
+                        for key in ("epilogue", "fused") if key in entry)
         print(f"conv_tma: [{time.time() - t0:.0f} s] {entry['name']}: cuDNN {entry['cudnn_ms']:.3f} ms; "
-              f"{found or 'no correct config'}" + (f"; epilogue {epi.get('ms', 0):.3f} ms, err {epi.get('rel_err')}"
-                                                  if epi else ""), flush=True)
+              f"{found or 'no correct config'}{fused}", flush=True)
         del x, w, ref
         torch.cuda.empty_cache()
     print(render(result))
