@@ -1,4 +1,4 @@
-"""Does Hopper's TMA lift a Triton 3x3 convolution to cuDNN's rate? (issue 47, NOTES items 28-29, 34)
+"""Does Hopper's TMA lift a Triton 3x3 convolution to cuDNN's rate, and can it own its GroupNorm? (issue 47, NOTES 34-35)
 
     python -m benchmarks.speed.conv_tma --out DIR                  # CUDA: every stride-1 3x3 site of ddpm-cifar10
     python -m benchmarks.speed.conv_tma --out DIR --sites 4 --kinds gluon data.batch_size=512
@@ -16,8 +16,9 @@ Triton's lower-level language, with the ring of buffers, its barriers and the wg
 operands read from shared memory. Per site (stride 1, channels a multiple of 64: 17 of the 22 distinct sites, 98%
 of the step's 3x3 FLOPs), the best correct tile shape of each kernel, the convolution alone, against F.conv2d with
 cuDNN's search, as CUDA-graph replays (norm_bench.graph_ms), each config checked against fp32 torch over three
-calls; then the Gluon kernel at its best tiles with the site's epilogue (its bias, residual and the next
-GroupNorm's statistics), its time over the plain kernel's against the passes it removes at the copy rate.
+calls; then the Gluon kernel with the site's epilogue (its bias, residual and the next GroupNorm's statistics), and
+where the site has one input and no dropout with the prologue too (the input's GroupNorm apply + SiLU), each at
+its fastest correct tiles, its time over the plain kernel's best against the passes it removes at the copy rate.
 conv_tma.json and .md are rewritten after every site. On CPU tensors the box kernel runs under Triton's interpreter
 (tests/test_conv_tma.py); the Gluon kernel is built there for sm_90 (tests/test_conv_gluon.py).
 """
