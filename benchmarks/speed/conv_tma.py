@@ -1,4 +1,4 @@
-"""Does Hopper's TMA lift a Triton 3x3 convolution to cuDNN's rate, and can it own its GroupNorm? (issue 47, NOTES 34-35)
+"""Does Hopper's TMA lift a Triton 3x3 convolution to cuDNN's rate, and can it own its GroupNorm? (issue 47)
 
     python -m benchmarks.speed.conv_tma --out DIR                  # CUDA: every stride-1 3x3 site of ddpm-cifar10
     python -m benchmarks.speed.conv_tma --out DIR --sites 4 --kinds gluon data.batch_size=512
