@@ -13,7 +13,8 @@ Triton's own pipelining of the same loads raced; Gluon, Triton's lower-level lan
 The prologue (optional) is the input's GroupNorm apply + SiLU (scale and shift per (sample, channel): the group
 statistics with the affine and any time embedding folded in, as gn_kernels' finalize writes them): the box is read
 from shared memory into registers, activated, its padding rows zeroed, and fed to wgmma from registers; once a tap,
-so 9 times an element (no dropout yet: the res blocks' second convolution is not covered).
+so 9 times an element; dropout's keep mask, if any, read as the bits conv_gn.keep_bits makes (the same mask as the
+fused GroupNorm's hash), the kept values' 1 / (1 - p) applied once to the accumulator.
 The epilogue (optional) adds the bias (per channel, or per (sample, channel): the time embedding) and a residual,
 writes the output once, and writes the statistics the next GroupNorm needs from the values it wrote (bf16-rounded):
 per (sample, tile, channel) the mean and the sum of squared deviations (M2), which gn_kernels' finalize combines
@@ -86,9 +87,10 @@ def _issue(x_desc, w_desc, a_smem, b_smem, bars, j, n0, h0, co, C: gl.constexpr,
 
 
 @gluon.jit
-def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_ptr, shift_ptr, TILES, N_BLOCKS,
-                    C: gl.constexpr, STAGES: gl.constexpr, PRO: gl.constexpr, BIAS: gl.constexpr,
-                    RES: gl.constexpr, STATS: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
+def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_ptr, shift_ptr, bits_ptr, inv_keep,
+                    TILES, N_BLOCKS, C: gl.constexpr, STAGES: gl.constexpr, PRO: gl.constexpr, DROP: gl.constexpr,
+                    BIAS: gl.constexpr, RES: gl.constexpr, STATS: gl.constexpr, LATE: gl.constexpr,
+                    num_warps: gl.constexpr):
     NB: gl.constexpr = x_desc.block_type.shape[0]  # whole samples a program (1 from 16x16 up)
     BH: gl.constexpr = x_desc.block_type.shape[1]
     W: gl.constexpr = x_desc.block_type.shape[2]
@@ -151,9 +153,13 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
             v = v / (1.0 + gl.exp2(v * -1.4426950408889634))
             dr = tap // 3 - 1
             dc = tap % 3 - 1
-            inside = (hh + dr >= 0) & (hh + dr < H) & (ww + dc >= 0) & (ww + dc < W)
-            acc = warpgroup_mma(gl.where(gl.expand_dims(inside, 1), v, 0.0).to(dtype),
-                                b_smem.index(slot).permute((1, 0)), acc, is_async=True)
+            inside = gl.expand_dims((hh + dr >= 0) & (hh + dr < H) & (ww + dc >= 0) & (ww + dc < W), 1)
+            if DROP:  # dropout's keep bits of the tap's pixel (conv_gn.keep_bits' words); 1 / (1 - p) on acc
+                pix = gl.expand_dims(((n0 + a_rows // (BH * W)) * H + hh + dr) * W + ww + dc, 1)
+                word = gl.load(bits_ptr + pix * ((C + 31) // 32) + ch // 32, mask=inside, other=0)
+                inside = inside & (((word >> (ch % 32)) & 1) != 0)
+            acc = warpgroup_mma(gl.where(inside, v, 0.0).to(dtype), b_smem.index(slot).permute((1, 0)), acc,
+                                is_async=True)
         else:
             acc = warpgroup_mma(a_view, b_smem.index(slot).permute((1, 0)), acc, is_async=True)
         # step i-1's wgmma is done once at most one is in flight: its slot takes step i + STAGES - 1's boxes
@@ -173,6 +179,8 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
             tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
 
     HW: gl.constexpr = BH * W  # a sample's pixels in this tile (BH = H where a program holds whole samples)
+    if DROP:  # the kept activations' 1 / (1 - p), once on the sum (the convolution is linear)
+        acc = acc * inv_keep
     cols = co + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     rows = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
     n_rows = n0 + rows // HW  # each row's sample
@@ -226,11 +234,14 @@ def _desc(t: Tensor, block: list[int]):
 
 
 def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None, res: Tensor | None = None,
-            stats: bool = False, prologue: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
+            stats: bool = False, prologue: tuple[Tensor, Tensor] | None = None,
+            dropout: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor | None]:
     """(out, part): F.conv2d(act(x), w, padding=1) + bias + res for channels_last bf16 x (N, C, H, W) and w
     (Cout, C, 3, 3), stride 1; act(x) = silu(x * scale + shift) with prologue = (scale, shift), fp32 (N, C) (a
     GroupNorm's apply with its affine folded in: gn_kernels' coef), else x; bias fp32 (Cout,) or (N, Cout); res like
-    out. part (N, tiles a sample, 2, Cout) fp32, the mean and M2 of out over each tile's pixels, if stats; else None."""
+    out; dropout = (bits, p): the activation dropped where conv_gn.keep_bits' bits (int32 (N * H * W, ceil(C / 32)))
+    are 0 and scaled by 1 / (1 - p) (with a prologue only). part (N, tiles a sample, 2, Cout) fp32, the mean and M2
+    of out over each tile's pixels, if stats; else None."""
     n, c, h, wd = x.shape
     cout = w.shape[0]
     if not tiles.fits(h, wd, c, cout):
@@ -250,21 +261,30 @@ def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None,
     part = torch.empty((n, tiles_h, 2, cout), device=x.device, dtype=torch.float32) if stats else None
     bias_kind = 0 if bias is None else 1 if bias.dim() == 1 else 2
     scale, shift = prologue if prologue is not None else (out, out)
+    if dropout is not None and prologue is None:
+        raise ValueError("conv_gluon: dropout is applied to the prologue's activation: give a prologue too")
+    bits, p = dropout if dropout is not None else (out, 0.0)
     grid = (triton.cdiv(n, nb) * tiles_h * nblocks,)
     _conv3x3_kernel[grid](_desc(xh, [nb, bh, wd, tiles.bk]), _desc(wk, [tiles.bn, tiles.bk]), o_desc, r_desc,
-                          bias if bias is not None else out, part if stats else out, scale, shift, tiles_h, nblocks,
-                          C=c, STAGES=tiles.stages, PRO=prologue is not None, BIAS=bias_kind, RES=res is not None,
-                          STATS=stats, LATE=tiles.late, num_warps=tiles.warps)
+                          bias if bias is not None else out, part if stats else out, scale, shift, bits,
+                          1.0 / (1.0 - p), tiles_h, nblocks, C=c, STAGES=tiles.stages, PRO=prologue is not None,
+                          DROP=dropout is not None, BIAS=bias_kind, RES=res is not None, STATS=stats,
+                          LATE=tiles.late, num_warps=tiles.warps)
     return out, part
 
 
 def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: Tensor | None = None,
-              prologue: tuple[Tensor, Tensor] | None = None):
+              prologue: tuple[Tensor, Tensor] | None = None, dropout: tuple[Tensor, float] | None = None):
     """conv3x3's (out, part) in torch, fp32 arithmetic, the activation and out rounded to bf16 as the kernel has them."""
     a = x.float()
     if prologue is not None:
         scale, shift = prologue
         a = torch.nn.functional.silu(a * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype).float()
+    if dropout is not None:
+        from ffcv_ddpm.norm import unpack_bits
+
+        bits, p = dropout
+        a = a * unpack_bits(bits, tuple(x.shape)) / (1 - p)
     out = torch.nn.functional.conv2d(a, w.float(), padding=1)
     if bias is not None:
         out = out + (bias.float()[None, :, None, None] if bias.dim() == 1 else bias.float()[:, :, None, None])
@@ -280,7 +300,7 @@ def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: 
 
 
 def build(tiles: GluonTiles, h: int, cin: int, cout: int, bias: int = 0, res: bool = False, stats: bool = False,
-          prologue: bool = False, arch: int = 90) -> tuple[str, int]:
+          prologue: bool = False, dropout: bool = False, arch: int = 90) -> tuple[str, int]:
     """The kernel compiled for sm_<arch> without a GPU (Triton's own ptxas), for tiles at an h x h site: its PTX and
     the shared memory a program takes.
     Not under TRITON_INTERPRET=1 (that makes the kernel an interpreted function): tests/test_conv_gluon.py runs it in
@@ -301,12 +321,13 @@ def build(tiles: GluonTiles, h: int, cin: int, cout: int, bias: int = 0, res: bo
                  "w_desc": desc((cout, 9 * cin), [tiles.bn, tiles.bk]), "o_desc": o, "r_desc": o,
                  "bias_ptr": "*fp32" if bias else "*bf16", "part_ptr": "*fp32" if stats else "*bf16",
                  "scale_ptr": "*fp32" if prologue else "*bf16", "shift_ptr": "*fp32" if prologue else "*bf16",
-                 "TILES": "i32", "N_BLOCKS": "i32", "C": "constexpr", "STAGES": "constexpr", "PRO": "constexpr",
+                 "bits_ptr": "*i32" if dropout else "*bf16", "inv_keep": "fp32", "TILES": "i32", "N_BLOCKS": "i32",
+                 "C": "constexpr", "STAGES": "constexpr", "PRO": "constexpr", "DROP": "constexpr",
                  "BIAS": "constexpr", "RES": "constexpr", "STATS": "constexpr", "LATE": "constexpr",
                  "num_warps": "constexpr"}
     names = list(signature)
-    constants = {"C": cin, "STAGES": tiles.stages, "PRO": prologue, "BIAS": bias, "RES": res, "STATS": stats,
-                 "LATE": tiles.late, "num_warps": tiles.warps}
+    constants = {"C": cin, "STAGES": tiles.stages, "PRO": prologue, "DROP": dropout, "BIAS": bias, "RES": res,
+                 "STATS": stats, "LATE": tiles.late, "num_warps": tiles.warps}
     source = GluonASTSource(fn=_conv3x3_kernel, signature=signature,
                             constexprs={(names.index(k),): v for k, v in constants.items()})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": tiles.warps})

@@ -31,6 +31,8 @@ def build(tiles, h, cin, cout, **kw) -> tuple[str, int]:
     (CG.GluonTiles(8, 256, 64, 8, 3), 16, 256, {"bias": 1, "res": True, "stats": True}),  # a res block's conv2
     (CG.GluonTiles(16, 256, 64, 8, 3), 8, 512, {"bias": 2, "stats": True}),            # two 8x8 images, time bias
     (CG.GluonTiles(8, 128, 64, 8, 3, True), 16, 256, {"prologue": True, "bias": 2, "stats": True}),  # norm1 + conv1
+    (CG.GluonTiles(4, 128, 64, 8, 3, True), 32, 128,  # norm2 + dropout + conv2 + the skip
+     {"prologue": True, "dropout": True, "bias": 1, "res": True, "stats": True}),
 ])
 def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin, kw):
     """The input box reshaped to the GEMM's operand stays a view in shared memory (no load into registers, where
@@ -78,6 +80,14 @@ def test_the_reference_is_conv2d_plus_bias_and_residual_and_its_tile_statistics(
     act = F.silu(x.double() * scale.double()[:, :, None, None] + shift.double()[:, :, None, None])
     out, _ = CG.reference(x, w, 4, prologue=(scale, shift))
     assert (out.double() - F.conv2d(act, w.double(), padding=1)).abs().max() < 0.05
+    # dropout: the bits' kept values, scaled by 1 / (1 - p)
+    keep = torch.rand(3, 16, 8, 8, generator=g) > 0.25
+    words = torch.zeros(3 * 8 * 8, 1, dtype=torch.int64)
+    for c in range(16):
+        words[:, 0] |= keep[:, c].permute(0, 1, 2).reshape(-1).long() << c
+    out, _ = CG.reference(x, w, 4, prologue=(scale, shift), dropout=(words.to(torch.int32), 0.25))
+    want = F.conv2d(act * keep.double() / 0.75, w.double(), padding=1)
+    assert (out.double() - want).abs().max() < 0.05
 
 
 def test_shapes_it_cannot_tile_or_layouts_it_cannot_read_are_one_error():
@@ -87,3 +97,6 @@ def test_shapes_it_cannot_tile_or_layouts_it_cannot_read_are_one_error():
         CG.conv3x3(x, w, CG.GluonTiles(3))
     with pytest.raises(ValueError, match="must be channels_last"):
         CG.conv3x3(x.contiguous(), w, CG.GluonTiles(8))
+    bits = torch.zeros(64, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dropout is applied to the prologue's activation: give a prologue too"):
+        CG.conv3x3(x, w, CG.GluonTiles(8), dropout=(bits, 0.1))

@@ -3,6 +3,8 @@ interpreter (conftest sets TRITON_INTERPRET=1, which reads tensor descriptors as
 running past the edge reads zeros), the passes it prices, and what it refuses (the Gluon kernel it also times:
 tests/test_conv_gluon.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,5 +70,7 @@ def test_the_epilogue_is_priced_by_the_passes_todays_chain_makes():
     out = 2 * 8 * 16 * 16 * 256
     assert [CT.passes_removed(site(r, s), 8) for r, s in ((True, True), (False, True), (False, False))] == \
         [3 * out, out, 0]
-    # the prologue: the apply pass's read of the input and write of the activation
+    # the prologue: the apply pass's read of the input and write of the activation, less the dropout bits it reads
     assert CT.passes_removed(site(False, True), 8, prologue=True) == out + 2 * (2 * 8 * 16 * 16 * 128)
+    dropped = dataclasses.replace(site(False, True), p=0.1)
+    assert CT.passes_removed(dropped, 8, prologue=True) == out + 2 * (2 * 8 * 16 * 16 * 128) - 4 * 8 * 16 * 16 * 4

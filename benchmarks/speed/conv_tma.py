@@ -17,7 +17,7 @@ operands read from shared memory. Per site (stride 1, channels a multiple of 64:
 of the step's 3x3 FLOPs), the best correct tile shape of each kernel, the convolution alone, against F.conv2d with
 cuDNN's search, as CUDA-graph replays (norm_bench.graph_ms), each config checked against fp32 torch over three
 calls; then the Gluon kernel with the site's epilogue (its bias, residual and the next GroupNorm's statistics), and
-where the site has one input and no dropout with the prologue too (the input's GroupNorm apply + SiLU), each at
+where the site has one input with the prologue too (the input's GroupNorm apply + SiLU + dropout), each at
 its fastest correct tiles, its time over the plain kernel's best against the passes it removes at the copy rate.
 conv_tma.json and .md are rewritten after every site. On CPU tensors the box kernel runs under Triton's interpreter
 (tests/test_conv_tma.py); the Gluon kernel is built there for sm_90 (tests/test_conv_gluon.py).
@@ -80,9 +80,13 @@ def passes_removed(site, batch: int, prologue: bool = False) -> int:
     inductor add of the residual reads the output and writes the sum (2 passes), the next GroupNorm's statistics
     read it again (1); biases cost no pass today (the conv bias and the time embedding are added inside the fused
     GroupNorm: conv_bias_in_norm, norm2's add). Its prologue: the input's GroupNorm apply reads x and writes the
-    activation (2 passes of the input) that the convolution then reads, where the kernel reads x itself."""
+    activation (2 passes of the input) that the convolution then reads, where the kernel reads x itself; less the
+    dropout bits it reads where the site has dropout (today's apply hashes the mask; who writes the bits in a fused
+    step is not counted)."""
     out = 2 * batch * site.out_h ** 2 * site.cout
-    return out * (2 * site.residual + site.stats) + (2 * 2 * batch * site.h ** 2 * site.cin if prologue else 0)
+    pixels = batch * site.h ** 2
+    pro = 2 * 2 * pixels * site.cin - (4 * pixels * -(-site.cin // 32) if site.p else 0)
+    return out * (2 * site.residual + site.stats) + (pro if prologue else 0)
 
 
 @triton.jit
@@ -149,16 +153,22 @@ def fused_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iter
     res = randn(batch, spec.cout, spec.h, spec.h).to(memory_format=torch.channels_last) if spec.residual else None
     pro = (1 + 0.5 * randn(batch, spec.cin, dt=torch.float32), 0.5 * randn(batch, spec.cin, dt=torch.float32)) \
         if prologue else None
+    drop = None
+    if prologue and spec.p:  # the same mask as the fused GroupNorm's, as bits
+        from ffcv_ddpm.conv_gn import keep_bits
+
+        seed = torch.tensor([1234], device=x.device, dtype=torch.int64)
+        drop = (keep_bits(seed, tuple(x.shape), spec.p), spec.p)
     entry = {"bias": spec.bias, "res": spec.residual, "stats": spec.stats, "prologue": prologue, "configs": []}
     for tiles in configs:
         row = {"tiles": list(tiles)}
         try:
-            out, part = CG.conv3x3(x, w, tiles, bias, res, spec.stats, pro)
-            want, want_part = CG.reference(x, w, tiles.rows, bias, res, pro)
+            out, part = CG.conv3x3(x, w, tiles, bias, res, spec.stats, pro, drop)
+            want, want_part = CG.reference(x, w, tiles.rows, bias, res, pro, drop)
             row["rel_err"] = rel_error(out, want.float())
             if spec.stats:
                 row["stats_err"] = max(rel_error(part[:, :, i], want_part[:, :, i]) for i in (0, 1))
-            row["ms"] = graph_ms(lambda: CG.conv3x3(x, w, tiles, bias, res, spec.stats, pro), iters, warmup=2)
+            row["ms"] = graph_ms(lambda: CG.conv3x3(x, w, tiles, bias, res, spec.stats, pro, drop), iters, warmup=2)
         except Exception as e:  # noqa: BLE001 - an epilogue that cannot build is a row with its error
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         entry["configs"].append(row)
@@ -220,8 +230,8 @@ def render(result: dict) -> str:
             lines.append(f"- {k}: over the sites it ran, a step: cuDNN {c:.2f} ms, {k} {t:.2f} ms ({c / t:.2f}x "
                          "cuDNN's rate).")
     what = {"epilogue": "the epilogue (bias, residual, statistics) in the Gluon kernel, every site with one",
-            "fused": "the prologue (the input's GroupNorm apply + SiLU) and the epilogue, every site with one input "
-                     "and no dropout"}
+            "fused": "the prologue (the input's GroupNorm apply + SiLU, dropout from bits) and the epilogue, every "
+                     "site with one input"}
     for key, (extra, passes) in sums.items():
         if passes:
             lines.append(f"- {what[key]}: {extra:+.2f} ms a step over the plain kernel, for {passes:.2f} ms of "
@@ -299,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
             entry["epilogue"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
                                           best["ms"])
-            if spec.norm and spec.silu and not spec.p and spec.c1 == spec.cin:  # one input, no dropout (yet)
+            if spec.norm and spec.silu and spec.c1 == spec.cin:  # one input (two-part inputs: not yet)
                 entry["fused"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
                                            best["ms"], prologue=True)
         write_json(args.out / "conv_tma.json", result)
