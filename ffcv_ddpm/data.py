@@ -254,32 +254,64 @@ def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.nda
 
 def _read_beton(path, num_workers: int | None) -> tuple[np.ndarray, np.ndarray]:
     threads = torch.get_num_threads()  # before FFCV's import, which sets it to 1
-    cache_typed_dict()
+    try:
+        reader = _open_beton(path)
+        raw = _read_raw(reader)
+        return raw if raw is not None else _decode_beton(reader, num_workers)
+    finally:
+        # FFCV's import and its Loader set torch's intra-op thread count (to 1, to the Loader's worker count:
+        # ffcv.pipeline.compiler.Compiler): a one-shot read gives the process its own back (on a busy CPU, 2 threads
+        # instead of 1 made every convolution of the tests that followed 10-30x slower).
+        torch.set_num_threads(threads)
+
+
+def _read_raw(reader) -> tuple[np.ndarray, np.ndarray] | None:
+    """What _decode_beton reads from a .beton whose images are all stored raw, copied out of the file by numpy: a raw
+    image is its H*W*3 bytes at its data_ptr (ffcv.fields.RGBImageField.encode), a label is its metadata. None when
+    any image is a JPEG. FFCV's Loader compiles its pipeline with numba for every file (~1 s on a CPU, paid by every
+    process with an in-memory loader, every study and every test that reads one); this is a copy."""
+    from ffcv.fields.rgb_image import IMAGE_MODES
+
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    if (meta["mode"] != IMAGE_MODES["raw"]).any():
+        return None
+    height, width = _image_size(reader)
+    size = height * width * 3
+    data = np.memmap(reader.file_name, dtype=np.uint8, mode="r")
+    # Each raw image is one allocation of exactly its bytes, inside the file (the bytes FFCV's reader copies).
+    order = np.argsort(reader.alloc_table["ptr"])
+    ptrs, sizes = reader.alloc_table["ptr"][order], reader.alloc_table["size"][order]
+    at = np.minimum(np.searchsorted(ptrs, meta["data_ptr"]), len(ptrs) - 1)
+    if (ptrs[at] != meta["data_ptr"]).any() or (sizes[at] != size).any() or (ptrs[at] + size > len(data)).any():
+        raise ValueError(f"{reader.file_name}: an image's bytes are not where its metadata says; "
+                         f"{_MAKE_DATASET_HINT}")
+    images = np.empty((len(meta), height, width, 3), dtype=np.uint8)
+    flat = images.reshape(len(meta), size)  # a view: each row one image
+    for i, ptr in enumerate(meta["data_ptr"].tolist()):
+        flat[i] = data[ptr:ptr + size]
+    return images, reader.metadata[f"f{reader.field_names.index('label')}"].astype(np.int64)
+
+
+def _decode_beton(reader, num_workers: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every image and label of the .beton through FFCV's Loader (its JPEG decoder), in file order."""
     from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import Squeeze, ToTensor
 
-    reader = _open_beton(path)
     n = int(reader.num_samples)
     height, width = _image_size(reader)
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     labels = np.empty(n, dtype=np.int64)
     start = 0
-    try:
-        loader = Loader(os.fspath(path), batch_size=min(n, 1024), order=OrderOption.SEQUENTIAL, drop_last=False,
-                        num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
-                        pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
-                                   "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
-        for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
-            images[start:start + len(x)] = x.numpy()
-            labels[start:start + len(y)] = y.numpy()
-            start += len(x)
-    finally:
-        # FFCV's Loader sets torch's intra-op thread count to its worker count (ffcv.pipeline.compiler.Compiler):
-        # a one-shot read gives the process its own back (on a busy CPU, 2 threads instead of 1 made every
-        # convolution of the tests that followed 10-30x slower).
-        torch.set_num_threads(threads)
-    assert start == n, f"read {start} of {n} images from {path}"
+    loader = Loader(reader.file_name, batch_size=min(n, 1024), order=OrderOption.SEQUENTIAL, drop_last=False,
+                    num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
+                    pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
+                               "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
+    for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
+        images[start:start + len(x)] = x.numpy()
+        labels[start:start + len(y)] = y.numpy()
+        start += len(x)
+    assert start == n, f"read {start} of {n} images from {reader.file_name}"
     return images, labels
 
 

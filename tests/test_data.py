@@ -266,21 +266,54 @@ def test_endless_starts_the_next_epoch_early_on_a_gpu_only(device):
     data.close()
 
 
-def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
-    """FFCV's Loader sets torch's intra-op threads to its worker count; a one-shot read must not change the process's
-    (the CPU tests run their convolutions on one thread, and two on a busy 2-core machine were 10-30x slower)."""
+@pytest.mark.parametrize("fmt", ["raw", "jpg"])
+def test_read_beton_leaves_torchs_thread_count_alone(small_dataset, fmt):
+    """FFCV's Loader (the JPEG file's read) sets torch's intra-op threads to its worker count, FFCV's import to 1; a
+    one-shot read must not change the process's (the CPU tests run their convolutions on one thread, and two on a
+    busy 2-core machine were 10-30x slower)."""
     from ffcv_ddpm.data import read_beton
 
     from ffcv_ddpm import data
 
-    data._read_cache.clear()  # a read from memory (below) would not reach FFCV's Loader
+    data._read_cache.clear()  # a read from memory (below) would not reach the file
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        images, _ = read_beton(small_dataset / "cifar10_test_raw.beton", num_workers=2)
+        images, _ = read_beton(small_dataset / f"cifar10_test_{fmt}.beton", num_workers=2)
         assert len(images) > 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_read_beton_reads_what_ffcvs_loader_reads(data, small_dataset, tmp_path, monkeypatch):
+    """A raw .beton is copied out of the file by numpy, a JPEG one decoded by FFCV's Loader: both bit-exact to what
+    FFCV's Loader reads (conftest.read_beton), in file order, H != W included."""
+    from conftest import read_beton as loader_read
+    from ffcv_ddpm import data as data_mod
+
+    decoded, real = [], data_mod._decode_beton
+    monkeypatch.setattr(data_mod, "_decode_beton", lambda reader, *a: decoded.append(reader.file_name)
+                        or real(reader, *a))
+    folder, images, labels = data
+    raw = folder / "cifar10_train_raw.beton"
+    jpg = small_dataset / "cifar10_test_jpg.beton"
+    for path in (raw, small_dataset / "cifar10_test_raw.beton", jpg):
+        got = data_mod._read_beton(path, None)
+        want = loader_read(path)
+        assert got[0].dtype == np.uint8 and got[1].dtype == np.int64
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert decoded == [str(jpg)]  # the raw files never reached the Loader
+    np.testing.assert_array_equal(data_mod._read_beton(raw, None)[0], images)
+    # An image whose metadata points past its allocation is refused, not read from its neighbour's bytes.
+    bad = tmp_path / "bad.beton"
+    bad.write_bytes(raw.read_bytes())
+    reader = data_mod._open_beton(bad)
+    meta = reader.metadata.copy()
+    meta["f0"]["data_ptr"][3] += 1
+    monkeypatch.setattr(data_mod, "_open_beton", lambda path: setattr(reader, "metadata", meta) or reader)
+    with pytest.raises(ValueError, match="an image's bytes are not where its metadata says"):
+        data_mod._read_beton(bad, None)
 
 
 def test_read_beton_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
