@@ -195,6 +195,48 @@ def test_check_beton_says_what_is_wrong(data, tmp_path):
         make_loader(DataConfig(path=str(tmp_path / "missing.beton")), CPU)
 
 
+def test_the_header_is_what_ffcvs_reader_reads(data, small_dataset, tmp_path):
+    """data.py reads a .beton's header with numpy (no FFCV import): the same samples, fields, metadata and allocation
+    table as FFCV's Reader; a file with a field type it does not read itself goes to FFCV's Reader."""
+    from ffcv.fields import FloatField
+    from ffcv.reader import Reader
+
+    from ffcv_ddpm.data import _open_beton, _read_header
+
+    extra = tmp_path / "extra.beton"
+    DatasetWriter(str(extra), {"image": RGBImageField(write_mode="raw"), "weight": FloatField(), "label": IntField()},
+                  num_workers=1).from_indexed_dataset(IndexedArraysAndWeights(data[1][:5], data[2][:5]))
+    for path in (data[0] / "cifar10_train_raw.beton", small_dataset / "cifar10_test_jpg.beton", extra):
+        ffcv = Reader(str(path))
+        ours = _open_beton(path)
+        assert (_read_header(str(path)) is None) == (path == extra)  # FloatField: read by FFCV's Reader
+        assert ours.num_samples == ffcv.num_samples and ours.field_names == ffcv.field_names
+        assert ours.field_types == {name: type(h).__name__ for name, h in ffcv.handlers.items()}
+        assert ours.metadata.dtype == ffcv.metadata.dtype and np.array_equal(ours.metadata, ffcv.metadata)
+        assert np.array_equal(ours.alloc_table, ffcv.alloc_table)
+
+
+class IndexedArraysAndWeights(IndexedArrays):
+    def __getitem__(self, i):
+        return self.images[i], 0.5 * i, int(self.labels[i])
+
+
+def test_an_in_memory_read_imports_neither_ffcv_nor_numba(data):
+    """The trainer's in-memory loaders (torch-memory, gpu) and the studies read a raw .beton without FFCV or numba in
+    the process (their import is ~0.6 s of every such process's start-up); a JPEG file still needs FFCV."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys; from ffcv_ddpm.data import check_beton, read_beton; check_beton(sys.argv[1]); "
+            "images, labels = read_beton(sys.argv[1]); assert len(images) == len(labels) > 0; "
+            "print(sorted(m for m in ('ffcv', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(data[0] / "cifar10_train_raw.beton")], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_dataset_info_reads_the_manifest(data, tmp_path):
     info = dataset_info(data[0] / "cifar10_train_raw.beton")
     assert (info["num_images"], info["height"], info["width"], info["synthetic"]) == (N, H, W, None)
