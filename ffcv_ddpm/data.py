@@ -122,31 +122,91 @@ def _png_export_hint(folder: Path) -> str:
     return f"export it with {command}, giving the source the .beton files in {data} were made from"
 
 
-def _open_beton(path):
-    """Reader of a .beton that has an RGB 'image' and an integer 'label' field; clear errors otherwise."""
-    cache_typed_dict()
-    from ffcv.fields import IntField, RGBImageField
-    from ffcv.reader import Reader
+# The .beton layout as FFCV 1.0 writes it (ffcv.types, format version 2), for the files of this project: an RGB image
+# and an integer label per sample. Reading a header this way spares a process FFCV's and numba's import (~0.6 s, every
+# trainer with an in-memory loader and every study); a file with any other field type is read by FFCV's own Reader.
+_BETON_VERSION = 2
+_HEADER = np.dtype([("version", "<u2"), ("num_fields", "<u2"), ("page_size", "<u4"), ("num_samples", "<u8"),
+                    ("alloc_table_ptr", "<u8")], align=True)
+_FIELD_DESC = np.dtype([("type_id", "<u1"), ("name", ("<u1", 16)), ("arguments", ("<u1", (1024,)))], align=True)
+_ALLOC_TABLE = np.dtype([("sample_id", "<u8"), ("ptr", "<u8"), ("size", "<u8")])
+_FIELD_TYPES = {0: "FloatField", 1: "IntField", 2: "RGBImageField", 3: "BytesField", 4: "NDArrayField",
+                5: "JSONField", 6: "TorchTensorField"}  # ffcv.types.TYPE_ID_HANDLER
+_METADATA = {"IntField": np.dtype("<i8"),  # the value itself
+             "RGBImageField": np.dtype([("mode", "<u1"), ("width", "<u2"), ("height", "<u2"), ("data_ptr", "<u8")])}
+_RAW = 1  # RGBImageField's mode of an image stored as its H*W*3 bytes (ffcv.fields.rgb_image.IMAGE_MODES; JPEG: 0)
 
+
+@dataclass
+class _Beton:
+    """What data.py reads of a .beton's header: the fields of ffcv.reader.Reader that it uses."""
+    file_name: str
+    num_samples: int
+    field_names: list[str]
+    field_types: dict[str, str]  # field name -> FFCV's field class name
+    metadata: np.ndarray         # (num_samples,) one record per sample, field i at "f{i}"
+    alloc_table: np.ndarray      # _ALLOC_TABLE records: where each sample's data lies in the file
+
+
+def _read_header(path: str) -> _Beton | None:
+    """The header, fields, metadata and allocation table of a .beton read with numpy; None for anything but a
+    well-formed version-2 file of IntField and RGBImageField fields (FFCV's Reader then reads it, or says why not)."""
+    size = os.path.getsize(path)
+    if size < _HEADER.itemsize:
+        return None
+    header = np.fromfile(path, dtype=_HEADER, count=1)[0]
+    n, fields = int(header["num_samples"]), int(header["num_fields"])
+    if header["version"] != _BETON_VERSION or _HEADER.itemsize + fields * _FIELD_DESC.itemsize > size:
+        return None
+    desc = np.fromfile(path, dtype=_FIELD_DESC, count=fields, offset=_HEADER.itemsize)
+    try:
+        names = [d["name"].tobytes().decode("ascii").split("\0")[0] for d in desc]  # ffcv.utils' decoding
+    except UnicodeDecodeError:
+        return None
+    types = [_FIELD_TYPES.get(int(t)) for t in desc["type_id"]]
+    if any(t not in _METADATA for t in types):
+        return None
+    meta_type = np.dtype([("", _METADATA[t]) for t in types], align=True)  # ffcv.types.get_metadata_type
+    offset = _HEADER.itemsize + desc.nbytes
+    if offset + n * meta_type.itemsize > size or int(header["alloc_table_ptr"]) > size:
+        return None
+    metadata = np.fromfile(path, dtype=meta_type, count=n, offset=offset)
+    alloc = np.fromfile(path, dtype=_ALLOC_TABLE, offset=int(header["alloc_table_ptr"]))
+    return _Beton(path, n, names, dict(zip(names, types)), metadata, alloc)
+
+
+def _open_beton(path):
+    """The header of a .beton that has an RGB 'image' and an integer 'label' field; clear errors otherwise."""
     p = Path(path)
     if missing := _missing_beton(p):
         raise FileNotFoundError(missing)
     if not p.is_file():
         raise ValueError(f"dataset {p} is not a file; expected an FFCV .beton such as data/cifar10_train_raw.beton")
+    reader = _read_header(os.fspath(p))
+    if reader is None:
+        reader = _ffcv_header(p)
+    wanted = {"image": "RGBImageField", "label": "IntField"}
+    if any(reader.field_types.get(name) != cls for name, cls in wanted.items()):
+        raise ValueError(f"{p} needs fields 'image' (RGBImageField) and 'label' (IntField) but has "
+                         f"{reader.field_types}; {_MAKE_DATASET_HINT}")
+    if reader.num_samples == 0:
+        raise ValueError(f"{p} holds no images; {_MAKE_DATASET_HINT}")
+    return reader
+
+
+def _ffcv_header(p: Path) -> _Beton:
+    """_read_header's answer from FFCV's own Reader: every field type FFCV knows, and its errors for a foreign file."""
+    cache_typed_dict()
+    from ffcv.reader import Reader
+
     try:
         reader = Reader(str(p))
     except Exception as e:  # FFCV fails in many ways on a foreign file (IndexError, AssertionError, KeyError, ...)
         raise ValueError(f"{p} is not a readable FFCV .beton ({type(e).__name__}: {e}); "
                          f"{_MAKE_DATASET_HINT}") from None
-    wanted = {"image": RGBImageField, "label": IntField}
-    found = {name: type(h).__name__ for name, h in reader.handlers.items()}
-    for name, cls in wanted.items():
-        if not isinstance(reader.handlers.get(name), cls):
-            raise ValueError(f"{p} needs fields 'image' (RGBImageField) and 'label' (IntField) but has {found}; "
-                             f"{_MAKE_DATASET_HINT}")
-    if reader.num_samples == 0:
-        raise ValueError(f"{p} holds no images; {_MAKE_DATASET_HINT}")
-    return reader
+    return _Beton(str(p), int(reader.num_samples), reader.field_names,
+                  {name: type(h).__name__ for name, h in reader.handlers.items()}, reader.metadata,
+                  reader.alloc_table)
 
 
 def _image_size(reader) -> tuple[int, int]:
@@ -254,32 +314,63 @@ def read_beton(path, num_workers: int | None = None) -> tuple[np.ndarray, np.nda
 
 def _read_beton(path, num_workers: int | None) -> tuple[np.ndarray, np.ndarray]:
     threads = torch.get_num_threads()  # before FFCV's import, which sets it to 1
+    try:
+        reader = _open_beton(path)
+        raw = _read_raw(reader)
+        return raw if raw is not None else _decode_beton(reader, num_workers)
+    finally:
+        # FFCV's import and its Loader set torch's intra-op thread count (to 1, to the Loader's worker count:
+        # ffcv.pipeline.compiler.Compiler): a one-shot read gives the process its own back (on a busy CPU, 2 threads
+        # instead of 1 made every convolution of the tests that followed 10-30x slower).
+        torch.set_num_threads(threads)
+
+
+def _read_raw(reader) -> tuple[np.ndarray, np.ndarray] | None:
+    """What _decode_beton reads from a .beton whose images are all stored raw, copied out of the file by numpy: a raw
+    image is its H*W*3 bytes at its data_ptr (ffcv.fields.RGBImageField.encode), a label is its metadata. None when
+    any image is a JPEG. FFCV's Loader compiles its pipeline with numba for every file (~1 s on a CPU, paid by every
+    process with an in-memory loader, every study and every test that reads one); this is a copy."""
+    meta = reader.metadata[f"f{reader.field_names.index('image')}"]
+    if (meta["mode"] != _RAW).any():
+        return None
+    height, width = _image_size(reader)
+    size = height * width * 3
+    data = np.memmap(reader.file_name, dtype=np.uint8, mode="r")
+    # Each raw image is one allocation of exactly its bytes, inside the file (the bytes FFCV's reader copies).
+    order = np.argsort(reader.alloc_table["ptr"])
+    ptrs, sizes = reader.alloc_table["ptr"][order], reader.alloc_table["size"][order]
+    at = np.minimum(np.searchsorted(ptrs, meta["data_ptr"]), len(ptrs) - 1)
+    if (ptrs[at] != meta["data_ptr"]).any() or (sizes[at] != size).any() or (ptrs[at] + size > len(data)).any():
+        raise ValueError(f"{reader.file_name}: an image's bytes are not where its metadata says; "
+                         f"{_MAKE_DATASET_HINT}")
+    images = np.empty((len(meta), height, width, 3), dtype=np.uint8)
+    flat = images.reshape(len(meta), size)  # a view: each row one image
+    for i, ptr in enumerate(meta["data_ptr"].tolist()):
+        flat[i] = data[ptr:ptr + size]
+    return images, reader.metadata[f"f{reader.field_names.index('label')}"].astype(np.int64)
+
+
+def _decode_beton(reader, num_workers: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Every image and label of the .beton through FFCV's Loader (its JPEG decoder), in file order."""
     cache_typed_dict()
     from ffcv.fields.decoders import IntDecoder, SimpleRGBImageDecoder
     from ffcv.loader import Loader, OrderOption
     from ffcv.transforms import Squeeze, ToTensor
 
-    reader = _open_beton(path)
     n = int(reader.num_samples)
     height, width = _image_size(reader)
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     labels = np.empty(n, dtype=np.int64)
     start = 0
-    try:
-        loader = Loader(os.fspath(path), batch_size=min(n, 1024), order=OrderOption.SEQUENTIAL, drop_last=False,
-                        num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
-                        pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
-                                   "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
-        for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
-            images[start:start + len(x)] = x.numpy()
-            labels[start:start + len(y)] = y.numpy()
-            start += len(x)
-    finally:
-        # FFCV's Loader sets torch's intra-op thread count to its worker count (ffcv.pipeline.compiler.Compiler):
-        # a one-shot read gives the process its own back (on a busy CPU, 2 threads instead of 1 made every
-        # convolution of the tests that followed 10-30x slower).
-        torch.set_num_threads(threads)
-    assert start == n, f"read {start} of {n} images from {path}"
+    loader = Loader(reader.file_name, batch_size=min(n, 1024), order=OrderOption.SEQUENTIAL, drop_last=False,
+                    num_workers=_ffcv_threads(num_workers or min(cpu_count() or 1, 8)),
+                    pipelines={"image": [SimpleRGBImageDecoder(), ToTensor()],
+                               "label": [IntDecoder(), ToTensor(), Squeeze(1)]})
+    for x, y in loader:  # FFCV reuses its output buffers: copy each batch out before the next one arrives
+        images[start:start + len(x)] = x.numpy()
+        labels[start:start + len(y)] = y.numpy()
+        start += len(x)
+    assert start == n, f"read {start} of {n} images from {reader.file_name}"
     return images, labels
 
 

@@ -195,6 +195,48 @@ def test_check_beton_says_what_is_wrong(data, tmp_path):
         make_loader(DataConfig(path=str(tmp_path / "missing.beton")), CPU)
 
 
+def test_the_header_is_what_ffcvs_reader_reads(data, small_dataset, tmp_path):
+    """data.py reads a .beton's header with numpy (no FFCV import): the same samples, fields, metadata and allocation
+    table as FFCV's Reader; a file with a field type it does not read itself goes to FFCV's Reader."""
+    from ffcv.fields import FloatField
+    from ffcv.reader import Reader
+
+    from ffcv_ddpm.data import _open_beton, _read_header
+
+    extra = tmp_path / "extra.beton"
+    DatasetWriter(str(extra), {"image": RGBImageField(write_mode="raw"), "weight": FloatField(), "label": IntField()},
+                  num_workers=1).from_indexed_dataset(IndexedArraysAndWeights(data[1][:5], data[2][:5]))
+    for path in (data[0] / "cifar10_train_raw.beton", small_dataset / "cifar10_test_jpg.beton", extra):
+        ffcv = Reader(str(path))
+        ours = _open_beton(path)
+        assert (_read_header(str(path)) is None) == (path == extra)  # FloatField: read by FFCV's Reader
+        assert ours.num_samples == ffcv.num_samples and ours.field_names == ffcv.field_names
+        assert ours.field_types == {name: type(h).__name__ for name, h in ffcv.handlers.items()}
+        assert ours.metadata.dtype == ffcv.metadata.dtype and np.array_equal(ours.metadata, ffcv.metadata)
+        assert np.array_equal(ours.alloc_table, ffcv.alloc_table)
+
+
+class IndexedArraysAndWeights(IndexedArrays):
+    def __getitem__(self, i):
+        return self.images[i], 0.5 * i, int(self.labels[i])
+
+
+def test_an_in_memory_read_imports_neither_ffcv_nor_numba(data):
+    """The trainer's in-memory loaders (torch-memory, gpu) and the studies read a raw .beton without FFCV or numba in
+    the process (their import is ~0.6 s of every such process's start-up); a JPEG file still needs FFCV."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys; from ffcv_ddpm.data import check_beton, read_beton; check_beton(sys.argv[1]); "
+            "images, labels = read_beton(sys.argv[1]); assert len(images) == len(labels) > 0; "
+            "print(sorted(m for m in ('ffcv', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(data[0] / "cifar10_train_raw.beton")], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_dataset_info_reads_the_manifest(data, tmp_path):
     info = dataset_info(data[0] / "cifar10_train_raw.beton")
     assert (info["num_images"], info["height"], info["width"], info["synthetic"]) == (N, H, W, None)
@@ -266,21 +308,54 @@ def test_endless_starts_the_next_epoch_early_on_a_gpu_only(device):
     data.close()
 
 
-def test_read_beton_leaves_torchs_thread_count_alone(small_dataset):
-    """FFCV's Loader sets torch's intra-op threads to its worker count; a one-shot read must not change the process's
-    (the CPU tests run their convolutions on one thread, and two on a busy 2-core machine were 10-30x slower)."""
+@pytest.mark.parametrize("fmt", ["raw", "jpg"])
+def test_read_beton_leaves_torchs_thread_count_alone(small_dataset, fmt):
+    """FFCV's Loader (the JPEG file's read) sets torch's intra-op threads to its worker count, FFCV's import to 1; a
+    one-shot read must not change the process's (the CPU tests run their convolutions on one thread, and two on a
+    busy 2-core machine were 10-30x slower)."""
     from ffcv_ddpm.data import read_beton
 
     from ffcv_ddpm import data
 
-    data._read_cache.clear()  # a read from memory (below) would not reach FFCV's Loader
+    data._read_cache.clear()  # a read from memory (below) would not reach the file
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        images, _ = read_beton(small_dataset / "cifar10_test_raw.beton", num_workers=2)
+        images, _ = read_beton(small_dataset / f"cifar10_test_{fmt}.beton", num_workers=2)
         assert len(images) > 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_read_beton_reads_what_ffcvs_loader_reads(data, small_dataset, tmp_path, monkeypatch):
+    """A raw .beton is copied out of the file by numpy, a JPEG one decoded by FFCV's Loader: both bit-exact to what
+    FFCV's Loader reads (conftest.read_beton), in file order, H != W included."""
+    from conftest import read_beton as loader_read
+    from ffcv_ddpm import data as data_mod
+
+    decoded, real = [], data_mod._decode_beton
+    monkeypatch.setattr(data_mod, "_decode_beton", lambda reader, *a: decoded.append(reader.file_name)
+                        or real(reader, *a))
+    folder, images, labels = data
+    raw = folder / "cifar10_train_raw.beton"
+    jpg = small_dataset / "cifar10_test_jpg.beton"
+    for path in (raw, small_dataset / "cifar10_test_raw.beton", jpg):
+        got = data_mod._read_beton(path, None)
+        want = loader_read(path)
+        assert got[0].dtype == np.uint8 and got[1].dtype == np.int64
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert decoded == [str(jpg)]  # the raw files never reached the Loader
+    np.testing.assert_array_equal(data_mod._read_beton(raw, None)[0], images)
+    # An image whose metadata points past its allocation is refused, not read from its neighbour's bytes.
+    bad = tmp_path / "bad.beton"
+    bad.write_bytes(raw.read_bytes())
+    reader = data_mod._open_beton(bad)
+    meta = reader.metadata.copy()
+    meta["f0"]["data_ptr"][3] += 1
+    monkeypatch.setattr(data_mod, "_open_beton", lambda path: setattr(reader, "metadata", meta) or reader)
+    with pytest.raises(ValueError, match="an image's bytes are not where its metadata says"):
+        data_mod._read_beton(bad, None)
 
 
 def test_read_beton_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
