@@ -51,10 +51,11 @@ TOL = 2e-2  # max |cuDNN - fp32 torch| / max |fp32 torch|: bf16 inputs and outpu
 
 def preload_nvrtc_builtins() -> str | None:
     """cuDNN's runtime-fusion engines compile their kernels with NVRTC, which dlopens libnvrtc-builtins by its bare
-    name from the caller's search path: cuDNN's RUNPATH (nvidia/cudnn/lib), where pip's CUDA wheels do not put it.
-    Every such plan then fails with COMPILATION_FAILED (an H200 at 650afdd: every prologue graph). Loading the
-    builtins first, globally, from the wheel that ships NVRTC (or CUDA_HOME) lets the engines build. Returns the
-    path loaded, or None where none was found (the engines may still find one on LD_LIBRARY_PATH)."""
+    name from the caller's search path: cuDNN's RUNPATH (nvidia/cudnn/lib), where pip's CUDA wheels do not put it, a
+    known cause of COMPILATION_FAILED. Loading the builtins first, globally, from the wheel that ships NVRTC (or
+    CUDA_HOME) rules that cause out. It was not the cause on the H200 image of results/h200/cudnn-fusion-75836a2:
+    every prologue graph still failed to compile, preloaded or on LD_LIBRARY_PATH. Returns the path loaded (the
+    report names it), or None where none was found."""
     import ctypes
     import glob
     import os
