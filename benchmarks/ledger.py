@@ -295,6 +295,43 @@ def conv_autotune(path: Path, d: dict) -> str:
             f"Inductor's templates {_ms(inductor)}; compile {compile_s:,.0f} s")
 
 
+def conv_tma(path: Path, d: dict) -> str:
+    """benchmarks.speed.conv_tma: TMA-fed 3x3 convolutions (plain Triton, Gluon) against cuDNN over the step's sites;
+    the Gluon kernel's epilogue and prologue, their time a step against the passes they remove."""
+    parts = []
+    for kind in d.get("kinds", ["box"]):  # before 9ca0b99 one kernel, its best row a site
+        best = [(s, s.get("best", {}).get(kind) if "kinds" in d else s.get("best")) for s in d["sites"]]
+        best = [(s, b) for s, b in best if b]
+        if best:
+            cudnn, ours = (sum(s["count"] * x for s, x in pairs) for pairs in
+                           ([(s, s["cudnn_ms"]) for s, _ in best], [(s, b["ms"]) for s, b in best]))
+            parts.append(f"{kind} {cudnn / ours:.2f}x cuDNN's rate at {len(best)} sites")
+    for key, what in (("epilogue", "its epilogue"), ("fused", "prologue + epilogue")):
+        rows = [(s, s[key]) for s in d["sites"] if "extra_ms" in s.get(key, {})]
+        if rows:
+            extra, passes = (sum(s["count"] * r[k] for s, r in rows) for k in ("extra_ms", "passes_ms"))
+            parts.append(f"{what} {extra:+.2f} ms a step for {passes:.2f} ms of passes")
+    return f"batch {d['batch']}: " + "; ".join(parts)
+
+
+def cudnn_fusion(path: Path, d: dict) -> str:
+    """benchmarks.speed.cudnn_fusion: which of cuDNN's graphs run around each 3x3 site, and what they cost a step
+    over the plain convolution against the passes they remove."""
+    parts = []
+    for graph in d["graphs"]:
+        rows = [(s, r) for s in d["sites"] for r in s["graphs"] if r["graph"] == graph]
+        ran = [(s, r) for s, r in rows if "ms" in r and r["rel_err"] <= 2e-2]  # cudnn_fusion.TOL
+        wrong = sum("ms" in r for _, r in rows) - len(ran)
+        text = f"{graph} {len(ran)}/{len(rows)}" + (f" ({wrong} wrong)" if wrong else "")
+        if ran and graph != "conv":
+            extra, passes = (sum(s["count"] * x for s, x in pairs) for pairs in
+                             ([(s, r["ms"] - r["base_ms"]) for s, r in ran], [(s, r["passes_ms"]) for s, r in ran]))
+            text += f" ({extra:+.1f} ms for {passes:.1f})"
+        parts.append(text)
+    return (f"{d.get('dtype', 'bf16')}, intermediates {d.get('intermediate', 'float')}, batch {d['batch']}, graphs "
+            "run / sites: " + ", ".join(parts))
+
+
 def levers(path: Path, d: dict) -> str:
     """benchmarks.speed.levers: row 24 and each variant in one process; per setting the median of its rounds' median
     steps, against the defaults'."""
@@ -348,6 +385,8 @@ READERS = (
     Reader("levers in the step", lambda p, d: {"row", "batch_size", "rows"} <= d.keys() and "table" not in d, levers),
     Reader("conv autotune", lambda p, d: d.get("benchmark") == "conv_autotune", conv_autotune),
     Reader("conv + GroupNorm forward", lambda p, d: {"sites_total", "rows", "configs"} <= d.keys(), conv_gn),
+    Reader("TMA convolutions", lambda p, d: {"triton", "sites", "batch"} <= d.keys(), conv_tma),
+    Reader("cuDNN fusions", lambda p, d: "cudnn_frontend" in d and "sites" in d, cudnn_fusion),
 )
 
 

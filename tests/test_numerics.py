@@ -225,10 +225,11 @@ def test_gpus_and_time_limit_need_parallel(tmp_path, capsys):
 def test_time_limit_stops_the_legs_and_compares_the_intervals_all_logged(small_dataset, tmp_path, capsys):
     """Legs that could not finish: stopped (SIGTERM, each trainer checkpoints and exits 0), compared on the full
     intervals every leg logged, and the report says so; each leg's timing comes from its own stats lines."""
-    # Intervals of 3 steps, so that a leg stopped mid-interval logs a partial one (left out of the comparison). Eager
+    # Intervals of 2 steps, so that a leg stopped mid-interval logs a partial one (left out of the comparison). Eager
     # legs: compiled, they spent most of 40 s compiling on a GPU machine's busy cores and logged fewer than 6 steps
-    # (8793aab); eager, each logs its first line after 1-2 s and 23 steps in 15 s on this 2-core machine.
-    limit, every = 20, 3
+    # (8793aab); eager, each logs its first line after 1-2 s and 23 steps in 15 s on this 2-core machine, but beside
+    # the DDP benchmark tests' trainers fewer than 6 (a reordered suite, 39945b7): two intervals need 4 steps.
+    limit, every = 20, 2
     args = ["--data", str(small_dataset), *TINY, "train.compile=False", "--log-every", str(every), "--steps", "1000000",
             "--out", str(tmp_path),
             "--parallel", "--time-limit", str(limit), "--control", "model.norm_impl=torch", "--tol", "0.5"]
