@@ -132,6 +132,7 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
         hh = h0 + (a_rows % (BH * W)) // W
         ww = a_rows % W
         a_n = gl.expand_dims(n0 + a_rows // (BH * W), 1)
+        a_real = a_n < x_desc.shape[0]  # a last program of whole samples may run past the batch: TMA gives zeros
         H = x_desc.shape[1]
     for i in range(STEPS):
         slot = i % STAGES
@@ -147,14 +148,15 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
                 sc = gl.load(scale_ptr + n0 * C + ch)
                 sh = gl.load(shift_ptr + n0 * C + ch)
             else:
-                sc = gl.load(scale_ptr + a_n * C + ch)
-                sh = gl.load(shift_ptr + a_n * C + ch)
+                sc = gl.load(scale_ptr + a_n * C + ch, mask=a_real, other=0.0)
+                sh = gl.load(shift_ptr + a_n * C + ch, mask=a_real, other=0.0)
             v = a_view.load(a_layout).to(gl.float32) * sc + sh
             v = v / (1.0 + gl.exp2(v * -1.4426950408889634))
             dr = tap // 3 - 1
             dc = tap % 3 - 1
             inside = gl.expand_dims((hh + dr >= 0) & (hh + dr < H) & (ww + dc >= 0) & (ww + dc < W), 1)
             if DROP:  # dropout's keep bits of the tap's pixel (conv_gn.keep_bits' words); 1 / (1 - p) on acc
+                inside = inside & a_real
                 pix = gl.expand_dims(((n0 + a_rows // (BH * W)) * H + hh + dr) * W + ww + dc, 1)
                 word = gl.load(bits_ptr + pix * ((C + 31) // 32) + ch // 32, mask=inside, other=0)
                 inside = inside & (((word >> (ch % 32)) & 1) != 0)
