@@ -277,7 +277,8 @@ def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None,
 
 def reference(x: Tensor, w: Tensor, rows: int, bias: Tensor | None = None, res: Tensor | None = None,
               prologue: tuple[Tensor, Tensor] | None = None, dropout: tuple[Tensor, float] | None = None):
-    """conv3x3's (out, part) in torch, fp32 arithmetic, the activation and out rounded to bf16 as the kernel has them."""
+    """conv3x3's (out, part) in torch: fp32 arithmetic, the activation and out rounded to bf16 as the kernel has
+    them."""
     a = x.float()
     if prologue is not None:
         scale, shift = prologue

@@ -9,7 +9,7 @@ itself runs at 57% of cuDNN's rate, and loses. cuDNN's graph API fuses pointwise
 into its own convolution kernels; it was built for BatchNorm (per-channel scale-bias-ReLU before the convolution,
 per-channel sums after it), and GroupNorm needs them per (sample, channel). Whether cuDNN builds those graphs, and
 at what cost over its plain convolution, decides whether a convolution of cuDNN's own can own its GroupNorm. Per
-distinct 3x3 site of the model (conv_gn_bench.record_sites), at the step's batch, bf16, channels_last:
+distinct 3x3 site of the model (conv_gn_bench.record_sites), at the step's batch, bf16 (--dtype), channels_last:
 
     graph                 what it would replace
     conv                  nothing: the graph API's convolution against F.conv2d (its plan choice)
@@ -234,7 +234,8 @@ def render(result: dict) -> str:
              f"`{result['command']}`", "",
              f"commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}, cuDNN "
              f"{result.get('cudnn_backend')}, cudnn-frontend {result.get('cudnn_frontend')}; batch {result['batch']}, "
-             f"{result.get('dtype', 'bf16')} (intermediates {result.get('intermediate', 'float')}), channels_last; ms per call, CUDA-graph replays (median; events where one could not be captured); "
+             f"{result.get('dtype', 'bf16')} (intermediates {result.get('intermediate', 'float')}), channels_last; ms "
+             "per call, CUDA-graph replays (median; events where one could not be captured); "
              f"copy rate {result.get('copy_gbs', 0):.0f} GB/s (a bf16 clone of 128 MB); NVRTC's builtins preloaded "
              f"from {result.get('nvrtc_builtins')}.", "",
              "extra = the graph's ms - torch's same arithmetic (F.conv2d or its gradient) in the same process; "
