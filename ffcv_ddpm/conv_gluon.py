@@ -87,6 +87,19 @@ def _issue(x_desc, w_desc, a_smem, b_smem, bars, j, n0, h0, co, C: gl.constexpr,
 
 
 @gluon.jit
+def _out_buffer(o_desc, r_desc, row0, co, RES: gl.constexpr):
+    """The output tile's shared buffer; with RES the residual tile starts landing in it (wait on the barrier
+    returned, else an unused one)."""
+    c_smem = gl.allocate_shared_memory(o_desc.dtype, o_desc.block_type.shape, o_desc.layout)
+    r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    if RES:
+        mbarrier.init(r_bar, count=1)
+        mbarrier.expect(r_bar, r_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
+    return c_smem, r_bar
+
+
+@gluon.jit
 def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_ptr, shift_ptr, bits_ptr, inv_keep,
                     TILES, N_BLOCKS, C: gl.constexpr, STAGES: gl.constexpr, PRO: gl.constexpr, DROP: gl.constexpr,
                     BIAS: gl.constexpr, RES: gl.constexpr, STATS: gl.constexpr, LATE: gl.constexpr,
@@ -114,12 +127,7 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     if not LATE:  # the output's buffer now, and the residual landing in it while the main loop runs
-        c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
-        if RES:
-            r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(r_bar, count=1)
-            mbarrier.expect(r_bar, r_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
+        c_smem, r_bar = _out_buffer(o_desc, r_desc, row0, co, RES)
     for s in gl.static_range(STAGES - 1):
         _issue(x_desc, w_desc, a_smem, b_smem, bars, s, n0, h0, co, C, KC, STAGES)
 
@@ -173,12 +181,7 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
         mbarrier.invalidate(bars.index(s))
     if LATE:  # allocated after the ring's last use, the output's buffer takes the ring's memory: less shared memory
         # a program, two programs an SM, one's epilogue beside the other's main loop; the residual is read now
-        c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
-        if RES:
-            r_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(r_bar, count=1)
-            mbarrier.expect(r_bar, r_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(r_desc, [row0, co], r_bar, c_smem)
+        c_smem, r_bar = _out_buffer(o_desc, r_desc, row0, co, RES)
 
     HW: gl.constexpr = BH * W  # a sample's pixels in this tile (BH = H where a program holds whole samples)
     if DROP:  # the kept activations' 1 / (1 - p), once on the sum (the convolution is linear)
@@ -235,6 +238,23 @@ def _desc(t: Tensor, block: list[int]):
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
 
 
+def nhwc_operands(who: str, x: Tensor, w: Tensor, tiles, res: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(x as NHWC, w as (Cout, 9 * Cin), an empty channels_last output) for a TMA convolution of x (N, C, H, W) by w
+    (Cout, C, 3, 3), stride 1, after `tiles.fits` and the layouts TMA needs (dense views) are checked: one-line
+    errors named by `who`."""
+    n, c, h, wd = x.shape
+    cout = w.shape[0]
+    if not tiles.fits(h, wd, c, cout):
+        raise ValueError(f"{who}: {tiles} does not tile a {h}x{wd} image of {c} -> {cout} channels")
+    xh = x.permute(0, 2, 3, 1)  # the NHWC tensor channels_last memory is (a view: TMA needs it dense)
+    wk = w.permute(0, 2, 3, 1).reshape(cout, 9 * c)  # (Cout, r, s, Cin): a view when w is channels_last
+    if not (xh.is_contiguous() and wk.is_contiguous()) or (res is not None and not res.is_contiguous(
+            memory_format=torch.channels_last)):
+        named = "x, w and res" if res is not None else "x and w"
+        raise ValueError(f"{who}: {named} must be channels_last (t.to(memory_format=torch.channels_last))")
+    return xh, wk, torch.empty((n, cout, h, wd), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+
+
 def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None, res: Tensor | None = None,
             stats: bool = False, prologue: tuple[Tensor, Tensor] | None = None,
             dropout: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor | None]:
@@ -246,16 +266,9 @@ def conv3x3(x: Tensor, w: Tensor, tiles: GluonTiles, bias: Tensor | None = None,
     of out over each tile's pixels, if stats; else None."""
     n, c, h, wd = x.shape
     cout = w.shape[0]
-    if not tiles.fits(h, wd, c, cout):
-        raise ValueError(f"conv_gluon: {tiles} does not tile a {h}x{wd} image of {c} -> {cout} channels")
-    xh = x.permute(0, 2, 3, 1)  # the NHWC tensor channels_last memory is (a view: TMA needs it dense)
-    wk = w.permute(0, 2, 3, 1).reshape(cout, 9 * c)  # (Cout, r, s, Cin): a view when w is channels_last
-    if not (xh.is_contiguous() and wk.is_contiguous()) or (res is not None and not res.is_contiguous(
-            memory_format=torch.channels_last)):
-        raise ValueError("conv_gluon: x, w and res must be channels_last (t.to(memory_format=torch.channels_last))")
+    xh, wk, out = nhwc_operands("conv_gluon", x, w, tiles, res)
     nb, bh = tiles.box(h)
     bm = nb * bh * wd
-    out = torch.empty((n, cout, h, wd), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
     flat = out.permute(0, 2, 3, 1).reshape(n * h * wd, cout)
     o_desc = _desc(flat, [bm, tiles.bn])
     r_desc = _desc(res.permute(0, 2, 3, 1).reshape(n * h * wd, cout), [bm, tiles.bn]) if res is not None else o_desc

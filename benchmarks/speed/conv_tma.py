@@ -120,15 +120,8 @@ def conv3x3(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
     """F.conv2d(x, w, padding=1) for channels_last x (N, C, H, W) and w (Cout, C, 3, 3), stride 1, no bias."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    n, c, h, wd = x.shape
-    cout = w.shape[0]
-    if not tiles.fits(h, wd, c, cout):
-        raise ValueError(f"conv_tma: {tiles} does not tile a {h}x{wd} image of {c} -> {cout} channels")
-    xh = x.permute(0, 2, 3, 1)  # the NHWC tensor channels_last memory is (a view: TMA needs it dense)
-    wk = w.permute(0, 2, 3, 1).reshape(cout, 9 * c)  # (Cout, r, s, Cin): a view when w is channels_last
-    if not (xh.is_contiguous() and wk.is_contiguous()):
-        raise ValueError("conv_tma: x and w must be channels_last (x.to(memory_format=torch.channels_last))")
-    out = torch.empty((n, cout, h, wd), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    (n, c, h, wd), cout = x.shape, w.shape[0]
+    xh, wk, out = CG.nhwc_operands("conv_tma", x, w, tiles)
     x_desc = TensorDescriptor.from_tensor(xh, [1, tiles.bh, tiles.bw, tiles.bk])
     w_desc = TensorDescriptor.from_tensor(wk, [tiles.bn, tiles.bk])
     o_desc = TensorDescriptor.from_tensor(out.permute(0, 2, 3, 1), [1, tiles.bh, tiles.bw, tiles.bn])
