@@ -160,6 +160,29 @@ def sites_by_cost(model_cfg, batch: int) -> list[tuple[Site, int]]:
     return sorted(record_sites(model_cfg), key=lambda sc: -sc[0].flops(batch) * sc[1])
 
 
+def site_parser(name: str, doc: str) -> Parser:
+    """The options the per-site convolution benchmarks share (this one, cudnn_fusion, conv_tma): where to write,
+    which network, how many of its sites, calls a captured graph; each adds its own."""
+    p = Parser(prog=f"python -m benchmarks.speed.{name}", doc=doc, overrides=True,
+               epilog="Overrides: data.batch_size (default 1024) and model.* configure the network the sites are "
+                      "recorded from.")
+    p.add_argument("--out", type=Path, required=True, help=f"folder for {name}.json and .md")
+    p.add_argument("--preset", default="ddpm-cifar10")
+    p.add_argument("--sites", type=option(int, at_least(1)), help="only the first N sites (by FLOPs a step)")
+    p.add_argument("--iters", type=option(int, at_least(1)), default=10, help="calls per captured graph")
+    return p
+
+
+def copy_gb_per_s(iters: int) -> float:
+    """The rate a bf16 pass streams at, against which the site benchmarks price the passes a fusion removes: a clone
+    of 128 MB (past the L2) as a CUDA graph, bytes read + written, GB/s. (floors.copy_gb_per_s, an fp32 copy_ of
+    1 GiB, read 2.71 TB/s on an H200 where this reads 4.17: NOTES 35.)"""
+    from benchmarks.speed.norm_bench import graph_ms
+
+    src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()
+    return 2 * src.numel() * 2 / graph_ms(lambda: src.clone(), iters, warmup=2) / 1e6
+
+
 # ---------------------------------------------------------------------------------------------------- one site
 
 
@@ -499,13 +522,7 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.speed.conv_gn_bench", doc=__doc__, overrides=True,
-               epilog="Overrides: data.batch_size (default 1024) and model.* configure the network the sites are "
-                      "recorded from.")
-    p.add_argument("--out", type=Path, required=True, help="folder for conv_gn_bench.json and .md")
-    p.add_argument("--preset", default="ddpm-cifar10")
-    p.add_argument("--sites", type=option(int, at_least(1)), help="only the first N sites (by FLOPs a step)")
-    p.add_argument("--iters", type=option(int, at_least(1)), default=10, help="calls per captured graph")
+    p = site_parser("conv_gn_bench", __doc__)
     p.add_argument("--rounds", type=option(int, at_least(1)), default=3,
                    help="each chain timed this many times, interleaved; a row is the median")
     p.add_argument("--configs", type=option(int, at_least(1)),

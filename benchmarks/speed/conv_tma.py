@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -38,7 +37,7 @@ from torch import Tensor
 
 from benchmarks.common import commit_text, md_table, write_json, write_text
 from ffcv_ddpm import conv_gluon as CG
-from ffcv_ddpm.checks import Parser, at_least, fail, option
+from ffcv_ddpm.checks import fail
 
 
 class Tiles(NamedTuple):
@@ -233,13 +232,9 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.speed.conv_tma", doc=__doc__, overrides=True,
-               epilog="Overrides: data.batch_size (default 1024) and model.* configure the network the sites are "
-                      "recorded from.")
-    p.add_argument("--out", type=Path, required=True, help="folder for conv_tma.json and .md")
-    p.add_argument("--preset", default="ddpm-cifar10")
-    p.add_argument("--sites", type=option(int, at_least(1)), help="only the first N sites (by FLOPs a step)")
-    p.add_argument("--iters", type=option(int, at_least(1)), default=10, help="calls per captured graph")
+    from benchmarks.speed.conv_gn_bench import site_parser
+
+    p = site_parser("conv_tma", __doc__)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     args, overrides = p.parse_with_overrides(argv)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -253,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("conv_tma", str(e))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return fail("conv_tma", "needs a CUDA GPU with TMA (sm_90 or newer: H100, H200)")
-    from benchmarks.speed.conv_gn_bench import sites_by_cost
+    from benchmarks.speed.conv_gn_bench import copy_gb_per_s, sites_by_cost
     from benchmarks.speed.norm_bench import graph_ms
     from ffcv_ddpm.env import environment
 
@@ -265,9 +260,7 @@ def main(argv: list[str] | None = None) -> int:
               "triton": triton.__version__, "kinds": kinds, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()  # 128 MB: past the L2
-    result["copy_gbs"] = 2 * src.numel() * 2 / graph_ms(lambda: src.clone(), args.iters, warmup=2) / 1e6
-    del src
+    result["copy_gbs"] = copy_gb_per_s(args.iters)
     t0 = time.time()
     for spec, count in sites:
         cl = torch.channels_last

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import commit_text, md_table, write_json, write_text
-from ffcv_ddpm.checks import Parser, at_least, fail, option
+from ffcv_ddpm.checks import fail
 
 GRAPHS = ("conv", "conv+genstats", "conv+stats_nc", "sbr+conv", "gn_silu+conv", "gn_silu+conv+stats_nc",
           "gn_silu+wgrad", "dgrad+dsilu")
@@ -257,14 +256,10 @@ def render(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m benchmarks.speed.cudnn_fusion", doc=__doc__, overrides=True,
-               epilog="Overrides: data.batch_size (default 1024) and model.* configure the network the sites are "
-                      "recorded from.")
-    p.add_argument("--out", type=Path, required=True, help="folder for cudnn_fusion.json and .md")
-    p.add_argument("--preset", default="ddpm-cifar10")
-    p.add_argument("--sites", type=option(int, at_least(1)), help="only the first N sites (by FLOPs a step)")
+    from benchmarks.speed.conv_gn_bench import site_parser
+
+    p = site_parser("cudnn_fusion", __doc__)
     p.add_argument("--graphs", default=",".join(GRAPHS), help=f"comma-separated, of {', '.join(GRAPHS)}")
-    p.add_argument("--iters", type=option(int, at_least(1)), default=10, help="calls per captured graph")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the inputs' and outputs' type")
     p.add_argument("--intermediate", choices=("io", "float"), default="io",
                    help="the type of the graph's virtual tensors (the prologue's and the statistics' operands)")
@@ -285,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         return fail("cudnn_fusion", f"cannot import cudnn ({e}): pip install --no-deps nvidia-cudnn-frontend (a "
                                     "wheel downloaded elsewhere, on a machine without network)")
-    from benchmarks.speed.conv_gn_bench import sites_by_cost
+    from benchmarks.speed.conv_gn_bench import copy_gb_per_s, sites_by_cost
     from ffcv_ddpm.env import environment
 
     nvrtc_builtins = preload_nvrtc_builtins()
@@ -300,9 +295,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch_cudnn": torch.backends.cudnn.version(), "graphs": graphs, "dtype": args.dtype,
               "intermediate": args.intermediate, "nvrtc_builtins": nvrtc_builtins, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    src = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()  # 128 MB: past the L2
-    result["copy_gbs"] = 2 * src.numel() * 2 / timed(lambda: src.clone(), args.iters)[0] / 1e6  # read + write
-    del src
+    result["copy_gbs"] = copy_gb_per_s(args.iters)
     t0 = time.time()
     for spec, count in sites:
         site = Site(cudnn, handle, spec.cin, spec.cout, spec.h, spec.stride, batch, dtype=args.dtype,
