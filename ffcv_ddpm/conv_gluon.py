@@ -204,9 +204,8 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
         mbarrier.invalidate(r_bar)
         gl.thread_barrier()  # every thread has read the residual before the output overwrites it
     y = acc.to(dtype)
-    c_smem.store(y)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0, co], c_smem)
+    # the statistics before the output's store: their reductions' scratch may lie in the ring's memory, where a late
+    # output buffer lies too, and the TMA store reads that buffer after the store op (eee22f5: NaN outputs)
     if STATS and NB == 1:
         # the tile's column sums and sums of squares of the values written, in one pass (fp32 over <= 256 pixels:
         # M2 = sum y^2 - sum y * mean keeps ~1e-4 of the variance unless |mean| > ~30 std)
@@ -229,6 +228,9 @@ def _conv3x3_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, part_ptr, scale_pt
         ok = (samples < x_desc.shape[0]) & (chans < cout)
         gl.store(at, mean, mask=ok)
         gl.store(at + cout, s2 - s1 * mean, mask=ok)
+    c_smem.store(y)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0, co], c_smem)
     tma.store_wait(pendings=0)
 
 

@@ -25,6 +25,7 @@ conv_tma.json and .md are rewritten after every site. On CPU tensors the box ker
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from typing import NamedTuple
@@ -224,10 +225,13 @@ def render(result: dict) -> str:
     what = {"epilogue": "the epilogue (bias, residual, statistics) in the Gluon kernel, every site with one",
             "fused": "the prologue (the input's GroupNorm apply + SiLU, dropout from bits) and the epilogue, every "
                      "site with one input"}
+    site_rates = [s["copy_gbs"] for s in result["sites"] if "copy_gbs" in s]  # older files: one rate
+    rates = (f"the copy rate of each site's output size ({min(site_rates):.0f}-{max(site_rates):.0f} GB/s)"
+             if site_rates else f"the copy rate ({result.get('copy_gbs', 0):.0f} GB/s)")
     for key, (extra, passes) in sums.items():
         if passes:
             lines.append(f"- {what[key]}: {extra:+.2f} ms a step over the plain kernel, for {passes:.2f} ms of "
-                         f"passes removed at the copy rate ({result.get('copy_gbs', 0):.0f} GB/s).")
+                         f"passes removed at {rates}.")
     return "\n".join(lines) + "\n"
 
 
@@ -236,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = site_parser("conv_tma", __doc__)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--prologue", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the prologue rows too (default); --no-prologue: the epilogue's only")
     args, overrides = p.parse_with_overrides(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
@@ -293,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
                 entry["best"][k] = min(good, key=lambda r: r["ms"])
         if (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
             fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
-            entry["epilogue"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
+            # the passes priced at the rate a copy of the site's output streams (the rate depends on the size)
+            entry["copy_gbs"] = copy_gb_per_s(args.iters, 2 * batch * spec.out_h ** 2 * spec.cout)
+            entry["epilogue"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, entry["copy_gbs"],
                                           best["ms"])
-            if spec.norm and spec.silu and spec.c1 == spec.cin:  # one input (two-part inputs: not yet)
-                entry["fused"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, result["copy_gbs"],
+            if args.prologue and spec.norm and spec.silu and spec.c1 == spec.cin:  # one input (two-part: not yet)
+                entry["fused"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, entry["copy_gbs"],
                                            best["ms"], prologue=True)
         write_json(args.out / "conv_tma.json", result)
         write_text(args.out / "conv_tma.md", render(result))
