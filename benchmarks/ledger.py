@@ -273,6 +273,15 @@ def floors(path: Path, d: dict) -> str:
             f"(5 passes at {m['copy_gb_per_s']:,.0f} GB/s)")
 
 
+def copy_rate(path: Path, d: dict) -> str:
+    """benchmarks.speed.copy_rate: a copy's streaming rate by size."""
+    rows = d["rows"]
+    lo, hi = min(rows, key=lambda r: r["gb_per_s"]), max(rows, key=lambda r: r["gb_per_s"])
+    return (f"copy rate {lo['gb_per_s']:,.0f}-{hi['gb_per_s']:,.0f} GB/s over {rows[0]['mib']:,}-{rows[-1]['mib']:,} "
+            f"MiB (slowest at {lo['mib']:,}, fastest at {hi['mib']:,})"
+            + (f", {d['footprint_gib']:g} GiB held" if d["footprint_gib"] else ""))
+
+
 def conv_gn(path: Path, d: dict) -> str:
     """benchmarks.speed.conv_gn_bench: today's chains (cuDNN + the fused GroupNorm) against the fused convolution's,
     per step over the sites measured, and the convolution's rate alone in each."""
@@ -386,6 +395,7 @@ READERS = (
     Reader("conv autotune", lambda p, d: d.get("benchmark") == "conv_autotune", conv_autotune),
     Reader("conv + GroupNorm forward", lambda p, d: {"sites_total", "rows", "configs"} <= d.keys(), conv_gn),
     Reader("TMA convolutions", lambda p, d: {"triton", "sites", "batch"} <= d.keys(), conv_tma),
+    Reader("copy rate by size", lambda p, d: {"rows", "iters", "footprint_gib"} <= d.keys(), copy_rate),
     Reader("cuDNN fusions", lambda p, d: "cudnn_frontend" in d and "sites" in d, cudnn_fusion),
 )
 

@@ -219,7 +219,7 @@ def test_the_quick_start_folder_alone_is_made_for_a_synthetic_dataset(tmp_path, 
 
 @pytest.mark.parametrize("argv,words", [
     (["--iters", "0"], "--iters: invalid value '0': expected an integer >= 1"),
-    (["--copy-mib", "-1"], "--copy-mib: invalid value '-1': expected an integer >= 1"),
+    (["--copy-mib", "-1"], "--copy-mib: invalid value '-1': expected an integer >= 0"),
 ])
 def test_floors_options_are_checked(argv, words, base):
     rc, err = call("benchmarks.speed.floors", ["--preset", "tiny", "--out", str(base / "free" / "o"), *argv])

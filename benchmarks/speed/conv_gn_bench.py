@@ -173,17 +173,6 @@ def site_parser(name: str, doc: str) -> Parser:
     return p
 
 
-def copy_gb_per_s(iters: int, nbytes: int = 128 << 20) -> float:
-    """The rate a bf16 pass of `nbytes` streams at, against which the site benchmarks price the passes a fusion
-    removes: a clone as a CUDA graph, bytes read + written, GB/s. The rate depends on the size (one H200, one process,
-    eee22f5: 4.12-4.17 TB/s at 128 MB, 2.77 at 1 GiB, bf16 or fp32, clone or copy_: NOTES 35), so conv_tma prices
-    each site at its output's size."""
-    from benchmarks.speed.norm_bench import graph_ms
-
-    src = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16).normal_()
-    return 2 * src.numel() * 2 / graph_ms(lambda: src.clone(), iters, warmup=2) / 1e6
-
-
 # ---------------------------------------------------------------------------------------------------- one site
 
 

@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("conv_tma", str(e))
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return fail("conv_tma", "needs a CUDA GPU with TMA (sm_90 or newer: H100, H200)")
-    from benchmarks.speed.conv_gn_bench import copy_gb_per_s, sites_by_cost
+    from benchmarks.speed.conv_gn_bench import sites_by_cost
+    from benchmarks.speed.copy_rate import copy_gb_per_s
     from benchmarks.speed.norm_bench import graph_ms
     from ffcv_ddpm.env import environment
 
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
               "triton": triton.__version__, "kinds": kinds, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    result["copy_gbs"] = copy_gb_per_s(args.iters)
+    result["copy_gbs"] = copy_gb_per_s(128 << 20, iters=args.iters)
     t0 = time.time()
     for spec, count in sites:
         cl = torch.channels_last
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
             fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
             # the passes priced at the rate a copy of the site's output streams (the rate depends on the size)
-            entry["copy_gbs"] = copy_gb_per_s(args.iters, 2 * batch * spec.out_h ** 2 * spec.cout)
+            entry["copy_gbs"] = copy_gb_per_s(2 * batch * spec.out_h ** 2 * spec.cout, iters=args.iters)
             entry["epilogue"] = fused_row(spec, batch, x, w, fitting, randn, args.iters, entry["copy_gbs"],
                                           best["ms"])
             if args.prologue and spec.norm and spec.silu and spec.c1 == spec.cin:  # one input (two-part: not yet)

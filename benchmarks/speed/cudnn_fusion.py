@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         return fail("cudnn_fusion", f"cannot import cudnn ({e}): pip install --no-deps nvidia-cudnn-frontend (a "
                                     "wheel downloaded elsewhere, on a machine without network)")
-    from benchmarks.speed.conv_gn_bench import copy_gb_per_s, sites_by_cost
+    from benchmarks.speed.conv_gn_bench import sites_by_cost
+    from benchmarks.speed.copy_rate import copy_gb_per_s
     from ffcv_ddpm.env import environment
 
     nvrtc_builtins = preload_nvrtc_builtins()
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch_cudnn": torch.backends.cudnn.version(), "graphs": graphs, "dtype": args.dtype,
               "intermediate": args.intermediate, "nvrtc_builtins": nvrtc_builtins, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    result["copy_gbs"] = copy_gb_per_s(args.iters)
+    result["copy_gbs"] = copy_gb_per_s(128 << 20, iters=args.iters)
     t0 = time.time()
     for spec, count in sites:
         site = Site(cudnn, handle, spec.cin, spec.cout, spec.h, spec.stride, batch, dtype=args.dtype,

@@ -14,9 +14,9 @@ every tensor in the memory layout the call saw (channels_last as the step has it
 one CUDA graph and replayed (norm_bench's timing: no host launches, clocks settled). That is the class's measured
 floor: the same library kernels with nothing between them. The memory-bound classes have a floor in bytes: the
 GroupNorm sites' activations moved 5 times a step (forward read + write, backward read x, read dy, write dx: the
-least any kernel can do) and 8 times (the statistics in separate reads, what the kernels do today), at the
-device-to-device copy rate measured here; the optimizer (fused AdamW: read p, g, m, v, write p, m, v in fp32) and
-the EMA (read p and ema, write ema) likewise.
+least any kernel can do) and 8 times (the statistics in separate reads, what the kernels do today), each site's
+passes at the copy rate of its own size measured here (benchmarks.speed.copy_rate: the rate depends on the size);
+the optimizer (fused AdamW: read p, g, m, v, write p, m, v in fp32) and the EMA (read p and ema, write ema) likewise.
 With --profile (a benchmarks.speed.profile folder at the same batch), each class's time in the step stands beside
 its floor. The residual adds, casts and other pointwise work (profile class elementwise/activation) have no floor
 here: what they move depends on what is fused with what (benchmarks/NOTES.md item 13).
@@ -162,16 +162,6 @@ def clock_ms(fn, cuda: bool, iters: int) -> float:
     return graph_ms(fn, iters, warmup=2) if cuda else time_ms(fn, iters, warmup=1, device="cpu")
 
 
-def copy_gb_per_s(device, cuda: bool, mib: int) -> float:
-    """Device-to-device copy rate, bytes read + written per second (a copy kernel's streaming rate)."""
-    import torch
-
-    n = mib * 2**20 // 4
-    src, dst = torch.rand(n, device=device), torch.empty(n, device=device)
-    ms = clock_ms(lambda: dst.copy_(src), cuda, iters=20)
-    return 2 * n * 4 / (ms / 1e3) / 1e9
-
-
 def model_differences(profiled: dict, model) -> list[str]:
     """The overrides that make `model` the profiled one, as key=value (norm_impl and norm_plan aside: they change no
     compute call and the normalization's floor is counted from the sites' shapes)."""
@@ -195,6 +185,7 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from benchmarks.speed.copy_rate import copy_gb_per_s
     from benchmarks.speed.flops import _inputs
     from ffcv_ddpm.unet import build_model
 
@@ -233,14 +224,23 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
         del replay
         if cuda:
             torch.cuda.empty_cache()
-    rate = copy_gb_per_s(device, cuda, copy_mib)
+    # Each pass priced at the copy rate of its own size (one H200: 4.2 TB/s at 128-268 MB, 2.77 at 1 GiB; NOTES 36),
+    # or with --copy-mib at that one size's rate (how floors priced them before 2026-11-28: 1 GiB)
     elem = torch.finfo(dtype).bits // 8
-    norm_bytes = sum(scaled(s, batch)[0] * int(torch.Size(s[1:]).numel()) for s in norms) * elem  # one pass
-    ms = lambda nbytes: nbytes / (rate * 1e9) * 1e3  # noqa: E731
+    site_bytes = [scaled(s, batch)[0] * int(torch.Size(s[1:]).numel()) * elem for s in norms]  # one pass a site
+    opt_bytes = 4 * n_params  # one fp32 tensor of the parameters' size
+    sizes = sorted(set(site_bytes) | {opt_bytes})
+    fixed = copy_gb_per_s(copy_mib << 20, device.type) if copy_mib else None
+    rates = {b: fixed or copy_gb_per_s(b, device.type) for b in sizes}
+    ms = lambda nbytes, size: nbytes / (rates[size] * 1e9) * 1e3  # noqa: E731
+    norm_pass_ms = sum(ms(b, b) for b in site_bytes)
+    norm_bytes = sum(site_bytes)
     memory = {"normalization": {"sites": len(norms), "bytes_per_pass": norm_bytes,
-                                "floor_ms_5_passes": ms(5 * norm_bytes), "floor_ms_8_passes": ms(8 * norm_bytes)},
-              "optimizer": {"params": n_params, "floor_ms": ms(7 * 4 * n_params) + ms(3 * 4 * n_params)}}
-    return {"batch": batch, "dtype": str(dtype).removeprefix("torch."), "copy_gb_per_s": rate,
+                                "floor_ms_5_passes": 5 * norm_pass_ms, "floor_ms_8_passes": 8 * norm_pass_ms},
+              "optimizer": {"params": n_params, "floor_ms": ms(10 * opt_bytes, opt_bytes)}}  # 7 AdamW + 3 EMA passes
+    return {"batch": batch, "dtype": str(dtype).removeprefix("torch."),
+            "copy_gb_per_s": norm_bytes / norm_pass_ms / 1e6,  # the normalization's pass, over its sites
+            "copy_mib": copy_mib or None, "copy_rates": {str(b): r for b, r in rates.items()},
             "cudnn_benchmark": cfg.train.cudnn_benchmark, "compute": classes,
             "memory": memory}
 
@@ -291,7 +291,9 @@ def render(result: dict) -> str:
              f"{result['device_name'] or 'CPU'}", "",
              f"- commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}; command: "
              f"`{result['command']}`",
-             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write); "
+             f"- copy rate {m['copy_gb_per_s']:.0f} GB/s (read + write; "
+             + ("each pass at its own size's copy rate, the normalization's averaged); " if "copy_rates" in m
+                and not m.get("copy_mib") else f"measured at {m.get('copy_mib') or 1024} MiB); ")
              + {True: "cuDNN algorithms by timed search (cudnn.benchmark); ",
                 False: "cuDNN algorithms by heuristic; ", None: ""}[m.get("cudnn_benchmark")]  # None: older files
              + (f"step ms from the profile {result['profile']}" if result.get("profile") else "no profile given"), "",
@@ -314,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, help="a benchmarks.speed.profile folder (summary.json) at the same batch")
     p.add_argument("--iters", type=option(int, at_least(1)), default=5,
                    help="calls per timing (CUDA: per graph replay)")
-    p.add_argument("--copy-mib", type=option(int, at_least(1)), default=1024,
-                   help="MiB copied to measure the copy rate")
+    p.add_argument("--copy-mib", type=option(int, at_least(0)), default=0,
+                   help="price every pass at the copy rate of this many MiB (default 0: each at its own size's)")
     args, overrides = p.parse_with_overrides(argv)
     p.check_paths(inputs=[("--profile", args.profile, "folder", "give a benchmarks.speed.profile output folder")],
                   outputs=[("--out", args.out)])
