@@ -53,3 +53,20 @@ def test_floors_price_each_site_at_its_own_sizes_copy_rate(monkeypatch):
     fixed = floors.measure(cfg, 6, False, 1, 8)
     assert asked == [8 << 20] and fixed["copy_mib"] == 8 and fixed["copy_gb_per_s"] == pytest.approx(rate(8 << 20))
     assert fixed["memory"]["normalization"]["bytes_per_pass"] == norm["bytes_per_pass"]
+
+
+def test_norm_bench_rates_each_kernel_against_a_copy_of_one_pass():
+    """norm_bench --kernels: each streaming kernel's bytes (its passes of the site's bf16 tensor) over its time,
+    against a copy's rate at one pass's size; the small finalize kernels and others are not rows; a name Triton
+    suffixed counts as its kernel."""
+    from benchmarks.speed import norm_bench
+
+    shape = (4, 8, 16, 16, 0.1, True, 2)
+    one_pass = 4 * 8 * 16 * 16 * 2
+    times = {"_stats_kernel": 0.002, "_apply_kernel_0d1d": 0.004, "_finalize_kernel": 0.5, "_bwd_dx_kernel": 0.01,
+             "void at::native::elementwise_kernel": 1.0}
+    rows = {r["kernel"]: r for r in norm_bench.kernel_rows(times, shape, copy_gbs=10.0)}
+    assert set(rows) == {"_stats_kernel", "_apply_kernel", "_bwd_dx_kernel"}  # no reduction timed: no row
+    assert rows["_apply_kernel"]["gb_per_s"] == pytest.approx(2 * one_pass / 0.004 / 1e6)
+    assert rows["_bwd_dx_kernel"]["passes"] == 3 and rows["_bwd_dx_kernel"]["of_copy"] == pytest.approx(
+        3 * one_pass / 0.01 / 1e6 / 10.0)

@@ -6,6 +6,7 @@
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans stages # the reductions pipelined
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --plans neighbours  # the default's neighbours
     python -m benchmarks.speed.norm_bench --out /tmp/nb --timing events --rounds 1   # launched from the host instead
+    python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --kernels     # each kernel against a copy
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
 Each implementation of ffcv_ddpm.norm.GroupNormAct (torch, scale-shift, fused) runs under torch.compile and bf16
@@ -118,17 +119,61 @@ class Site:
         # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
         return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
 
-    def measure(self, impl: str, plan: tuple | None, timing: str, iters: int, warmup: int) -> dict:
+    def step(self, impl: str, plan: tuple | None):
+        """(forward, forward + backward) of the implementation at this site, as callables."""
         if (impl, plan) not in self.layers:
             self.layers[(impl, plan)] = self.layer(impl, plan)
         fwd, x, e = self.layers[(impl, plan)], self.x, self.e
 
-        def step():
+        def both():
             x.grad = None  # no gradient accumulation kernel in the timing
             fwd(x, e).backward(self.dout)
 
+        return lambda: fwd(x, e), both
+
+    def measure(self, impl: str, plan: tuple | None, timing: str, iters: int, warmup: int) -> dict:
+        fwd, both = self.step(impl, plan)
         clock = graph_ms if timing == "graph" else time_ms
-        return {"fwd_ms": clock(lambda: fwd(x, e), iters, warmup), "fwd_bwd_ms": clock(step, iters, warmup)}
+        return {"fwd_ms": clock(fwd, iters, warmup), "fwd_bwd_ms": clock(both, iters, warmup)}
+
+
+# The fused op's kernels that stream the activations, and the passes of a site's (N, C, H, W) bf16 tensor each moves
+# at these sites (no residual sum, no mask bits: norm_bench's layers): the statistics read x; the apply reads x and
+# writes the output; the backward reduction reads x and dy; the backward dx reads x and dy and writes dx.
+KERNEL_PASSES = {"_stats_kernel": 1, "_apply_kernel": 2, "_bwd_reduce_kernel": 2, "_bwd_dx_kernel": 3}
+
+
+def kernel_ms(step, iters: int) -> dict[str, float]:
+    """ms a call of each GPU kernel `step` launches, by name, from torch.profiler's device times over `iters` eager
+    calls (launched from the host: a kernel's own time is the same, the gaps between them are not counted)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            total[e.name] = total.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3
+    return {name: ms / iters for name, ms in total.items()}
+
+
+def kernel_rows(times: dict[str, float], shape: tuple, copy_gbs: float) -> list[dict]:
+    """Each streaming kernel's ms a call, the bytes its passes move and its rate against a copy of one pass's size
+    (`copy_gbs`, measured in the same process: copy_rate.copy_gb_per_s)."""
+    n, c, h, w = shape[:4]
+    one_pass = n * c * h * w * 2  # bf16
+    rows = []
+    for name, passes in KERNEL_PASSES.items():
+        ms = sum(t for k, t in times.items() if k == name or k.startswith(name + "_"))  # Triton may suffix names
+        if ms:
+            gbs = passes * one_pass / ms / 1e6
+            rows.append({"kernel": name, "ms": ms, "passes": passes, "gb_per_s": gbs, "of_copy": gbs / copy_gbs})
+    return rows
 
 
 def sweep(measure, runs: list[tuple], rounds: int) -> tuple[dict, dict]:
@@ -178,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=option(int, at_least(1)), default=3,
                    help="each site's implementations and plans measured this many times, interleaved; a row is its "
                         "median round (the spread between rounds is in the JSON)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also each fused kernel's ms a call at the plans' first (torch.profiler) and its rate against "
+                        "a copy of one pass's size measured here (NOTES item 36)")
     args, overrides = p.parse_with_overrides(argv)
     try:
         cfg = load_config("ddpm-cifar10", [*DEFAULTS, *overrides])
@@ -192,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"environment": environment(), "device_name": torch.cuda.get_device_name(), "rows": [],
               "settings": {"timing": args.timing, "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
-                           "plans": args.plans}}
+                           "plans": args.plans, "kernels": args.kernels}}
     for shape in shapes:
         site = Site(shape)
         runs = [(impl, plan) for impl in args.impls.split(",")
@@ -212,6 +260,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"norm_bench: {impl:12s} {str(plan or ''):12s} {str(shape[:6]):32s} fwd {row['fwd_ms']:7.3f} ms  "
                   f"fwd+bwd {row['fwd_bwd_ms']:7.3f} ms (rounds {spread:.2f}x apart)  "
                   f"{row['gb_per_s_at_min_bytes']:6.0f} GB/s at the minimum bytes", flush=True)
+        if args.kernels and "fused" in args.impls.split(","):
+            from benchmarks.speed.copy_rate import copy_gb_per_s
+
+            row = next(r for r in result["rows"] if r["impl"] == "fused" and r["shape"] == list(shape[:6]))
+            if "error" not in row:
+                row["copy_gb_per_s"] = copy_gb_per_s(2 * shape[0] * shape[1] * shape[2] * shape[3])
+                row["kernels"] = kernel_rows(kernel_ms(site.step("fused", row["plan"])[1], args.iters), shape,
+                                             row["copy_gb_per_s"])
+                for k in row["kernels"]:
+                    print(f"norm_bench:   {k['kernel']:20s} {k['ms']:7.3f} ms, {k['passes']} passes: "
+                          f"{k['gb_per_s']:5.0f} GB/s, {k['of_copy']:.0%} of a copy's "
+                          f"{row['copy_gb_per_s']:.0f}", flush=True)
         write_json(args.out / "norm_bench.json", result)  # after every site: a cut run keeps the sites measured
         del site
         torch.cuda.empty_cache()
