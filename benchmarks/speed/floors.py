@@ -251,6 +251,7 @@ def table(result: dict) -> list[list[str]]:
     conv, mm, att = (m["compute"].get(k, {}) for k in ("convolution", "matmul (gemm)", "attention"))
     norm, opt = m["memory"]["normalization"], m["memory"]["optimizer"]
     peak = result.get("peak_tflops")
+    per_site = " of each one's size" if m.get("copy_rates") and not m.get("copy_mib") else ""  # older files: one rate
 
     def rate(flops, ms):  # a compute floor's rate, and its share of the card's dense peak
         if not ms or flops is None:
@@ -267,7 +268,7 @@ def table(result: dict) -> list[list[str]]:
             ("attention", att.get("fwd_bwd_ms"), f"{att.get('calls', 0)} SDPA calls alone, fwd + bwd"
              + rate((att.get("fwd_flops") or 0) + (att.get("bwd_flops") or 0), att.get("fwd_bwd_ms"))),
             ("normalization", norm["floor_ms_5_passes"],
-             f"{norm['sites']} sites x 5 passes at the copy rate ({norm['floor_ms_8_passes']:.2f} ms at 8)"),
+             f"{norm['sites']} sites x 5 passes at the copy rate{per_site} ({norm['floor_ms_8_passes']:.2f} ms at 8)"),
             ("optimizer", opt["floor_ms"], "fused AdamW + EMA bytes at the copy rate"),
             ("elementwise/activation", None, "no floor: depends on what is fused with what"),
             # Inductor's generated GroupNorm kernels (scale-shift) are classed elementwise by their names, the fused
