@@ -144,7 +144,8 @@ def measure(args, overrides: list[str], rows: list[tuple[str, tuple[str, ...]]],
             m = row_metrics({"raw": raw}, flops[over], device_name, None)
             entry = {"status": "ok", "metrics": m, "raw": raw}
             print(f"levers: {name} [{' '.join(over)}]: {m['ms_median']:.2f} ms/iter (p10 {m['ms_p10']:.2f}, "
-                  f"p90 {m['ms_p90']:.2f}), {m['img_per_s']:,.0f} img/s, MFU {100 * m['mfu']:.1f}%, first step "
+                  f"p90 {m['ms_p90']:.2f}), {m['img_per_s']:,.0f} img/s, MFU {100 * m['mfu']:.1f}% "
+                  f"({100 * m['executed_mfu']:.1f}% of the executed FLOPs), first step "
                   f"{raw['first_step_s']:.0f} s, peak {raw['peak_mem_bytes'] / 2**30:.1f} GiB", flush=True)
         torch._dynamo.reset()  # the compiled graphs and their CUDA graphs go; the next row compiles its own
         gc.collect()
