@@ -104,13 +104,13 @@ class Site:
         self.dout = torch.randn_like(self.x)
         self.layers = {}
 
-    def layer(self, impl: str, plan: tuple | None):
+    def layer(self, impl: str, plan: tuple | None, silu: bool = True, p: float | None = None):
         """The implementation's forward at this site (the fused one with `plan`, None: its default), bf16 out as the
-        next convolution takes it."""
+        next convolution takes it; silu and p (None: the site's dropout) vary the layer for --kernels."""
         from ffcv_ddpm.norm import GroupNormAct
 
-        _, c, _, _, p, _, groups = self.shape
-        m = GroupNormAct(groups, c, impl, dropout=p, plan=plan).cuda()
+        _, c, _, _, site_p, _, groups = self.shape
+        m = GroupNormAct(groups, c, impl, silu=silu, dropout=site_p if p is None else p, plan=plan).cuda()
 
         def fwd(x, e):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -119,11 +119,12 @@ class Site:
         # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
         return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
 
-    def step(self, impl: str, plan: tuple | None):
+    def step(self, impl: str, plan: tuple | None, silu: bool = True, p: float | None = None):
         """(forward, forward + backward) of the implementation at this site, as callables."""
-        if (impl, plan) not in self.layers:
-            self.layers[(impl, plan)] = self.layer(impl, plan)
-        fwd, x, e = self.layers[(impl, plan)], self.x, self.e
+        key = (impl, plan) if (silu, p) == (True, None) else (impl, plan, silu, p)
+        if key not in self.layers:
+            self.layers[key] = self.layer(impl, plan, silu, p)
+        fwd, x, e = self.layers[key], self.x, self.e
 
         def both():
             x.grad = None  # no gradient accumulation kernel in the timing
@@ -141,6 +142,11 @@ class Site:
 # at these sites (no residual sum, no mask bits: norm_bench's layers): the statistics read x; the apply reads x and
 # writes the output; the backward reduction reads x and dy; the backward dx reads x and dy and writes dx.
 KERNEL_PASSES = {"_stats_kernel": 1, "_apply_kernel": 2, "_bwd_reduce_kernel": 2, "_bwd_dx_kernel": 3}
+
+
+# --kernels profiles the site's layer, then the same without its dropout's hash (where it has dropout), then without
+# SiLU either: what each kernel's arithmetic costs it beside its bytes. (name, silu, p; None: the site's dropout)
+KERNEL_VARIANTS = (("as at the site", True, None), ("no dropout", True, 0.0), ("no SiLU, no dropout", False, 0.0))
 
 
 def kernel_ms(step, iters: int) -> dict[str, float]:
@@ -266,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
             row = next(r for r in result["rows"] if r["impl"] == "fused" and r["shape"] == list(shape[:6]))
             if "error" not in row:
                 row["copy_gb_per_s"] = copy_gb_per_s(2 * shape[0] * shape[1] * shape[2] * shape[3])
-                row["kernels"] = kernel_rows(kernel_ms(site.step("fused", row["plan"])[1], args.iters), shape,
-                                             row["copy_gb_per_s"])
-                for k in row["kernels"]:
-                    print(f"norm_bench:   {k['kernel']:20s} {k['ms']:7.3f} ms, {k['passes']} passes: "
-                          f"{k['gb_per_s']:5.0f} GB/s, {k['of_copy']:.0%} of a copy's "
-                          f"{row['copy_gb_per_s']:.0f}", flush=True)
+                row["kernels"] = []
+                # without dropout at the site, "no dropout" is the site's layer again
+                for variant, silu, p in KERNEL_VARIANTS if shape[4] else KERNEL_VARIANTS[::2]:
+                    times = kernel_ms(site.step("fused", row["plan"], silu, p)[1], args.iters)
+                    for k in kernel_rows(times, shape, row["copy_gb_per_s"]):
+                        row["kernels"].append({"variant": variant, **k})
+                        print(f"norm_bench:   {variant:20s} {k['kernel']:20s} {k['ms']:7.3f} ms, {k['passes']} "
+                              f"passes: {k['gb_per_s']:5.0f} GB/s, {k['of_copy']:.0%} of a copy's "
+                              f"{row['copy_gb_per_s']:.0f}", flush=True)
         write_json(args.out / "norm_bench.json", result)  # after every site: a cut run keeps the sites measured
         del site
         torch.cuda.empty_cache()
