@@ -36,3 +36,21 @@ def test_mfu_against_the_executed_flops_beside_the_reference_networks():
     old = render_markdown(add_metrics(result(executed=None)))  # a file from before the count was recorded
     cells = next(line for line in old.splitlines() if line.startswith("| defaults |"))
     assert dict(zip(columns, (c.strip() for c in cells.strip("|").split("|"))))["MFU (executed FLOPs)"] == "-"
+
+
+def test_ddp_points_carry_the_executed_flops_mfu_and_older_files_do_not_invent_it(tmp_path):
+    from benchmarks.speed import ddp
+
+    def result(executed):
+        point = {"nproc": 2, "img_per_s": 20_000.0}
+        r = {"flops_per_image": 36e9, "peak_tflops": 1000.0, "points": {"per-GPU": [{"nproc": 1, "img_per_s": 10_250.0},
+                                                                                   point]}}
+        if executed:
+            r["executed_flops_per_image"] = executed
+        ddp.add_metrics(r)
+        return point
+
+    p = result(33e9)
+    assert p["mfu_per_gpu"] == pytest.approx(10_000 * 36e9 / 1e12 / 1000) and p["executed_mfu_per_gpu"] == \
+        pytest.approx(10_000 * 33e9 / 1e12 / 1000)
+    assert "executed_mfu_per_gpu" not in result(None)

@@ -389,6 +389,8 @@ def add_metrics(result: dict) -> None:
             p["tflops_per_gpu"] = per_gpu * flops / 1e12
             peak = result["peak_tflops"]
             p["mfu_per_gpu"] = p["tflops_per_gpu"] / peak if peak else None
+            if executed := result.get("executed_flops_per_image"):  # older files: not recorded
+                p["executed_mfu_per_gpu"] = per_gpu * executed / 1e12 / peak if peak else None
             p["scaling_efficiency"] = p["img_per_s"] / (p["nproc"] * one) if one else None
 
 
@@ -471,7 +473,8 @@ def render(result: dict, out: Path) -> None:
              f"{result['peak_tflops'] or 'n/a'} TFLOP/s per GPU ({result['precision']})", ""]
     for mode, points in result["points"].items():
         lines += [f"## {mode}", "", "| GPUs | batch per GPU | global batch | img/s | img/s: median interval / wall "
-                  "| img/s per GPU | MFU per GPU | scaling efficiency | step ms (median / mean) | data wait (rank 0) "
+                  "| img/s per GPU | MFU per GPU (executed FLOPs) | scaling efficiency | step ms (median / mean) "
+                  "| data wait (rank 0) "
                   "| data wait (slowest rank) | slowest step ms, most GC ms in an interval "
                   "| all-reduce ms by rank (flat) | peak mem GiB "
                   "| GPU 0 SM clock MHz (p10 / median), power W (median) |",
@@ -492,7 +495,9 @@ def render(result: dict, out: Path) -> None:
             gpu = (f"{g['sm_clock_mhz_p10']:.0f} / {g['sm_clock_mhz_median']:.0f}, {g['power_w_median']:.0f}" if g
                    else "-")
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
-                         f"{other} | {p['img_per_s_per_gpu']:,.0f} | {_pct(p['mfu_per_gpu'])} "
+                         f"{other} | {p['img_per_s_per_gpu']:,.0f} | {_pct(p['mfu_per_gpu'])}"
+                         + (f" ({_pct(p['executed_mfu_per_gpu'])})" if p.get("executed_mfu_per_gpu") is not None else "")
+                         + " "
                          f"| {_pct(p['scaling_efficiency'])} | {ms} | {p['data_wait_share']:.2%} "
                          f"| {slowest} | {slow} | {ar} | {mem} | {gpu} |")
         lines.append("")
@@ -627,7 +632,8 @@ def run(argv: list[str] | None) -> int:
     result = {"preset": args.preset, "device_name": device_name, "precision": cfg.train.precision,
               "command": "python -m benchmarks.speed.ddp " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
-              "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"], "peak_tflops": peak,
+              "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"],
+              "executed_flops_per_image": train_flops_per_image(cfg.model)["executed_fwd_bwd"], "peak_tflops": peak,
               "points": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
     many = many_of(counts)
