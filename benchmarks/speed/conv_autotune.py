@@ -12,7 +12,7 @@ sees: input channels, output channels, size, stride), forward, bf16, channels_la
 - Inductor: the same call compiled with max_autotune and the convolution backends limited to Triton's templates
   (`max_autotune_conv_backends="TRITON"`), so the time is the template's, not cuDNN's through inductor.
 
-Both timed as CUDA graphs of --iters calls (norm_bench.graph_ms). The compile seconds of each shape are recorded:
+Both timed as CUDA graphs of --iters calls (clocks.graph_ms). The compile seconds of each shape are recorded:
 Inductor's autotune results and kernels live in its cache folder (TORCHINDUCTOR_CACHE_DIR; on the GPU machine point
 it at a folder outside $OUT, e.g. /tmp/inductor-cache), so a second call on the same warm machine measures what a
 persistent cache buys. conv_autotune.json and .md are rewritten after every shape, heaviest a step first.
@@ -47,7 +47,7 @@ def gflop(shape: dict, batch: int) -> float:
 
 
 def measure(shape: dict, batch: int, iters: int) -> dict:
-    from benchmarks.speed.norm_bench import graph_ms
+    from benchmarks.speed.clocks import graph_ms
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(batch, shape["cin"], shape["h"], shape["h"], device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ step's batch, bf16, channels_last, one GPU:
   Both chains count the input's statistics, which in a chain of fused convolutions would come from the producer's
   epilogue: the difference between the two is what a site saves (the apply pass, the add's passes, the output's
   statistics read, against the fused kernel's extra arithmetic).
-Each chain is captured as one CUDA graph and replayed (norm_bench.graph_ms: no host launches in the timing). Tile
+Each chain is captured as one CUDA graph and replayed (clocks.graph_ms: no host launches in the timing). Tile
 configs (conv_gn.TileConfig) are tried per site and the fastest kept, for the fused and the plain kernel each.
 Every site's fused output and statistics are checked against a torch reference first (fp32, the same mask).
 conv_gn_bench.json and conv_gn_bench.md are rewritten after every site, in order of the site's convolution FLOPs a
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("conv_gn_bench", "--smoke runs the kernels through Triton's interpreter: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
         return fail("conv_gn_bench", "needs a CUDA GPU (or --smoke with TRITON_INTERPRET=1 for a CPU run)")
-    from benchmarks.speed.norm_bench import graph_ms, time_ms
+    from benchmarks.speed.clocks import graph_ms, time_ms
 
     batch = cfg.data.batch_size
     sites = sites_by_cost(cfg.model, batch)

@@ -15,7 +15,7 @@ schedules wrong: the reshaped box goes through registers); "gluon" (ffcv_ddpm.co
 Triton's lower-level language, with the ring of buffers, its barriers and the wgmma waits written out, both
 operands read from shared memory. Per site (stride 1, channels a multiple of 64: 17 of the 22 distinct sites, 98%
 of the step's 3x3 FLOPs), the best correct tile shape of each kernel, the convolution alone, against F.conv2d with
-cuDNN's search, as CUDA-graph replays (norm_bench.graph_ms), each config checked against fp32 torch over three
+cuDNN's search, as CUDA-graph replays (clocks.graph_ms), each config checked against fp32 torch over three
 calls; then the Gluon kernel with the site's epilogue (its bias, residual and the next GroupNorm's statistics), and
 where the site has one input with the prologue too (the input's GroupNorm apply + SiLU + dropout), each at
 its fastest correct tiles, its time over the plain kernel's best against the passes it removes at the copy rate.
@@ -139,7 +139,7 @@ def fused_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iter
     one's time over the plain kernel's best (plain_ms), against the passes it removes. The epilogue runs after the
     main loop: tiles that fit two programs an SM may hide it behind the other program's loop, so the fastest need
     not be at the plain kernel's best tiles."""
-    from benchmarks.speed.norm_bench import graph_ms
+    from benchmarks.speed.clocks import graph_ms
 
     bias = {"channel": randn(spec.cout, dt=torch.float32), "sample": randn(batch, spec.cout, dt=torch.float32),
             "": None}[spec.bias]
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("conv_tma", "needs a CUDA GPU with TMA (sm_90 or newer: H100, H200)")
     from benchmarks.speed.conv_gn_bench import sites_by_cost
     from benchmarks.speed.copy_rate import copy_gb_per_s
-    from benchmarks.speed.norm_bench import graph_ms
+    from benchmarks.speed.clocks import graph_ms
     from ffcv_ddpm.env import environment
 
     torch.backends.cudnn.benchmark = True  # F.conv2d as the step runs it

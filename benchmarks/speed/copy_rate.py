@@ -4,7 +4,7 @@
     python -m benchmarks.speed.copy_rate --out DIR --mib 128,1024 --footprint-gib 60   # beside 60 GiB held
 
 One bf16 `copy_` into a tensor allocated beforehand, bytes read + written per second. On CUDA --iters copies are
-captured as one CUDA graph and replayed (norm_bench.graph_ms: the kernels alone, clocks settled); on the CPU the
+captured as one CUDA graph and replayed (clocks.graph_ms: the kernels alone, clocks settled); on the CPU the
 median of --iters timed copies. The rate depends on the size: one H200 streamed 4.1-4.2 TB/s at 128 MB and 2.77 at
 1 GiB in one process (eee22f5), so a pass is priced at the copy rate of its own size (floors per GroupNorm site,
 conv_tma per convolution site), not at one size for all. --footprint-gib holds that much memory allocated (and
@@ -27,7 +27,7 @@ SIZES_MIB = (8, 32, 64, 128, 256, 384, 512, 768, 1024, 2048)
 
 def copy_gb_per_s(nbytes: int, device: str = "cuda", iters: int = 10) -> float:
     """The rate a copy of `nbytes` streams at, bytes read + written per second, in GB/s."""
-    from benchmarks.speed.norm_bench import graph_ms, time_ms
+    from benchmarks.speed.clocks import graph_ms, time_ms
 
     n = max(1, nbytes // 2)
     src = torch.empty(n, device=device, dtype=torch.bfloat16).normal_()  # never all zeros

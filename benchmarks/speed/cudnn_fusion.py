@@ -22,7 +22,7 @@ distinct 3x3 site of the model (conv_gn_bench.record_sites), at the step's batch
     dgrad+dsilu           the data gradient with SiLU's backward in its epilogue
 
 A graph cuDNN has no engine for is a row with its error. A supported one is checked against torch in fp32 and timed
-as a CUDA graph (norm_bench.graph_ms), beside F.conv2d (or its weight / data gradient) in the same process, and
+as a CUDA graph (clocks.graph_ms), beside F.conv2d (or its weight / data gradient) in the same process, and
 beside a bf16 copy of the bytes the fusion removes (the "passes" column: what today's separate kernels move at
 the copy rate). A fusion pays where its extra time over the plain convolution is below that. The dropout between a
 res block's norm2 and conv2 and the up path's two-part inputs are not in these graphs: the rows measure the
@@ -215,7 +215,7 @@ class Site:
 
 def timed(fn, iters: int) -> tuple[float, str]:
     """ms per call from CUDA-graph replays; from CUDA events around each call if the graph cannot be captured."""
-    from benchmarks.speed.norm_bench import graph_ms, time_ms
+    from benchmarks.speed.clocks import graph_ms, time_ms
 
     try:
         return graph_ms(fn, iters, warmup=2), "graph"

@@ -496,7 +496,8 @@ def render(result: dict, out: Path) -> None:
                    else "-")
             lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
                          f"{other} | {p['img_per_s_per_gpu']:,.0f} | {_pct(p['mfu_per_gpu'])}"
-                         + (f" ({_pct(p['executed_mfu_per_gpu'])})" if p.get("executed_mfu_per_gpu") is not None else "")
+                         + (f" ({_pct(p['executed_mfu_per_gpu'])})" if p.get("executed_mfu_per_gpu") is not None
+                            else "")
                          + " "
                          f"| {_pct(p['scaling_efficiency'])} | {ms} | {p['data_wait_share']:.2%} "
                          f"| {slowest} | {slow} | {ar} | {mem} | {gpu} |")
@@ -629,11 +630,12 @@ def run(argv: list[str] | None) -> int:
         return fail("ddp", str(e))
     peak = lookup_peak(device_name, cfg.train.precision).tflops if device_name else None
     modes = {"per-gpu": ["per-GPU"], "global": ["global"], "both": ["per-GPU", "global"]}[args.mode]
+    flops = train_flops_per_image(cfg.model)
     result = {"preset": args.preset, "device_name": device_name, "precision": cfg.train.precision,
               "command": "python -m benchmarks.speed.ddp " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "dataset": str(beton), "dataset_built_now": built,
-              "flops_per_image": train_flops_per_image(cfg.model)["fwd_bwd"],
-              "executed_flops_per_image": train_flops_per_image(cfg.model)["executed_fwd_bwd"], "peak_tflops": peak,
+              "flops_per_image": flops["fwd_bwd"], "executed_flops_per_image": flops["executed_fwd_bwd"],
+              "peak_tflops": peak,
               "points": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
     many = many_of(counts)

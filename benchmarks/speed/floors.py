@@ -11,7 +11,7 @@ call). Each compute class is then replayed alone at the step's batch: its calls 
 every tensor in the memory layout the call saw (channels_last as the step has it), convolutions without their bias
 (as inductor calls cuDNN: the bias add is pointwise work), forward, then forward + backward
 (the gradients the step takes: weights, and inputs where the step needs them), all of a class's calls captured as
-one CUDA graph and replayed (norm_bench's timing: no host launches, clocks settled). That is the class's measured
+one CUDA graph and replayed (clocks.graph_ms: no host launches, clocks settled). That is the class's measured
 floor: the same library kernels with nothing between them. The memory-bound classes have a floor in bytes: the
 GroupNorm sites' activations moved 5 times a step (forward read + write, backward read x, read dy, write dx: the
 least any kernel can do) and 8 times (the statistics in separate reads, what the kernels do today), each site's
@@ -157,7 +157,7 @@ class Replay:
 def clock_ms(fn, cuda: bool, iters: int) -> float:
     """ms per call of fn, norm_bench's clocks: on CUDA `iters` calls as one CUDA graph (graph_ms), on CPU the median
     of `iters` timed calls after one untimed (time_ms)."""
-    from benchmarks.speed.norm_bench import graph_ms, time_ms
+    from benchmarks.speed.clocks import graph_ms, time_ms
 
     return graph_ms(fn, iters, warmup=2) if cuda else time_ms(fn, iters, warmup=1, device="cpu")
 
