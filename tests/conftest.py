@@ -41,6 +41,11 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS",
                           str(max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
     WORKER_THREADS = int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else None
+# The commands tests start give their processes threads of their own (benchmarks.speed.ddp: the cores / N per rank),
+# beside the other worker's: OpenMP threads that spin while they wait took tests/test_bench_ddp.py's loss check from
+# 19 s to 118 s with one core busy elsewhere (32 s when they sleep). Passive waiting changes no result, only who
+# holds a core. Set before torch (libgomp) is first imported, inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config):

@@ -205,7 +205,9 @@ def test_rederive_writes_the_files_figures_beside_todays(tmp_path, capsys):
 
 def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_path):
     """--warm on: one short run per distinct (processes, per-rank batch, overrides) of the plan (the independent
-    control shares the one-process graph), recorded; the points then run as usual."""
+    control shares the one-process graph), recorded; the points then run as usual. The run's variant sets its own
+    batch: data.batch_size in a --variant is that variant's batch per GPU, in its warm-up and its point (the trainer's
+    argument list ends with the per-rank batch, so a variant's value was once silently overridden)."""
     plan = [("per-GPU", [1, 2], True, ddp.run_point, [], 16), (ddp.CONTROL, [2], True, ddp.run_independent, [], 16),
             ("per-GPU, v", [2], True, ddp.run_point, ["train.ddp_split=True"], 16),
             ("per-GPU, big", [1, 2], True, ddp.run_point, ["data.batch_size=32"], 32),
@@ -213,19 +215,24 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     assert ddp.warm_jobs(plan) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)),
                                    (1, 32, ("data.batch_size=32",)), (2, 32, ("data.batch_size=32",)), (2, 8, ())]
     # Run, two processes only (the plan above covers one-process graphs): a warm-up run per graph, then the points.
+    # (One torchrun launch costs ~10 s of a 2-core machine: this run also checks the variant's batch.)
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "2", "--mode", "per-gpu",
                    "data.batch_size=16", LOADER, "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
-                   "--variant", "cuts:train.ddp_reduce=ddp train.ddp_split=True"])
+                   "--variant", "half:train.ddp_reduce=ddp train.ddp_split=True data.batch_size=8"])
     assert rc == 0
     result = json.loads((out / "ddp.json").read_text())
     runs = result["warm_up"]["runs"]
     given = ["data.batch_size=16", LOADER]  # the command's own overrides go to every run
-    cuts = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True"]
-    assert sorted((r["nproc"], r["overrides"]) for r in runs) == [(2, given), (2, cuts)]
-    assert all(r["rc"] == 0 and r["per_rank_batch"] == 16 for r in runs)
-    assert [p["nproc"] for p in result["points"]["per-GPU"]] == [2]
-    assert [p["nproc"] for p in result["points"]["per-GPU, cuts"]] == [2]
+    half = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True", "data.batch_size=8"]
+    assert sorted((r["nproc"], r["per_rank_batch"], r["overrides"]) for r in runs) == [(2, 8, half), (2, 16, given)]
+    assert all(r["rc"] == 0 for r in runs)
+    points = result["points"]
+    assert [(p["nproc"], p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU"]] == [
+        (2, 16, 16)]
+    assert [(p["nproc"], p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU, half"]] == [
+        (2, 8, 8)]
+    assert points["per-GPU, half"][0]["config"]["train"]["ddp_split"] is True
 
 
 def test_the_warm_up_shares_a_gpu_by_its_memory():
@@ -250,16 +257,3 @@ def test_a_variant_that_changes_one_gpu_scales_against_its_own_one_gpu_point():
     ddp.add_metrics(result)
     eff = {m: [round(p["scaling_efficiency"], 4) for p in ps] for m, ps in result["points"].items()}
     assert eff == {"per-GPU": [1.0, 0.95], "per-GPU, graphs": [1.0, 0.9], "per-GPU, bf16-grads": [0.975]}
-
-
-def test_a_variant_with_its_own_batch_runs_at_that_batch(data, tmp_path):
-    """data.batch_size in a --variant is that variant's batch per GPU: the point must run at it, not at the command's
-    batch (the trainer's argument list ends with the per-rank batch, so a variant's value was silently overridden)."""
-    out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1", "--mode", "per-gpu",
-                   "data.batch_size=16", LOADER, "--steps", "2", "--log-every", "1", "--out", str(out), "--warm", "off",
-                   "--variant", "half:data.batch_size=8"])
-    assert rc == 0
-    points = json.loads((out / "ddp.json").read_text())["points"]
-    assert [(p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU"]] == [(16, 16)]
-    assert [(p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU, half"]] == [(8, 8)]
