@@ -1,6 +1,6 @@
 """The two clocks the kernel benchmarks time with: CUDA-graph replays (the kernels alone) and calls launched one by
-one from the host (CUDA events, or perf_counter on the CPU). norm_bench's --timing chooses between them; copy_rate,
-floors and the per-site benchmarks use them as they are."""
+one from the host (CUDA events, or perf_counter on the CPU). norm_bench's --timing chooses between them; clock_ms
+takes the graph on CUDA and the host's clock on the CPU (floors, copy_rate); the per-site benchmarks use graph_ms."""
 
 from __future__ import annotations
 
@@ -44,3 +44,9 @@ def graph_ms(fn, iters: int, warmup: int, reps: int = 5) -> float:
         times.append((start, stop))
     torch.cuda.synchronize()
     return sorted(a.elapsed_time(b) / iters for a, b in times)[reps // 2]
+
+
+def clock_ms(fn, cuda: bool, iters: int) -> float:
+    """ms per call of fn on whichever device runs it: on CUDA `iters` calls as one CUDA graph (graph_ms), on CPU the
+    median of `iters` timed calls after one untimed (time_ms)."""
+    return graph_ms(fn, iters, warmup=2) if cuda else time_ms(fn, iters, warmup=1, device="cpu")

@@ -225,7 +225,7 @@ def render(result: dict) -> str:
     what = {"epilogue": "the epilogue (bias, residual, statistics) in the Gluon kernel, every site with one",
             "fused": "the prologue (the input's GroupNorm apply + SiLU, dropout from bits) and the epilogue, every "
                      "site with one input"}
-    site_rates = [s["copy_gbs"] for s in result["sites"] if "copy_gbs" in s]  # older files: one rate
+    site_rates = [s["copy_gbs"] for s in result["sites"] if "copy_gbs" in s]  # files before a55667d: one, 128 MB
     rates = (f"the copy rate of each site's output size ({min(site_rates):.0f}-{max(site_rates):.0f} GB/s)"
              if site_rates else f"the copy rate ({result.get('copy_gbs', 0):.0f} GB/s)")
     for key, (extra, passes) in sums.items():
@@ -267,7 +267,6 @@ def main(argv: list[str] | None = None) -> int:
               "triton": triton.__version__, "kinds": kinds, "sites": []}
     args.out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
-    result["copy_gbs"] = copy_gb_per_s(128 << 20, iters=args.iters)
     t0 = time.time()
     for spec, count in sites:
         cl = torch.channels_last

@@ -27,14 +27,12 @@ SIZES_MIB = (8, 32, 64, 128, 256, 384, 512, 768, 1024, 2048)
 
 def copy_gb_per_s(nbytes: int, device: str = "cuda", iters: int = 10) -> float:
     """The rate a copy of `nbytes` streams at, bytes read + written per second, in GB/s."""
-    from benchmarks.speed.clocks import graph_ms, time_ms
+    from benchmarks.speed.clocks import clock_ms
 
     n = max(1, nbytes // 2)
     src = torch.empty(n, device=device, dtype=torch.bfloat16).normal_()  # never all zeros
     dst = torch.empty_like(src)
-    copy = lambda: dst.copy_(src)  # noqa: E731
-    ms = graph_ms(copy, iters, warmup=2) if device == "cuda" else time_ms(copy, iters, warmup=1, device="cpu")
-    return 2 * n * 2 / ms / 1e6
+    return 2 * n * 2 / clock_ms(lambda: dst.copy_(src), device == "cuda", iters) / 1e6
 
 
 def render(result: dict) -> str:

@@ -154,14 +154,6 @@ class Replay:
                 torch.autograd.grad(out, wrt, g)
 
 
-def clock_ms(fn, cuda: bool, iters: int) -> float:
-    """ms per call of fn, norm_bench's clocks: on CUDA `iters` calls as one CUDA graph (graph_ms), on CPU the median
-    of `iters` timed calls after one untimed (time_ms)."""
-    from benchmarks.speed.clocks import graph_ms, time_ms
-
-    return graph_ms(fn, iters, warmup=2) if cuda else time_ms(fn, iters, warmup=1, device="cpu")
-
-
 def model_differences(profiled: dict, model) -> list[str]:
     """The overrides that make `model` the profiled one, as key=value (norm_impl and norm_plan aside: they change no
     compute call and the normalization's floor is counted from the sites' shapes)."""
@@ -185,6 +177,7 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from benchmarks.speed.clocks import clock_ms
     from benchmarks.speed.copy_rate import copy_gb_per_s
     from benchmarks.speed.flops import _inputs
     from ffcv_ddpm.unet import build_model

@@ -130,11 +130,16 @@ def kernel_ms(step, iters: int) -> dict[str, float]:
     return {name: ms / iters for name, ms in total.items()}
 
 
+def pass_bytes(shape: tuple) -> int:
+    """One pass over a site's (N, C, H, W) bf16 tensor."""
+    n, c, h, w = shape[:4]
+    return n * c * h * w * 2
+
+
 def kernel_rows(times: dict[str, float], shape: tuple, copy_gbs: float) -> list[dict]:
     """Each streaming kernel's ms a call, the bytes its passes move and its rate against a copy of one pass's size
     (`copy_gbs`, measured in the same process: copy_rate.copy_gb_per_s)."""
-    n, c, h, w = shape[:4]
-    one_pass = n * c * h * w * 2  # bf16
+    one_pass = pass_bytes(shape)
     rows = []
     for name, passes in KERNEL_PASSES.items():
         ms = sum(t for k, t in times.items() if k == name or k.startswith(name + "_"))  # Triton may suffix names
@@ -165,8 +170,7 @@ def summarize(impl: str, plan: tuple | None, shape: tuple, rounds: list[dict]) -
     """A row from its rounds: the median round's times, every round's, and GB/s at the fewest bytes."""
     fwd = sorted(r["fwd_ms"] for r in rounds)
     both = sorted(r["fwd_bwd_ms"] for r in rounds)
-    n, c, h, w = shape[:4]
-    bytes_min = 5 * n * c * h * w * 2  # bf16
+    bytes_min = 5 * pass_bytes(shape)
     mid = both[len(both) // 2]
     return {"impl": impl, "plan": plan, "shape": list(shape[:6]), "fwd_ms": fwd[len(fwd) // 2], "fwd_bwd_ms": mid,
             "rounds": rounds, "min_gb": bytes_min / 1e9, "gb_per_s_at_min_bytes": bytes_min / mid / 1e6}
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
             row = next(r for r in result["rows"] if r["impl"] == "fused" and r["shape"] == list(shape[:6]))
             if "error" not in row:
-                row["copy_gb_per_s"] = copy_gb_per_s(2 * shape[0] * shape[1] * shape[2] * shape[3])
+                row["copy_gb_per_s"] = copy_gb_per_s(pass_bytes(shape))
                 row["kernels"] = []
                 # without dropout at the site, "no dropout" is the site's layer again
                 for variant, silu, p in KERNEL_VARIANTS if shape[4] else KERNEL_VARIANTS[::2]:
