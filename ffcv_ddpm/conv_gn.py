@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ffcv_ddpm import gn_kernels
+from ffcv_ddpm.gn_kernels import _silu_half  # SiLU through tanh.approx: one MUFU op a value
 from ffcv_ddpm.norm import _dropout_args, unpack_bits  # noqa: F401  (unpack_bits: keep_bits' reader)
 
 
@@ -49,18 +50,6 @@ DEFAULT_CONFIG = TileConfig()
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
-
-
-@triton.jit
-def _silu_half(h, FAST_TANH: tl.constexpr):
-    """SiLU(y) of h = y / 2, as h + h * tanh(h): one MUFU.TANH a value (tanh.approx.f32, ~2^-11 relative) where
-    tl.sigmoid costs an exponential and a division. FAST_TANH is off under the interpreter (no inline PTX there)."""
-    if FAST_TANH:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-    else:
-        t = 2.0 * tl.sigmoid(2.0 * h) - 1.0
-    return h + h * t
 
 
 @triton.jit

@@ -18,6 +18,9 @@ NCHW works. Each direction is three launches, so that the two passes over the da
 - a residual sum folded in (model.norm_residual): x's first part given as the addends of s = h + res (+ res2) (+ a
   bias per channel); `_stats` writes s while it reads them, the other kernels read s, and `_bwd_dx` adds the
   gradient s gets from its other readers to dx, so that s and its gradient are each written once.
+SiLU (SILU=1) as y * sigmoid(y), or (SILU=2, model.norm_fast_silu) as h + h * tanh(h) with h = y / 2 and its
+derivative from the same tanh: one MUFU.TANH (tanh.approx.f32, ~2^-11 relative, under bf16's rounding) where sigmoid
+takes an exponential and a division, in the forward and again in both backward kernels (NOTES item 37).
 Statistics in fp32: shifted sums within a chunk (stable when |mean| >> std), Chan's formula across chunks, the law
 of total variance across the channels of a group.
 
@@ -41,6 +44,44 @@ def _keep(offs, seed, thr24):
     h *= 0xC2B2AE35
     h ^= h >> 16
     return (h >> 8).to(tl.int32) >= thr24
+
+
+@triton.jit
+def _tanh(h, FAST_TANH: tl.constexpr):
+    """tanh(h): tanh.approx.f32 on a GPU; 2 sigmoid(2h) - 1 without FAST_TANH (the interpreter has no inline PTX)."""
+    if FAST_TANH:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [h], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 2.0 * tl.sigmoid(2.0 * h) - 1.0
+
+
+@triton.jit
+def _silu_half(h, FAST_TANH: tl.constexpr):
+    """SiLU(y) of h = y / 2, as h + h * tanh(h) (sigmoid(y) = (1 + tanh(y / 2)) / 2): one MUFU.TANH a value."""
+    return h + h * _tanh(h, FAST_TANH)
+
+
+@triton.jit
+def _silu(y, SILU: tl.constexpr, FAST_TANH: tl.constexpr):
+    """SiLU(y): as y * sigmoid(y) (SILU=1) or through tanh (SILU=2)."""
+    if SILU == 2:
+        return _silu_half(0.5 * y, FAST_TANH)
+    else:
+        return y * tl.sigmoid(y)
+
+
+@triton.jit
+def _silu_grad(y, SILU: tl.constexpr, FAST_TANH: tl.constexpr):
+    """d SiLU(y) / dy = s (1 + y (1 - s)), s = sigmoid(y); with SILU=2 from t = tanh(y / 2), s = (1 + t) / 2:
+    (1 + t + h (1 - t^2)) / 2, h = y / 2."""
+    if SILU == 2:
+        h = 0.5 * y
+        t = _tanh(h, FAST_TANH)
+        return 0.5 + 0.5 * t + 0.5 * h * (1.0 - t * t)
+    else:
+        sig = tl.sigmoid(y)
+        return sig * (1.0 + y * (1.0 - sig))
 
 
 @triton.jit
@@ -77,7 +118,8 @@ def _unpack_keep(words, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.c
 
 
 @triton.jit
-def _act_grad(x, u, v, a, b, dout, keep, inv_keep, SILU: tl.constexpr, DROPOUT: tl.constexpr):
+def _act_grad(x, u, v, a, b, dout, keep, inv_keep, SILU: tl.constexpr, DROPOUT: tl.constexpr,
+              FAST_TANH: tl.constexpr):
     """(xhat, dL/dy) for a tile: xhat recomputed from x, y = xhat * a + b, the output's gradient taken back through
     dropout (the forward's mask `keep`, recomputed or read back) and SiLU."""
     xhat = x * u + v
@@ -85,9 +127,7 @@ def _act_grad(x, u, v, a, b, dout, keep, inv_keep, SILU: tl.constexpr, DROPOUT: 
     if DROPOUT:
         dy = tl.where(keep, dy * inv_keep, 0.0)
     if SILU:
-        y = xhat * a + b
-        sig = tl.sigmoid(y)
-        dy = dy * sig * (1.0 + y * (1.0 - sig))
+        dy = dy * _silu_grad(xhat * a + b, SILU, FAST_TANH)
     return xhat, dy
 
 
@@ -148,7 +188,7 @@ def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n
 def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW, CW,
                s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
                SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr):
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, FAST_TANH: tl.constexpr):
     """(xhat, dy) of rows r of sample n: x (from either part) and dout read, _act_grad on them. The dropout mask:
     with BITS read from the forward's keep bits, else hashed again."""
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
@@ -160,7 +200,8 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, see
             keep = _unpack_keep(tl.load(at, mask=wm, other=0), BLOCK_R, BLOCK_C, WORD)
         else:
             keep = _keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24)
-    return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout, keep, inv_keep, SILU, DROPOUT)
+    return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout, keep, inv_keep, SILU, DROPOUT,
+                     FAST_TANH)
 
 
 @triton.jit
@@ -243,7 +284,7 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
 def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n,
                   s_2c, s_2hw, s_on, s_oc, s_ohw, thr24, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                   SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
-                  WORD: tl.constexpr):
+                  WORD: tl.constexpr, FAST_TANH: tl.constexpr = False):
     """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n; with BITS the dropout mask
     also written as bits (_bits_at) for the backward."""
     n = tl.program_id(0)
@@ -255,7 +296,7 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, C
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
     y = x * scale[None, :] + bias[None, :]
     if SILU:
-        y = y * tl.sigmoid(y)
+        y = _silu(y, SILU, FAST_TANH)
     if DROPOUT:
         # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
         keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
@@ -287,7 +328,8 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
                        s_an, s_ac, s_en, s_ec, thr24, inv_keep,
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
-                       STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr):
+                       STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr,
+                       FAST_TANH: tl.constexpr = False):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
     with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
     _stats_kernel; BITS: the dropout mask read from the forward's bits."""
@@ -305,7 +347,7 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
         m = (r < HW)[:, None] & (cols < C)[None, :]
         xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep,
                               C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT,
-                              TWO, BITS, BLOCK_R, BLOCK_C, WORD)
+                              TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH)
         acc1 += dy
         acc2 += dy * xhat
         if SUM_XHAT:
@@ -364,7 +406,7 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                    BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
-                   HAS_DS: tl.constexpr = False):
+                   HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
     """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n. With HAS_DS plus ds, the
     gradient the first part (x a residual sum, model.norm_residual) gets from its other readers: one write of the
     sum's whole gradient where a pass of its own would read dx and ds and write their sum."""
@@ -380,7 +422,7 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
     gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
     xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr24,
                           inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
-                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD)
+                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
     if HAS_DS:
         dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],

@@ -141,7 +141,7 @@ class GroupNormAct(nn.GroupNorm):
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
-                 parts: bool = False, saved_means: bool = False, mask_bits: bool = False):
+                 parts: bool = False, saved_means: bool = False, mask_bits: bool = False, fast_silu: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -149,7 +149,8 @@ class GroupNormAct(nn.GroupNorm):
             raise ValueError(f"plan={plan} is the fused kernels' plan; norm_impl={impl!r} has none: pass plan=None")
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
-        for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits)):
+        for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits),
+                         ("fast_silu", fast_silu)):
             if on and impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
@@ -160,10 +161,12 @@ class GroupNormAct(nn.GroupNorm):
         self.parts = parts  # fused: two parts of a concatenation read where they are, not concatenated first
         self.saved_means = saved_means  # fused, with an add: the backward's sum of xhat from the forward's means
         self.mask_bits = mask_bits  # fused, with dropout: the mask kept as bits by the forward, not hashed again
+        self.fast_silu = fast_silu  # fused: SiLU and its derivative through one tanh.approx (gn_kernels._silu)
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
-        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits") if getattr(self, k))
+        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits", "fast_silu")
+                           if getattr(self, k))
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
     def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
@@ -208,12 +211,17 @@ class GroupNormAct(nn.GroupNorm):
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
         out, *_, s = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
                                                         None if add is None else add.to(dt).contiguous(),
-                                                        seed, self.num_groups, self.eps, self.silu, p,
+                                                        seed, self.num_groups, self.eps, self.silu_mode, p,
                                                         *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
                                                         res, res2, rbias)
         if fold:
             fold.set(s)
         return out
+
+    @property
+    def silu_mode(self) -> int:
+        """The op's `silu`: 0 none, 1 y * sigmoid(y), 2 through tanh.approx (fast_silu; gn_kernels._silu)."""
+        return 0 if not self.silu else 2 if self.fast_silu else 1
 
 
 class Pending:
@@ -274,11 +282,11 @@ def _on_triton(x: Tensor) -> bool:
 # work, not what they compute: the plain-torch path (reference_*) has nothing to split and leaves it unused.
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
-                   silu: bool, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
+                   silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
                    saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes, mean and rstd (N, groups) fp32 for the
-    backward. x2: None, or the second part of a channel concatenation [x, x2] that is never materialised
+    """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the plain-torch
+    path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second part of a channel concatenation [x, x2] that is never materialised
     (model.fused_parts). cmean, bits: what the backward takes instead of a third sum and of the mask's hash
     (model.norm_saved_means, model.norm_mask_bits; _extra_outputs), empty where off or without an add / dropout.
     res (res2, rbias): the first part is the residual sum s = x + res (+ res2) (+ rbias per channel), returned as s
@@ -304,7 +312,7 @@ def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, sa
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
-                            mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: bool, p: float, tile: int,
+                            mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: int, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
                             bits: Tensor | None, ds: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part. cmean, bits: the
@@ -485,9 +493,16 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
                              num_warps=warps)
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
         x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os, *_dropout_args(p),
-        BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=silu, DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0,
-        WORD=pl["WORD"], num_warps=warps)
+        BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=int(silu), DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0,
+        WORD=pl["WORD"], FAST_TANH=_fast_tanh(silu), num_warps=warps)
     return out, mean, rstd, cmean, bits, s_out
+
+
+def _fast_tanh(silu: int) -> bool:
+    """The kernels' tanh through tanh.approx.f32 (SiLU mode 2), except under Triton's interpreter (no inline PTX)."""
+    import triton
+
+    return silu == 2 and not triton.knobs.runtime.interpret
 
 
 def _residual_addends(x: Tensor, res: Tensor | None, res2: Tensor | None) -> tuple[Tensor, ...]:
@@ -537,8 +552,8 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
                              f"those of (N, C, H*W) = {(n, c, hw)}")
     bits_ = bits if use_bits else x  # never read when BITS is off
     common = (c, hw, mask_words(c), groups, pl["CPG"])
-    flags = dict(HAS_ADD=e is not None, SILU=silu, DROPOUT=p > 0, TWO=two, BITS=use_bits, WORD=pl["WORD"],
-                 num_warps=warps)
+    flags = dict(HAS_ADD=e is not None, SILU=int(silu), DROPOUT=p > 0, TWO=two, BITS=use_bits, WORD=pl["WORD"],
+                 FAST_TANH=_fast_tanh(silu), num_warps=warps)
     dx2_ = dx2 if two else dx  # never written when TWO is off
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)

@@ -84,6 +84,11 @@ class ModelConfig:
     # next fused GroupNorm, which writes it while it takes its statistics and, backward, adds the sum's other
     # gradients to its dx in the same write (one pass forward and two backward fewer at each; NOTES item 31).
     norm_residual: bool = False
+    # norm_impl=fused: SiLU and its derivative through one tanh.approx.f32 (SiLU(y) = h + h tanh(h), h = y / 2)
+    # instead of an exponential and a division, in the forward and both backward kernels. The kernels lose 10-30
+    # points of a copy's rate to SiLU's arithmetic (NOTES items 36-37); tanh.approx's ~2^-11 relative error is
+    # under bf16's rounding, but it is not exact: NOTES 27's numerics rule before it becomes a default.
+    norm_fast_silu: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -100,6 +105,10 @@ class ModelConfig:
     def fused_norm_plan(self) -> tuple[int, ...] | None:
         """norm_plan as GroupNormAct takes it: (tile, chunk, warps[, stages]), or None for the default plan."""
         return parse_plan(self.norm_plan) if self.norm_plan else None
+
+    def act_norm(self) -> dict:
+        """The plan and SiLU switch as every GroupNorm + SiLU takes them (GroupNormAct's plan, fast_silu)."""
+        return dict(plan=self.fused_norm_plan(), fast_silu=self.norm_fast_silu)
 
     def norm_switches(self) -> dict:
         """The fused kernels' switches as GroupNormAct takes them (for the GroupNorms with an add or dropout)."""
@@ -154,7 +163,7 @@ class ModelConfig:
         if self.norm_residual and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("norm_residual=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set norm_residual=False")
-        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual"):
+        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu"):
             if getattr(self, name) and self.norm_impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused GroupNorm kernels: it needs norm_impl='fused' "
                                  f"(got {self.norm_impl!r}); set {name}=False")
@@ -423,12 +432,12 @@ class DDPMResBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
         super().__init__()
-        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, plan=cfg.fused_norm_plan(),  # GroupNorm + SiLU
-                                  parts=cfg.fused_parts)
+        self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, parts=cfg.fused_parts,  # GroupNorm + SiLU
+                                  **cfg.act_norm())
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout
-                                  plan=cfg.fused_norm_plan(), **cfg.norm_switches())
+                                  **cfg.act_norm(), **cfg.norm_switches())
         self.conv2 = res_conv3x3(cfg, cout, cout)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
         self.bias_in_norm = cfg.conv_bias_in_norm  # conv1's bias added with the time embedding, inside norm2
@@ -474,9 +483,9 @@ class AnnotatedResBlock(nn.Module):
         self.conv1 = res_conv3x3(cfg, cin, cout)
         # GroupNorm, FiLM, SiLU, then a dropout before conv2 (not in the original; off at the preset's dropout=0)
         self.norm1 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,
-                                  plan=cfg.fused_norm_plan(), **cfg.norm_switches())
+                                  **cfg.act_norm(), **cfg.norm_switches())
         self.conv2 = res_conv3x3(cfg, cout, cout)
-        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, plan=cfg.fused_norm_plan())  # GroupNorm + SiLU
+        self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, **cfg.act_norm())  # GroupNorm + SiLU
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
@@ -559,7 +568,7 @@ class DDPMUNet(nn.Module):
                 self.up.append(Upsample(cur, cur, cfg.upsample))
                 res *= 2
         # GroupNorm + SiLU, conv; the Identity keeps the conv's state_dict key (out.2) from when SiLU was a module.
-        self.out = nn.Sequential(GroupNormAct(cfg.norm_groups, cur, cfg.norm_impl, plan=cfg.fused_norm_plan()),
+        self.out = nn.Sequential(GroupNormAct(cfg.norm_groups, cur, cfg.norm_impl, **cfg.act_norm()),
                                  nn.Identity(), ImageConv2d(cur, cfg.in_channels, 3, "out", cfg.pad_image_channels))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:

@@ -70,3 +70,7 @@ def test_norm_bench_rates_each_kernel_against_a_copy_of_one_pass():
     assert rows["_apply_kernel"]["gb_per_s"] == pytest.approx(2 * one_pass / 0.004 / 1e6)
     assert rows["_bwd_dx_kernel"]["passes"] == 3 and rows["_bwd_dx_kernel"]["of_copy"] == pytest.approx(
         3 * one_pass / 0.01 / 1e6 / 10.0)
+    # the mask as bits: the apply writes a sixteenth of a pass more, the backward kernels read it; statistics as before
+    with_bits = {r["kernel"]: r for r in norm_bench.kernel_rows(times, shape, copy_gbs=10.0, bits=True)}
+    assert with_bits["_apply_kernel"]["gb_per_s"] == pytest.approx((2 * one_pass + one_pass // 16) / 0.004 / 1e6)
+    assert with_bits["_stats_kernel"]["gb_per_s"] == rows["_stats_kernel"]["gb_per_s"]

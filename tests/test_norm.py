@@ -99,6 +99,9 @@ CASES = [  # (n, c, h, w, groups, silu, p, add, channels_last, dtype); n >= 8 ta
     (3, 12, 8, 8, 4, False, 0.0, False, True, torch.float32),
     (16, 24, 4, 4, 8, True, 0.1, True, True, torch.float32),
     (2, 32, 16, 16, 8, True, 0.1, True, True, torch.bfloat16),
+    # silu=2 (model.norm_fast_silu): SiLU and its derivative through tanh(y / 2); the interpreter's tanh is exact
+    (3, 24, 5, 3, 2, 2, 0.3, True, True, torch.float32),
+    (2, 32, 16, 16, 8, 2, 0.1, True, True, torch.bfloat16),
 ]
 
 
@@ -146,6 +149,8 @@ def check_kernels(case, plan):
     ref_out, ref_mean, ref_rstd, _, _ = N._reference_math(*leaves[:3], leaves[3] if add else None, seed.cpu(),
                                                           groups, 1e-5, silu, p)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
+    if silu == 2 and dev == "cuda":
+        tol = max(tol, 2e-3)  # tanh.approx.f32: ~2^-11 relative, what the switch trades for one MUFU op
     assert torch.isfinite(out).all() and rel(out, ref_out) < tol
     if p > 0:  # the same elements dropped, and about p of them
         assert torch.equal(out == 0, ref_out == 0)

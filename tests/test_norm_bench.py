@@ -80,12 +80,13 @@ def test_graph_timing_captures_every_implementation_on_a_gpu():
         events = site.measure(impl, None, "events", 10, 2)
         assert 0 < graph["fwd_ms"] < graph["fwd_bwd_ms"], (impl, graph)
         assert graph["fwd_bwd_ms"] <= 1.5 * events["fwd_bwd_ms"], (impl, graph, events)
-    # --kernels: the profiler names each streaming kernel of the fused op, as the site has it and without its SiLU
-    # and dropout (the layer built again with neither)
-    for silu, p in ((True, None), (False, 0.0)):
-        times = norm_bench.kernel_ms(site.step("fused", None, silu, p)[1], 3)
+    # --kernels: the profiler names each streaming kernel of the fused op in every variant (the layer built again
+    # with each one's switches: fast SiLU, mask bits, neither SiLU nor dropout)
+    for name, switches, _ in norm_bench.KERNEL_VARIANTS:
+        times = norm_bench.kernel_ms(site.step("fused", None, switches)[1], 3)
         rows = norm_bench.kernel_rows(times, site.shape, copy_gbs=1000.0)
-        assert [r["kernel"] for r in rows] == list(norm_bench.KERNEL_PASSES) and all(r["ms"] > 0 for r in rows), times
+        assert [r["kernel"] for r in rows] == list(norm_bench.KERNEL_PASSES) and all(r["ms"] > 0 for r in rows), (
+            name, times)
 
 
 def test_a_plan_that_fails_is_one_failed_row_and_the_sweep_goes_on():

@@ -66,13 +66,14 @@ class Site:
         self.dout = torch.randn_like(self.x)
         self.layers = {}
 
-    def layer(self, impl: str, plan: tuple | None, silu: bool = True, p: float | None = None):
+    def layer(self, impl: str, plan: tuple | None, switches: tuple = ()):
         """The implementation's forward at this site (the fused one with `plan`, None: its default), bf16 out as the
-        next convolution takes it; silu and p (None: the site's dropout) vary the layer for --kernels."""
+        next convolution takes it; switches, (name, value) pairs of GroupNormAct's arguments (silu, dropout,
+        fast_silu, mask_bits), vary the layer for --kernels."""
         from ffcv_ddpm.norm import GroupNormAct
 
         _, c, _, _, site_p, _, groups = self.shape
-        m = GroupNormAct(groups, c, impl, silu=silu, dropout=site_p if p is None else p, plan=plan).cuda()
+        m = GroupNormAct(groups, c, impl, plan=plan, **{"dropout": site_p, **dict(switches)}).cuda()
 
         def fwd(x, e):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -81,11 +82,11 @@ class Site:
         # The fused op is one call either way; compiling it would recompile per swept plan for nothing.
         return fwd if impl == "fused" else torch.compile(fwd, dynamic=False)
 
-    def step(self, impl: str, plan: tuple | None, silu: bool = True, p: float | None = None):
+    def step(self, impl: str, plan: tuple | None, switches: tuple = ()):
         """(forward, forward + backward) of the implementation at this site, as callables."""
-        key = (impl, plan) if (silu, p) == (True, None) else (impl, plan, silu, p)
+        key = (impl, plan, switches)
         if key not in self.layers:
-            self.layers[key] = self.layer(impl, plan, silu, p)
+            self.layers[key] = self.layer(impl, plan, switches)
         fwd, x, e = self.layers[key], self.x, self.e
 
         def both():
@@ -101,14 +102,25 @@ class Site:
 
 
 # The fused op's kernels that stream the activations, and the passes of a site's (N, C, H, W) bf16 tensor each moves
-# at these sites (no residual sum, no mask bits: norm_bench's layers): the statistics read x; the apply reads x and
-# writes the output; the backward reduction reads x and dy; the backward dx reads x and dy and writes dx.
+# at these sites (no residual sum: norm_bench's layers): the statistics read x; the apply reads x and writes the
+# output; the backward reduction reads x and dy; the backward dx reads x and dy and writes dx. With the mask as bits
+# (mask_bits) the apply also writes them and both backward kernels read them: a sixteenth of a pass each.
 KERNEL_PASSES = {"_stats_kernel": 1, "_apply_kernel": 2, "_bwd_reduce_kernel": 2, "_bwd_dx_kernel": 3}
+BITS_KERNELS = ("_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
 
 
-# --kernels profiles the site's layer, then the same without its dropout's hash (where it has dropout), then without
-# SiLU either: what each kernel's arithmetic costs it beside its bytes. (name, silu, p; None: the site's dropout)
-KERNEL_VARIANTS = (("as at the site", True, None), ("no dropout", True, 0.0), ("no SiLU, no dropout", False, 0.0))
+# --kernels profiles the site's layer, then with SiLU through tanh.approx (fast_silu), with the mask as bits
+# (mask_bits, where the site has dropout), both, then without its dropout and without SiLU either: what each
+# kernel's arithmetic costs it beside its bytes, and what the two switches win back of it. (name, switches,
+# whether the variant needs the site's dropout)
+KERNEL_VARIANTS = (
+    ("as at the site", (), False),
+    ("fast SiLU", (("fast_silu", True),), False),
+    ("mask bits", (("mask_bits", True),), True),
+    ("fast SiLU, mask bits", (("fast_silu", True), ("mask_bits", True)), True),
+    ("no dropout", (("dropout", 0.0),), True),
+    ("no SiLU, no dropout", (("silu", False), ("dropout", 0.0)), False),
+)
 
 
 def kernel_ms(step, iters: int) -> dict[str, float]:
@@ -136,15 +148,16 @@ def pass_bytes(shape: tuple) -> int:
     return n * c * h * w * 2
 
 
-def kernel_rows(times: dict[str, float], shape: tuple, copy_gbs: float) -> list[dict]:
-    """Each streaming kernel's ms a call, the bytes its passes move and its rate against a copy of one pass's size
-    (`copy_gbs`, measured in the same process: copy_rate.copy_gb_per_s)."""
+def kernel_rows(times: dict[str, float], shape: tuple, copy_gbs: float, bits: bool = False) -> list[dict]:
+    """Each streaming kernel's ms a call, the bytes its passes move (with `bits`, the mask's too) and its rate
+    against a copy of one pass's size (`copy_gbs`, measured in the same process: copy_rate.copy_gb_per_s)."""
     one_pass = pass_bytes(shape)
     rows = []
     for name, passes in KERNEL_PASSES.items():
         ms = sum(t for k, t in times.items() if k == name or k.startswith(name + "_"))  # Triton may suffix names
         if ms:
-            gbs = passes * one_pass / ms / 1e6
+            moved = passes * one_pass + (one_pass // 16 if bits and name in BITS_KERNELS else 0)
+            gbs = moved / ms / 1e6
             rows.append({"kernel": name, "ms": ms, "passes": passes, "gb_per_s": gbs, "of_copy": gbs / copy_gbs})
     return rows
 
@@ -239,10 +252,13 @@ def main(argv: list[str] | None = None) -> int:
             if "error" not in row:
                 row["copy_gb_per_s"] = copy_gb_per_s(pass_bytes(shape))
                 row["kernels"] = []
-                # without dropout at the site, "no dropout" is the site's layer again
-                for variant, silu, p in KERNEL_VARIANTS if shape[4] else KERNEL_VARIANTS[::2]:
-                    times = kernel_ms(site.step("fused", row["plan"], silu, p)[1], args.iters)
-                    for k in kernel_rows(times, shape, row["copy_gb_per_s"]):
+                # without dropout at the site, the variants of its dropout are the site's layer again
+                for variant, switches, of_dropout in KERNEL_VARIANTS:
+                    if of_dropout and not shape[4]:
+                        continue
+                    times = kernel_ms(site.step("fused", row["plan"], switches)[1], args.iters)
+                    bits = dict(switches).get("mask_bits", False)
+                    for k in kernel_rows(times, shape, row["copy_gb_per_s"], bits):
                         row["kernels"].append({"variant": variant, **k})
                         print(f"norm_bench:   {variant:20s} {k['kernel']:20s} {k['ms']:7.3f} ms, {k['passes']} "
                               f"passes: {k['gb_per_s']:5.0f} GB/s, {k['of_copy']:.0%} of a copy's "
