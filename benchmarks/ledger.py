@@ -146,6 +146,13 @@ def numerics(path: Path, d: dict) -> str:
             + (f"; verdict {'pass' if v['ok'] else 'FAIL'} (bound {v['bound']:.2%}, the {v['by']})" if v else ""))
 
 
+def numerics_draws(path: Path, d: dict) -> str:
+    """benchmarks.speed.numerics_draws: NOTES 27's verdict over several numerics draws."""
+    return (f"{d['verdict']} over {len(d['draws'])} draws (the rule needs {d['need']}): median candidate deviation "
+            f"{d['median_candidate']:.2%} against {d['noise_factor']} x the median control's "
+            f"{d['median_control']:.2%} = {d['bound']:.2%}")
+
+
 def _profile(p: dict) -> str:
     top = max(p["classes"], key=lambda c: c["ms_per_step"])
     return (f"{_ms(p['gpu']['span_ms_per_step'])}/step on the GPU ({p['steps']} profiled steps), top class "
@@ -373,6 +380,8 @@ READERS = (
     Reader("DDP scaling", lambda p, d: "points" in d and "flops_per_image" in d, ddp),
     Reader("loaders", lambda p, d: d.get("benchmark") == "loaders", loaders),
     Reader("numerics", lambda p, d: {"check", "reference", "candidate"} <= d.keys(), numerics),
+    Reader("numerics draws", lambda p, d: {"draws", "median_candidate", "bound"} <= d.keys(), numerics_draws,
+           stamp=lambda p, d: None),  # each draw's own report carries its commit, card and date
     Reader("profile", lambda p, d: "profile" in d and "telemetry" in d, profile),
     Reader("profile re-analysis", lambda p, d: {"trace", "classes", "gpu"} <= d.keys(), reanalysis,
            stamp=lambda p, d: None,  # the file has no environment: analysed later than the trace was taken

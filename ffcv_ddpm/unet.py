@@ -202,10 +202,14 @@ PRESETS: dict[str, ModelConfig] = {
     # one H200, same GPU and calls (benchmarks/results/h200/norm-plan-step-8d99035). Then the plan's reductions
     # pipelined (STAGES 4, norm.DEFAULT_PLAN) with fused_parts: 9,931-9,933 img/s against 9,633 on an H100 and
     # 10,823-10,907 against 10,672-10,742 on an H200 (benchmarks/results/h100/step-5f421de, h200/step-5f421de);
-    # bf16 vs fp32 at 2,000 steps within the noise floor (h200/numerics-5f421de). A norm_impl other than fused, or
-    # concat_free=False, needs model.fused_parts=False with it (ModelConfig.validate says so).
+    # bf16 vs fp32 at 2,000 steps within the noise floor (h200/numerics-5f421de). Then SiLU through tanh.approx
+    # (norm_fast_silu): 92.32-92.45 ms a step of 1024 against 94.37-94.91, one H200, one process
+    # (benchmarks/results/h200/fast-silu-9212ba3); bf16 with it against exact fp32 passes NOTES 27's six-draw rule
+    # (h200/numerics-fast-silu-9212ba3: median 6.74% against a bound of 9.51%). A norm_impl other than fused needs
+    # model.fused_parts=False and model.norm_fast_silu=False with it, concat_free=False the first (ModelConfig.validate
+    # says so).
     "ddpm-cifar10": ModelConfig(concat_free=True, upsample="transposed", pad_image_channels=8, attn_linear=True,
-                                conv_bias_in_norm=True, norm_impl="fused", fused_parts=True),
+                                conv_bias_in_norm=True, norm_impl="fused", fused_parts=True, norm_fast_silu=True),
     "annotated-small": ModelConfig(
         arch="annotated",
         base_channels=32,

@@ -364,7 +364,8 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
                               channel_mult=(1, 2), image_size=8, attn_resolutions=(4,))
     fused_switch_matches(cfg, dict(fused_parts=True), kernels, monkeypatch, 8)
     with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs norm_impl='fused'"):
-        load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift"])
+        load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift",
+                                     "model.norm_fast_silu=False"])
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])

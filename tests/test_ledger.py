@@ -147,6 +147,14 @@ def test_a_numerics_line_names_the_control_and_the_verdict_when_the_file_has_the
                                         "the noise floor)")
 
 
+def test_a_numerics_draws_line_gives_the_verdict_medians_and_bound():
+    d = {"draws": [{}, {}, {}, {}], "need": 6, "noise_factor": 1.5, "median_candidate": 0.0674,
+         "median_control": 0.0594, "bound": 0.0891, "verdict": "undecided"}
+    assert ledger.numerics_draws(None, d) == (
+        "undecided over 4 draws (the rule needs 6): median candidate deviation 6.74% against 1.5 x the median "
+        "control's 5.94% = 8.91%")
+
+
 def test_a_norm_bench_line_leaves_failed_plans_out_and_counts_them():
     """A plan that failed to compile is a row with an error (norm_bench.sweep): the file is still a GroupNorm layer
     result, its headline names the fastest plan that ran and how many failed."""

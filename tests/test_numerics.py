@@ -152,11 +152,13 @@ def test_legs_with_different_random_streams_are_refused():
     numerics.check_paired(_legs(["train.compile=False"], [], common=("train.device=cuda", "model.dropout=0")))
     numerics.check_paired(_legs(["train.compile=False"], [], common=("train.device=cpu",)))  # eager either way
     # The control of issue 12 (scale-shift against nn.GroupNorm); ddpm-cifar10's default is fused, whose dropout
-    # seeds pair only with fused legs (and its fused_parts goes with the fused kernels: off with any other).
+    # seeds pair only with fused legs (and its fused_parts and norm_fast_silu go with the fused kernels: off with
+    # any other).
+    off = ("model.fused_parts=False", "model.norm_fast_silu=False")
     numerics.check_paired(_legs([], [], ["model.norm_impl=torch"], common=(
-        "train.device=cuda", "model.norm_impl=scale-shift", "model.fused_parts=False")))
+        "train.device=cuda", "model.norm_impl=scale-shift", *off)))
     with pytest.raises(ValueError, match="control leg.*norm_impl=fused in every leg or in none"):
-        numerics.check_paired(_legs([], [], ["model.norm_impl=scale-shift", "model.fused_parts=False"]))
+        numerics.check_paired(_legs([], [], ["model.norm_impl=scale-shift", *off]))
     with pytest.raises(ValueError, match="control leg.*give every leg the same train.seed"):
         numerics.check_paired(_legs([], [], ["train.seed=1"]))
 
@@ -254,7 +256,8 @@ def test_a_control_that_changes_nothing_is_called_identical():
     # run-to-run drift, and its description must say so (a control that changes a kernel choice must not).
     legs = [numerics.Leg("reference", "fp32", []), numerics.Leg("candidate", "bf16", []),
             numerics.Leg("control", "fp32", ["train.compile_mode=reduce-overhead"]),
-            numerics.Leg("control", "fp32", ["model.norm_impl=torch", "model.fused_parts=False"])]
+            numerics.Leg("control", "fp32", ["model.norm_impl=torch", "model.fused_parts=False",
+                                             "model.norm_fast_silu=False"])]
     for leg in legs:
         leg.build("ddpm-cifar10", ["data.batch_size=8"], Path("unused.beton"), Path("/tmp/legs"))
     ref, cand, same, other = legs

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOY = ["model.base_channels=8", "model.channel_mult=(1, 2)", "model.num_res_blocks=1", "model.norm_groups=4",
        "diffusion.timesteps=20", "train.device=cpu", "train.precision=fp32", "data.batch_size=8", "train.log_every=2",
        "train.warmup_steps=1", "train.sample_steps=2", "model.norm_impl=scale-shift", "model.fused_parts=False",
-       "model.attn_resolutions=()"]
+       "model.norm_fast_silu=False", "model.attn_resolutions=()"]
 
 
 def test_clock_takes_each_evaluation_off_and_says_when_time_is_up(tmp_path, monkeypatch):

@@ -2,8 +2,8 @@
 
     python -m benchmarks.speed.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
     python -m benchmarks.speed.numerics --data data --precision fp16   # fp16 + GradScaler instead
-    python -m benchmarks.speed.numerics --data data model.norm_impl=scale-shift model.fused_parts=False --control \
-        model.norm_impl=torch --parallel   # (fused_parts goes with the fused kernels: off with any other norm_impl)
+    python -m benchmarks.speed.numerics --data data model.norm_impl=scale-shift model.fused_parts=False \
+        model.norm_fast_silu=False --control model.norm_impl=torch --parallel   # (both go with the fused kernels)
     python -m benchmarks.speed.numerics --data data data.batch_size=32 model.norm_impl=fused --control \
         train.cudnn_benchmark=False --parallel --gpus 2,3 --time-limit 480 --out OUT   # fused: its own control
     python -m benchmarks.speed.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu

@@ -35,6 +35,7 @@ BASELINE = (
     *(f"model.{k}={v}" for k, v in REFERENCE_COMPUTATION.items()),  # the network computed as the paper wrote it
     "model.norm_impl=torch",
     "model.fused_parts=False",  # the fused kernels' read of concat_free's parts: the fused row turns it on (DDPM_FUSED)
+    "model.norm_fast_silu=False",  # the fused kernels' SiLU through tanh.approx: the fused row turns it on
     "train.precision=fp32",
     "train.compile=False",
     "model.attn_impl=math",
@@ -71,8 +72,10 @@ STACK = (
     (SWITCHES_ROW, (*ALL_SWITCHES, *DDPM_SWITCHES), "prev"),
     # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels); on
     # the DDPM network the up blocks' first ones read (h, skip) where they lie (model.fused_parts, the preset's since
-    # the 5f421de measurements: the rows of tables measured before leave it off, their JSON says so).
-    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused", *DDPM_FUSED), "prev"),
+    # the 5f421de measurements: the rows of tables measured before leave it off, their JSON says so), and SiLU
+    # through tanh.approx (model.norm_fast_silu, the preset's since 9212ba3: likewise).
+    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused", "model.norm_fast_silu=True", *DDPM_FUSED),
+     "prev"),
 )
 
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
