@@ -192,9 +192,10 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     x, t, y = _inputs(cfg.model, RECORD_BATCH, device)
     inputs = (x.contiguous(memory_format=layout), t, *([y] if y is not None else []))
     calls, _ = record(model.train(), inputs)
-    # fused_parts goes with the fused kernels (ModelConfig.validate): the F.group_norm twin reads the concatenation.
+    # fused_parts and norm_fast_silu go with the fused kernels (ModelConfig.validate): the F.group_norm twin reads the
+    # concatenation and takes F.silu.
     ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch", norm_plan="", fused_parts=False,
-                                                     norm_fast_silu=False))
+                                          norm_fast_silu=False))
     ref = ref.to(device, memory_format=layout)
     _, norms = record(ref.train(), inputs)
     del model, ref
