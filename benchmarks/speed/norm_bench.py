@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         "median round (the spread between rounds is in the JSON)")
     p.add_argument("--kernels", action="store_true",
                    help="also each fused kernel's ms a call at the plans' first (torch.profiler) and its rate against "
-                        "a copy of one pass's size measured here (NOTES item 36)")
+                        "a copy of one pass's size measured here, as the site has it and in KERNEL_VARIANTS' variants: "
+                        "fast SiLU, mask bits, both, no dropout, neither (NOTES items 36-37)")
     args, overrides = p.parse_with_overrides(argv)
     try:
         cfg = load_config("ddpm-cifar10", [*DEFAULTS, *overrides])
