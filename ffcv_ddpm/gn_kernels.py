@@ -3,7 +3,8 @@
     y   = ((x + e) - mean_g) * rstd_g * a + b      a, b, e: (N, C) fp32; e optional; mean_g, rstd_g per (n, group)
     out = dropout(silu(y))                          silu and dropout optional; the dropout mask is a hash of
                                                     (seed, element index), recomputed in the backward, or kept by
-                                                    the forward as a bit per element (model.norm_mask_bits)
+                                                    the forward as a bit per element (model.norm_mask_bits);
+                                                    model.norm_pair_hash: one hash for two channels
 
 `ffcv_ddpm.norm` wraps these as one autograd-aware custom op. An (N, C, H, W) tensor is addressed as rows of
 channels, (n * HW + hw, c), through its strides: channels_last (c unit-stride, rows contiguous) is the fast path,
@@ -33,17 +34,35 @@ import triton.language as tl
 
 
 @triton.jit
-def _keep(offs, seed, thr24):
-    """Dropout's keep mask: a 32-bit integer hash (murmur3's finaliser) of the element's logical index and the seed,
-    kept where its top 24 bits are >= p * 2^24. Cheaper than Philox (tl.rand), and recomputed twice in the backward;
-    ffcv_ddpm.norm.keep_mask is the same function in torch."""
+def _hash(offs, seed):
+    """A 32-bit integer hash (murmur3's finaliser) of an index and the seed."""
     h = offs.to(tl.uint32) * 0x9E3779B1 + seed
     h ^= h >> 16
     h *= 0x85EBCA6B
     h ^= h >> 13
     h *= 0xC2B2AE35
     h ^= h >> 16
-    return (h >> 8).to(tl.int32) >= thr24
+    return h
+
+
+@triton.jit
+def _keep(offs, seed, thr24):
+    """Dropout's keep mask: _hash of the element's logical index, kept where its top 24 bits are >= p * 2^24.
+    Cheaper than Philox (tl.rand), and recomputed twice in the backward; ffcv_ddpm.norm.keep_mask is the same
+    function in torch."""
+    return (_hash(offs, seed) >> 8).to(tl.int32) >= thr24
+
+
+@triton.jit
+def _keep_tile(n, r, C, HW, seed, thr, BLOCK_C: tl.constexpr, PAIR: tl.constexpr):
+    """The keep mask of rows r of sample n, [rows, BLOCK_C]: _keep of each element's logical index (n, hw, c), or
+    with PAIR (model.norm_pair_hash; C even) one _hash for channels 2j and 2j + 1, its low and high 16 bits each
+    kept where >= p * 2^16: half the integer work a element, which the kernels are short of (NOTES item 37)."""
+    if PAIR:
+        h = _hash((n * HW + r[:, None]) * (C // 2) + tl.arange(0, BLOCK_C // 2)[None, :], seed)
+        return tl.interleave((h & 0xFFFF).to(tl.int32) >= thr, (h >> 16).to(tl.int32) >= thr)
+    else:
+        return _keep((n * HW + r[:, None]) * C + tl.arange(0, BLOCK_C)[None, :], seed, thr)
 
 
 @triton.jit
@@ -185,10 +204,11 @@ def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n
 
 
 @triton.jit
-def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep, C, HW, CW,
+def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr, inv_keep, C, HW, CW,
                s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
                SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, FAST_TANH: tl.constexpr):
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, FAST_TANH: tl.constexpr,
+               PAIR: tl.constexpr):
     """(xhat, dy) of rows r of sample n: x (from either part) and dout read, _act_grad on them. The dropout mask:
     with BITS read from the forward's keep bits, else hashed again."""
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
@@ -199,7 +219,7 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, see
             at, wm = _bits_at(bits_ptr, n, r, HW, CW, BLOCK_C, WORD)
             keep = _unpack_keep(tl.load(at, mask=wm, other=0), BLOCK_R, BLOCK_C, WORD)
         else:
-            keep = _keep((n * HW + r[:, None]) * C + cols[None, :], seed, thr24)
+            keep = _keep_tile(n, r, C, HW, seed, thr, BLOCK_C, PAIR)
     return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout, keep, inv_keep, SILU, DROPOUT,
                      FAST_TANH)
 
@@ -282,9 +302,9 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
 
 @triton.jit
 def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n,
-                  s_2c, s_2hw, s_on, s_oc, s_ohw, thr24, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  s_2c, s_2hw, s_on, s_oc, s_ohw, thr, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                   SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
-                  WORD: tl.constexpr, FAST_TANH: tl.constexpr = False):
+                  WORD: tl.constexpr, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False):
     """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n; with BITS the dropout mask
     also written as bits (_bits_at) for the backward."""
     n = tl.program_id(0)
@@ -299,7 +319,7 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, C
         y = _silu(y, SILU, FAST_TANH)
     if DROPOUT:
         # The element's logical index (n, hw, c), whatever the layout, so that the backward draws the same mask.
-        keep = _keep((n * HW + r[:, None]) * C + cols[None, :], _mix_seed(seed_ptr), thr24)
+        keep = _keep_tile(n, r, C, HW, _mix_seed(seed_ptr), thr, BLOCK_C, PAIR)
         y = tl.where(keep, y * inv_keep, 0.0)
         if BITS:
             at, wm = _bits_at(bits_ptr, n, r, HW, CW, BLOCK_C, WORD)
@@ -325,11 +345,11 @@ def _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_
 @triton.jit
 def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr, rstd_ptr,
                        part_ptr, C, HW, CW, G, CPG, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
-                       s_an, s_ac, s_en, s_ec, thr24, inv_keep,
+                       s_an, s_ac, s_en, s_ec, thr, inv_keep,
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                        STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr,
-                       FAST_TANH: tl.constexpr = False):
+                       FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
     with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
     _stats_kernel; BITS: the dropout mask read from the forward's bits."""
@@ -345,9 +365,9 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
-        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr24, inv_keep,
+        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr, inv_keep,
                               C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT,
-                              TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH)
+                              TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR)
         acc1 += dy
         acc2 += dy * xhat
         if SUM_XHAT:
@@ -402,11 +422,11 @@ def _bwd_finalize_kernel(part_ptr, a_ptr, mean_ptr, rstd_ptr, cmean_ptr, da_ptr,
 @triton.jit
 def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_ptr, e_ptr, seed_ptr, mean_ptr,
                    rstd_ptr, coef_ptr, C, HW, CW, G, CPG, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
-                   s_an, s_ac, s_en, s_ec, thr24, inv_keep,
+                   s_an, s_ac, s_en, s_ec, thr, inv_keep,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                    BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
-                   HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
+                   HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False):
     """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n. With HAS_DS plus ds, the
     gradient the first part (x a residual sum, model.norm_residual) gets from its other readers: one write of the
     sum's whole gradient where a pass of its own would read dx and ds and write their sum."""
@@ -420,9 +440,9 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
     alpha = tl.load(coef_ptr + n * 3 * C + cols, mask=cmask, other=0.0)
     beta = tl.load(coef_ptr + n * 3 * C + C + cols, mask=cmask, other=0.0)
     gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
-    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr24,
+    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr,
                           inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
-                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH)
+                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
     if HAS_DS:
         dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],

@@ -141,7 +141,8 @@ class GroupNormAct(nn.GroupNorm):
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
-                 parts: bool = False, saved_means: bool = False, mask_bits: bool = False, fast_silu: bool = False):
+                 parts: bool = False, saved_means: bool = False, mask_bits: bool = False, fast_silu: bool = False,
+                 pair_hash: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -150,9 +151,12 @@ class GroupNormAct(nn.GroupNorm):
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
         for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits),
-                         ("fast_silu", fast_silu)):
+                         ("fast_silu", fast_silu), ("pair_hash", pair_hash)):
             if on and impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
+        if pair_hash and num_channels % 2:
+            raise ValueError(f"pair_hash=True draws one hash for two channels: {num_channels} channels is odd; "
+                             "set pair_hash=False")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
@@ -162,10 +166,11 @@ class GroupNormAct(nn.GroupNorm):
         self.saved_means = saved_means  # fused, with an add: the backward's sum of xhat from the forward's means
         self.mask_bits = mask_bits  # fused, with dropout: the mask kept as bits by the forward, not hashed again
         self.fast_silu = fast_silu  # fused: SiLU and its derivative through one tanh.approx (gn_kernels._silu)
+        self.pair_hash = pair_hash  # fused, with dropout: one hash for two channels' masks (gn_kernels._keep_tile)
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
-        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits", "fast_silu")
+        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits", "fast_silu", "pair_hash")
                            if getattr(self, k))
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
@@ -213,7 +218,7 @@ class GroupNormAct(nn.GroupNorm):
                                                         None if add is None else add.to(dt).contiguous(),
                                                         seed, self.num_groups, self.eps, self.silu_mode, p,
                                                         *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
-                                                        res, res2, rbias)
+                                                        res, res2, rbias, self.pair_hash)
         if fold:
             fold.set(s)
         return out
@@ -283,25 +288,26 @@ def _on_triton(x: Tensor) -> bool:
 @torch.library.custom_op("ffcv_ddpm::group_norm_act", mutates_args=())
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
-                   saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None,
+                   pair_hash: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the plain-torch
-    path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second part of a channel concatenation [x, x2] that is never materialised
-    (model.fused_parts). cmean, bits: what the backward takes instead of a third sum and of the mask's hash
-    (model.norm_saved_means, model.norm_mask_bits; _extra_outputs), empty where off or without an add / dropout.
+    path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second part of a
+    channel concatenation [x, x2] that is never materialised (model.fused_parts). cmean, bits: what the backward
+    takes instead of a third sum and of the mask's hash (model.norm_saved_means, model.norm_mask_bits;
+    _extra_outputs), empty where off or without an add / dropout.
     res (res2, rbias): the first part is the residual sum s = x + res (+ res2) (+ rbias per channel), returned as s
-    (model.norm_residual; else s is empty)."""
+    (model.norm_residual; else s is empty). pair_hash: the dropout mask one hash for two channels (keep_mask)."""
     if _on_triton(x):
         return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
-                              mask_bits, res, res2, rbias)
+                              mask_bits, res, res2, rbias, pair_hash)
     s = residual_sum(x, res, res2, rbias).contiguous(memory_format=_format(x)) if res is not None else None
     return (*reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p, saved_means,
-                               mask_bits), x.new_empty(0) if s is None else s)
+                               mask_bits, pair_hash), x.new_empty(0) if s is None else s)
 
 
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
-      rbias):
+      rbias, pair_hash):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out = _output_like(x, x2)
     n, c = out.shape[:2]
@@ -314,14 +320,15 @@ def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, sa
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: int, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
-                            bits: Tensor | None, ds: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            bits: Tensor | None, ds: Tensor | None, pair_hash: bool
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part. cmean, bits: the
     forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
     to dx."""
     if _on_triton(x):
         return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
-                               cmean, bits, ds)
-    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits)
+                               cmean, bits, ds, pair_hash)
+    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits, pair_hash)
     dx2 = dx.new_empty(0)
     if x2 is not None:
         dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
@@ -330,7 +337,8 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
 
 
 @group_norm_act_backward.register_fake
-def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds):
+def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds,
+      pair_hash):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0))
 
@@ -349,13 +357,14 @@ def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias = inputs
+    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash = inputs
     _, mean, rstd, cmean, bits, s = output
     # With a residual sum the kernels after the statistics read s, not x: the backward too.
     ctx.save_for_backward(s if res is not None else x, a, b, e, seed, mean, rstd, x2,
                           cmean if cmean.numel() else None, bits if bits.numel() else None)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
     ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
+    ctx.pair_hash = pair_hash
 
 
 def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
@@ -363,12 +372,13 @@ def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
     has_res, has_res2, rbias_dtype = ctx.residual
     ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
     dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean, bits,
-                                                  ds)
+                                                  ds, ctx.pair_hash)
     # The sum's terms share its gradient; its bias, the sum of it over samples and pixels.
     dbias = (dx.sum((0, 2, 3), dtype=torch.promote_types(dx.dtype, torch.float32)).to(rbias_dtype)
              if rbias_dtype is not None else None)
     return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
-            dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias)
+            dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias,
+            None)  # pair_hash
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -438,9 +448,16 @@ def _extra_outputs(x: Tensor, n: int, c: int, hw: int, means: bool, bits: bool) 
             x.new_empty((n * hw, mask_words(c)) if bits else 0, dtype=torch.int32))
 
 
-def _dropout_args(p: float) -> tuple[int, float]:
-    """(threshold on the hash's top 24 bits, 1 / keep probability)."""
-    return int(round(p * (1 << 24))), 1.0 / (1.0 - p)
+def _dropout_args(p: float, pair_hash: bool = False) -> tuple[int, float]:
+    """(threshold on the hash's top 24 bits, or with pair_hash on each 16-bit half; 1 / keep probability)."""
+    return int(round(p * (1 << (16 if pair_hash else 24)))), 1.0 / (1.0 - p)
+
+
+def _pair(pair_hash: bool, p: float, c: int) -> bool:
+    """The kernels' PAIR: one hash for channels 2j and 2j + 1 (an even channel count, refused otherwise)."""
+    if pair_hash and p > 0 and c % 2:
+        raise ValueError(f"fused GroupNorm: pair_hash draws one hash for two channels; {c} channels is odd")
+    return pair_hash and p > 0
 
 
 def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, int, int], bool]:
@@ -455,7 +472,7 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
 
 
 def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None, saved_means=False,
-                   mask_bits=False, res=None, res2=None, rbias=None):
+                   mask_bits=False, res=None, res2=None, rbias=None, pair_hash=False):
     """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
     second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits, s): cmean the
     per-channel means of x + e with saved_means and an add, bits the dropout mask with mask_bits and p > 0 (their
@@ -492,9 +509,10 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
                              cmean_ptr=cmean if cmean.numel() else mean, SAVE_MEANS=cmean.numel() > 0,
                              num_warps=warps)
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
-        x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os, *_dropout_args(p),
-        BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=int(silu), DROPOUT=p > 0, TWO=two, BITS=bits.numel() > 0,
-        WORD=pl["WORD"], FAST_TANH=_fast_tanh(silu), num_warps=warps)
+        x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os,
+        *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=int(silu), DROPOUT=p > 0,
+        TWO=two, BITS=bits.numel() > 0, WORD=pl["WORD"], FAST_TANH=_fast_tanh(silu), PAIR=_pair(pair_hash, p, c),
+        num_warps=warps)
     return out, mean, rstd, cmean, bits, s_out
 
 
@@ -526,7 +544,7 @@ def _residual_args(x: Tensor, addends: tuple[Tensor, ...], rbias: Tensor | None,
 
 
 def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None,
-                    cmean=None, bits=None, ds=None):
+                    cmean=None, bits=None, ds=None, pair_hash=False):
     """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
     (dx, da, db, de, dx2), dx2 empty without a second part. cmean, bits: what triton_forward kept with saved_means
     and mask_bits (None: the backward sums xhat itself, hashes the mask again). ds: a gradient of x (the first part)
@@ -553,13 +571,13 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     bits_ = bits if use_bits else x  # never read when BITS is off
     common = (c, hw, mask_words(c), groups, pl["CPG"])
     flags = dict(HAS_ADD=e is not None, SILU=int(silu), DROPOUT=p > 0, TWO=two, BITS=use_bits, WORD=pl["WORD"],
-                 FAST_TANH=_fast_tanh(silu), num_warps=warps)
+                 FAST_TANH=_fast_tanh(silu), PAIR=_pair(pair_hash, p, c), num_warps=warps)
     dx2_ = dx2 if two else dx  # never written when TWO is off
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)
     coef = x.new_empty((n, 3, c), dtype=torch.float32)
     K._bwd_reduce_kernel[(n, k)](dout, x, x2_, bits_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *dstr,
-                                 a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p),
+                                 a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p, pair_hash),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
                                  STAGES=stages or None, SUM_XHAT=e is not None and not from_means, **flags)
     K._bwd_finalize_kernel[(n,)](part, a, mean, rstd, cmean if from_means else mean, da, db,
@@ -575,7 +593,8 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
         extra = dict(ds_ptr=ds, s_gn=s_gn, s_gc=s_gc, s_ghw=s_ghw, HAS_DS=True)
     K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
         dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *dstr, a.stride(0),
-        a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
+        a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"],
+        BLOCK_C=pl["BLOCK_C"],
         **flags, **extra)
     return dx, da, db, de, dx2
 
@@ -583,22 +602,29 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
 # ---------------------------------------------------------------------------------------------------- reference
 
 
-def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float) -> Tensor:
-    """Dropout's keep mask for an (N, C, H, W) output, as the Triton kernels draw it (gn_kernels._keep): a 32-bit hash
-    of the seed and each element's logical index in (n, hw, c) order, kept where its top 24 bits are >= p * 2^24."""
+def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float, pair_hash: bool = False) -> Tensor:
+    """Dropout's keep mask for an (N, C, H, W) output, as the Triton kernels draw it (gn_kernels._keep_tile): a 32-bit
+    hash of the seed and each element's logical index in (n, hw, c) order, kept where its top 24 bits are
+    >= p * 2^24; with pair_hash a hash of each pair of channels' index (n, hw, c // 2), channel c's the low 16 bits
+    for even c and the high for odd, kept where >= p * 2^16."""
     n, c, h, w = shape
     m32 = np.uint64(0xFFFFFFFF)  # uint64 products of two 32-bit values do not overflow; keep the low 32 bits
     s = np.uint64(int(seed.reshape(-1)[0]) & 0xFFFFFFFF)
     s ^= s >> np.uint64(16)
     s = (s * np.uint64(0x7FEB352D)) & m32
     s ^= s >> np.uint64(15)
-    z = (np.arange(n * h * w * c, dtype=np.uint64) * np.uint64(0x9E3779B1) + s) & m32
+    index = np.arange(n * h * w * c, dtype=np.uint64)
+    z = ((index >> np.uint64(1) if pair_hash else index) * np.uint64(0x9E3779B1) + s) & m32
     z ^= z >> np.uint64(16)
     z = (z * np.uint64(0x85EBCA6B)) & m32
     z ^= z >> np.uint64(13)
     z = (z * np.uint64(0xC2B2AE35)) & m32
     z ^= z >> np.uint64(16)
-    keep = (z >> np.uint64(8)).astype(np.int64) >= _dropout_args(p)[0]
+    if pair_hash:  # the pair's index is the element's halved: c even, so a pair never straddles two rows
+        z = (z >> (np.uint64(16) * (index & np.uint64(1)))) & np.uint64(0xFFFF)
+    else:
+        z = z >> np.uint64(8)
+    keep = z.astype(np.int64) >= _dropout_args(p, pair_hash)[0]
     return torch.from_numpy(keep).view(n, h, w, c).permute(0, 3, 1, 2)
 
 
@@ -613,14 +639,15 @@ def pack_bits(keep: Tensor) -> Tensor:
 
 
 def unpack_bits(bits: Tensor, shape: tuple[int, int, int, int]) -> Tensor:
-    """pack_bits' (and conv_gn.keep_bits') words as the boolean (N, C, H, W) mask they hold (torch: the checks' reference reads it)."""
+    """pack_bits' (and conv_gn.keep_bits') words as the boolean (N, C, H, W) mask they hold (torch: the checks'
+    reference reads it)."""
     n, c, h, w = shape
     ch = torch.arange(c, device=bits.device)
     words = bits.view(n, h, w, -1)[..., ch // 32]  # (N, H, W, C): each channel's word
     return ((words >> (ch % 32)) & 1).bool().permute(0, 3, 1, 2)
 
 
-def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
+def _reference_math(x, a, b, e, seed, groups, eps, silu, p, pair_hash=False):
     """(out, mean, rstd, xhat, y): the forward in x's precision (fp32 at least), keeping what the backward needs."""
     n, c = x.shape[:2]
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -632,23 +659,23 @@ def _reference_math(x, a, b, e, seed, groups, eps, silu, p):
     y = xhat * a.to(xf.dtype)[:, :, None, None] + b.to(xf.dtype)[:, :, None, None]
     out = F.silu(y) if silu else y
     if p > 0:
-        out = torch.where(keep_mask(seed, tuple(x.shape), p).to(out.device), out * _dropout_args(p)[1], 0.0)
+        out = torch.where(keep_mask(seed, tuple(x.shape), p, pair_hash).to(out.device), out * _dropout_args(p)[1], 0.0)
     return out, mean, rstd, xhat, y
 
 
-def reference_forward(x, a, b, e, seed, groups, eps, silu, p, saved_means=False, mask_bits=False):
+def reference_forward(x, a, b, e, seed, groups, eps, silu, p, saved_means=False, mask_bits=False, pair_hash=False):
     """The op in plain torch (its CPU kernel), with the outputs triton_forward gives."""
-    out, mean, rstd, _, _ = _reference_math(x, a, b, e, seed, groups, eps, silu, p)
+    out, mean, rstd, _, _ = _reference_math(x, a, b, e, seed, groups, eps, silu, p, pair_hash)
     n, c, h, w = x.shape
     cmean, bits = _extra_outputs(x, n, c, h * w, False, False)
     if e is not None and saved_means:
         cmean = (x.to(mean.dtype).mean((2, 3)) + e.to(mean.dtype)).float()
     if p > 0 and mask_bits:
-        bits = pack_bits(keep_mask(seed, tuple(x.shape), p).to(x.device))
+        bits = pack_bits(keep_mask(seed, tuple(x.shape), p, pair_hash).to(x.device))
     return out.to(x.dtype).contiguous(memory_format=_format(x)), mean.float(), rstd.float(), cmean, bits
 
 
-def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p, bits=None):
+def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p, bits=None, pair_hash=False):
     """The op's backward in plain torch (its CPU kernel): the same formulas as the Triton kernel, the dropout mask
     read from `bits` where the forward kept it. (Not autograd: a custom op's kernel runs below the autograd dispatch
     key.)"""
@@ -659,7 +686,7 @@ def reference_backward(dout, x, a, b, e, seed, groups, eps, silu, p, bits=None):
         if bits is not None:
             keep = unpack_bits(bits, tuple(x.shape))
         else:
-            keep = keep_mask(seed, tuple(x.shape), p)
+            keep = keep_mask(seed, tuple(x.shape), p, pair_hash)
         dy = torch.where(keep.to(dy.device), dy * _dropout_args(p)[1], 0.0)
     if silu:
         sig = torch.sigmoid(y)

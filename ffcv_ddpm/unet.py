@@ -89,6 +89,10 @@ class ModelConfig:
     # points of a copy's rate to SiLU's arithmetic (NOTES items 36-37); tanh.approx's ~2^-11 relative error is
     # under bf16's rounding, but it is not exact: NOTES 27's numerics rule before it becomes a default.
     norm_fast_silu: bool = False
+    # norm_impl=fused, the GroupNorms with dropout: one hash for each pair of channels (its 16-bit halves against
+    # p * 2^16) instead of one an element: half the integer work of the mask, which the kernels are short of (NOTES
+    # item 37: the hash costs the apply ~15 points of a copy's rate). A different mask of the same p (to 2^-16).
+    norm_pair_hash: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -112,7 +116,7 @@ class ModelConfig:
 
     def norm_switches(self) -> dict:
         """The fused kernels' switches as GroupNormAct takes them (for the GroupNorms with an add or dropout)."""
-        return dict(saved_means=self.norm_saved_means, mask_bits=self.norm_mask_bits)
+        return dict(saved_means=self.norm_saved_means, mask_bits=self.norm_mask_bits, pair_hash=self.norm_pair_hash)
 
     def validate(self) -> None:
         """Raises ValueError naming the first inconsistent field, so a bad config fails before building."""
@@ -163,7 +167,7 @@ class ModelConfig:
         if self.norm_residual and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("norm_residual=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set norm_residual=False")
-        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu"):
+        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu", "norm_pair_hash"):
             if getattr(self, name) and self.norm_impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused GroupNorm kernels: it needs norm_impl='fused' "
                                  f"(got {self.norm_impl!r}); set {name}=False")

@@ -396,10 +396,13 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     resamplers = [m for m in new.modules() if isinstance(m, (Downsample, Upsample))]
     assert len(in_torch) == len(resamplers) and len(made) > 2 * len(in_torch)
     assert all(p.computed is not None for p in made)
-    for key in switch:
+    # model.norm_pair_hash draws another mask (tests/test_norm.py checks it): here only where it goes, and refused
+    pairs = build_model(load_config("ddpm-cifar10", ["model.norm_pair_hash=True"]).model)
+    assert {m.norm2.pair_hash for m in pairs.modules() if isinstance(m, DDPMResBlock)} == {True}
+    for key in (*switch, "norm_pair_hash"):
         with pytest.raises(BadValue, match=f"{key}=True is a switch of the fused GroupNorm kernels"):
-            load_config("ddpm-cifar10", [f"model.{key}=True", "model.norm_impl=scale-shift",
-                                         "model.fused_parts=False"])
+            load_config("ddpm-cifar10", ["model.norm_fast_silu=False", f"model.{key}=True",
+                                         "model.norm_impl=scale-shift", "model.fused_parts=False"])
     with pytest.raises(BadValue, match="norm_residual=True is built for arch='ddpm'"):
         load_config("annotated-small", ["model.norm_residual=True", "model.norm_impl=fused"])
 

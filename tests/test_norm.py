@@ -72,12 +72,13 @@ def test_group_norm_act_matches_torch_fp64(impl, channels_last, variant):
         assert y.is_contiguous(memory_format=torch.channels_last) and xi.grad.is_contiguous(memory_format=torch.channels_last)
 
 
-def test_fused_dropout_mask_is_shared_by_forward_and_backward():
-    """The backward recomputes the forward's mask: gradients match the reference with the mask read off the output;
-    a new call draws a new mask; eval mode has none."""
+@pytest.mark.parametrize("pair_hash", [False, True], ids=["hash-an-element", "hash-a-pair"])
+def test_fused_dropout_mask_is_shared_by_forward_and_backward(pair_hash):
+    """The backward recomputes the forward's mask (one hash an element, or a pair of channels: pair_hash): gradients
+    match the reference with the mask read off the output; a new call draws a new mask; eval mode has none."""
     g = torch.Generator().manual_seed(1)
     x = spread_input((4, 8, 6, 6), g)
-    m = GroupNormAct(2, 8, "fused", dropout=0.3).double()
+    m = GroupNormAct(2, 8, "fused", dropout=0.3, pair_hash=pair_hash).double()
     xi = x.clone().requires_grad_()
     y = m(xi)
     keep = y != 0
@@ -125,9 +126,9 @@ def test_triton_kernels_against_reference(case):
     check_kernels(case, N.DEFAULT_PLAN)
 
 
-def check_kernels(case, plan):
+def check_kernels(case, plan, pair_hash=False):
     """test_triton_kernels_against_reference's checks, the kernels launched with `plan` (tile, chunk, warps[,
-    stages])."""
+    stages]), the dropout mask hashed a pair of channels at a time with pair_hash."""
     needs_triton()
     n, c, h, w, groups, silu, p, add, cl, dtype = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,16 +139,17 @@ def check_kernels(case, plan):
     a, b = (torch.randn(n, c, generator=g).to(dev) for _ in range(2))
     e = torch.randn(n, c, generator=g).to(dev) if add else None
     seed = torch.tensor([1234], device=dev)
-    out, mean, rstd, cmean, bits, s = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan)
+    out, mean, rstd, cmean, bits, s = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan,
+                                                       pair_hash=pair_hash)
     assert cmean.numel() == bits.numel() == s.numel() == 0  # only when asked for (test_saved_means_..., _residual_...)
     xd = x.double()
     leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
 
     def fn(x, a, b, *e):
-        return N._reference_math(x, a, b, e[0] if e else None, seed.cpu(), groups, 1e-5, silu, p)[0]
+        return N._reference_math(x, a, b, e[0] if e else None, seed.cpu(), groups, 1e-5, silu, p, pair_hash)[0]
 
     ref_out, ref_mean, ref_rstd, _, _ = N._reference_math(*leaves[:3], leaves[3] if add else None, seed.cpu(),
-                                                          groups, 1e-5, silu, p)
+                                                          groups, 1e-5, silu, p, pair_hash)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     if silu == 2 and dev == "cuda":
         tol = max(tol, 2e-3)  # tanh.approx.f32: ~2^-11 relative, what the switch trades for one MUFU op
@@ -159,7 +161,8 @@ def check_kernels(case, plan):
     assert out.stride() == x.stride()
 
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
-    dx, da, db, de, dx2 = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan)
+    dx, da, db, de, dx2 = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan,
+                                            pair_hash=pair_hash)
     assert dx2.numel() == 0  # one part
     _, *ref_grads = grads(fn, leaves, dout.double())
     for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
@@ -323,6 +326,35 @@ def test_parts_that_differ_in_more_than_channels_are_refused():
                          *N.DEFAULT_PLAN, x2=x2)
     with pytest.raises(ValueError, match="parts=True is a switch of the fused kernels"):
         GroupNormAct(4, 16, "scale-shift", parts=True)
+
+
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[7]], ids=["c24-p0.3", "bf16", "fast-silu-bf16"])
+def test_pair_hash_kernels_against_reference(case):
+    """model.norm_pair_hash: the kernels draw one hash for channels 2j and 2j + 1 (its two 16-bit halves), forward
+    and both backward kernels alike, and keep_mask(pair_hash=True) is that mask: the same checks as the per-element
+    hash's (the same elements dropped, every gradient), and a mask that is not the per-element one."""
+    check_kernels(case, N.DEFAULT_PLAN, pair_hash=True)
+    n, c, h, w, p = case[0], case[1], case[2], case[3], case[6]
+    seed = torch.tensor([1234])
+    assert not torch.equal(N.keep_mask(seed, (n, c, h, w), p, True), N.keep_mask(seed, (n, c, h, w), p))
+
+
+def test_pair_hash_refuses_an_odd_channel_count():
+    with pytest.raises(ValueError, match="15 channels is odd; set pair_hash=False"):
+        GroupNormAct(5, 15, "fused", dropout=0.1, pair_hash=True)
+    with pytest.raises(ValueError, match="pair_hash=True is a switch of the fused kernels"):
+        GroupNormAct(4, 16, "torch", pair_hash=True)
+
+
+def test_pair_hash_mask_is_a_fair_coin_per_element_and_pair():
+    """The pair mask: about 1 - p kept, per channel and per row, and the two channels of a pair independent (their
+    halves of one hash): both dropped about p^2 of the time, not p."""
+    shape = (8, 16, 16, 16)
+    k = N.keep_mask(torch.tensor([1]), shape, 0.25, pair_hash=True).double()
+    assert abs(k.mean().item() - 0.75) < 0.01
+    assert k.mean((0, 2, 3)).sub(0.75).abs().max() < 0.03 and k.mean((0, 1, 3)).sub(0.75).abs().max() < 0.03
+    both_dropped = ((1 - k[:, 0::2]) * (1 - k[:, 1::2])).mean().item()
+    assert abs(both_dropped - 0.25 ** 2) < 0.01
 
 
 def test_keep_mask_is_a_fair_coin_per_element():
@@ -524,12 +556,13 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     y.sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    # the plan, then no second part, the switches off and no residual sum
-    assert len(calls) == 1 and calls[0].args[-10:] == (2048, 65536, 8, 0, None, False, False, None, None, None)
+    # the plan, then no second part, the switches off, no residual sum and the per-element hash
+    assert len(calls) == 1 and calls[0].args[-11:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
+                                                       False)
     torch._dynamo.reset()
     staged, backend = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8, 3)), EagerAndRecordGraphs()
     torch.compile(staged, backend=backend, fullgraph=True)(x)
-    assert [node.args[-10:-3] for graph in backend.graphs for node in graph.graph.nodes
+    assert [node.args[-11:-4] for graph in backend.graphs for node in graph.graph.nodes
             if node.op == "call_function" and "group_norm_act" in str(node.target)] == [
         (2048, 65536, 8, 3, None, False, False)]
     ref = GroupNormAct(2, 8, "fused")
@@ -539,13 +572,14 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
 
 
 def test_the_switches_compile_into_the_op_and_its_backward():
-    """torch.compile (fullgraph) of a fused GroupNormAct with an add and dropout and both switches (saved_means,
-    mask_bits): the forward call carries them, its extra outputs (the means, the mask's bits: the fake
-    implementation's shapes) reach the backward op, and the numbers are the eager module's with the same seed."""
+    """torch.compile (fullgraph) of a fused GroupNormAct with an add and dropout and its switches (saved_means,
+    mask_bits, pair_hash): the forward call carries them, its extra outputs (the means, the mask's bits: the fake
+    implementation's shapes) reach the backward op, pair_hash too, and the numbers are the eager module's with the
+    same seed."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
-    m = GroupNormAct(2, 40, "fused", dropout=0.3, saved_means=True, mask_bits=True).train()
+    m = GroupNormAct(2, 40, "fused", dropout=0.3, saved_means=True, mask_bits=True, pair_hash=True).train()
     backend = AotEagerAndRecordGraphs()
     x = torch.randn(2, 40, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
     temb = torch.randn(2, 40, requires_grad=True)
@@ -554,10 +588,11 @@ def test_the_switches_compile_into_the_op_and_its_backward():
     y.square().sum().backward()
     fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     bw = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
-    assert len(fw) == 1 and fw[0].args[-5:] == (True, True, None, None, None) and len(bw) == 1
+    assert len(fw) == 1 and fw[0].args[-6:] == (True, True, None, None, None, True) and len(bw) == 1
     cmean, bits = (fw[0].meta["val"][i] for i in (3, 4))
     assert cmean.shape == (2, 40) and bits.shape == (2 * 9, 2) and bits.dtype == torch.int32
-    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-3:-1])  # the forward's means and bits
+    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-4:-2])  # the forward's means and bits
+    assert bw[0].args[-1] is True  # pair_hash: the backward draws the forward's mask
     r, rt = x.detach().clone().requires_grad_(), temb.detach().clone().requires_grad_()
     torch.manual_seed(0)
     want = m(r, add=rt)

@@ -26,16 +26,21 @@ def test_the_grid_sweeps_every_tile_chunk_and_warp_combination():
 
 
 def test_the_fused_layer_is_built_with_the_plan_given(monkeypatch):
-    """Site.layer hands the plan to GroupNormAct (no module constants to assign), None meaning the default."""
+    """Site.layer hands the plan to GroupNormAct (no module constants to assign), None meaning the default, and the
+    config's switches to the fused layer alone, a --kernels variant's over them."""
     from ffcv_ddpm.norm import DEFAULT_PLAN, GroupNormAct
 
     built = []
-    monkeypatch.setattr(GroupNormAct, "cuda", lambda self: built.append(self.plan) or self)
+    monkeypatch.setattr(GroupNormAct, "cuda", lambda self: built.append((self.plan, self.fast_silu)) or self)
     site = norm_bench.Site.__new__(norm_bench.Site)  # without its CUDA inputs: only layers are built here
-    site.shape = (2, 8, 4, 4, 0.0, False, 2)
+    site.shape, site.fused = (2, 8, 4, 4, 0.0, False, 2), (("fast_silu", True), ("pair_hash", True))
     site.layer("fused", (1024, 16384, 4))
     site.layer("fused", None)
-    assert built == [(1024, 16384, 4), DEFAULT_PLAN] and DEFAULT_PLAN != (1024, 16384, 4)
+    site.layer("fused", None, (("fast_silu", False),))
+    assert built == [((1024, 16384, 4), True), (DEFAULT_PLAN, True), (DEFAULT_PLAN, False)]
+    assert DEFAULT_PLAN != (1024, 16384, 4)
+    site.layer("scale-shift", None)  # the fused switches would be refused by any other implementation
+    assert built[-1] == (None, False)
 
 
 def test_best_plans_takes_the_fastest_fused_row_of_each_site():

@@ -32,8 +32,9 @@ from ffcv_ddpm.checks import Parser, fail
 # the first GroupNorms reading a residual sum (RES terms and a bias added in the statistics kernel, which writes
 # the sum; HAS_DS: the sum's other gradients added in the dx kernel): a down block's (one term, its skip), an up
 # block's (two terms, its skip convolution over the parts) with its second part. With model.norm_fast_silu (NOTES
-# item 37) SILU is 2 and FAST_TANH on: SiLU and its derivative through tanh.approx.f32, inline PTX.
-FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS", "FAST_TANH")
+# item 37) SILU is 2 and FAST_TANH on: SiLU and its derivative through tanh.approx.f32, inline PTX; with
+# model.norm_pair_hash PAIR on: one hash for two channels' dropout masks.
+FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS", "FAST_TANH", "PAIR")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
@@ -47,6 +48,7 @@ VARIANTS = {
     "res block norm1, fast SiLU": (2, False, False, False, False, False, 0, False, False, True),
     "norm2, fast SiLU": (2, True, True, False, True, False, 0, False, False, True),
     "norm2, fast SiLU + mask bits": (2, True, True, False, True, True, 0, False, False, True),
+    "norm2, fast SiLU + pair hash": (2, True, True, False, True, False, 0, False, False, True, True),
 }
 # The residual sum's pointers (norm.py passes None, a constant, where a variant reads none of them).
 RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
@@ -57,7 +59,7 @@ KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_ke
 # 256) among them: built as not divisible, the up blocks' two-part variants lost their vector loads and pipelining
 # here, where the H100 trace of profile-best-0c88903 shows them with both (its reduction 125 registers, 36 KB).
 UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
-NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr24", "eps", "inv_keep"}
+NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
                  "ds_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
@@ -133,7 +135,8 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
         params = inspect.signature(kernel.fn).parameters
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
-            flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False, FAST_TANH=False),
+            flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False, FAST_TANH=False,
+                            PAIR=False),
                      **dict(zip(FLAGS, flags))}
             # the finalize kernels keep and read the means where the reduction does not sum xhat
             flags["SAVE_MEANS"] = flags["FROM_MEANS"] = flags["HAS_ADD"] and not flags["SUM_XHAT"]

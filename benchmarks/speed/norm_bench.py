@@ -9,8 +9,9 @@
     python -m benchmarks.speed.norm_bench --out /tmp/nb --impls fused --kernels     # each kernel against a copy
 
 No --data: the inputs are random tensors at the sites' shapes (no dataset is read).
-Each implementation of ffcv_ddpm.norm.GroupNormAct (torch, scale-shift, fused) runs under torch.compile and bf16
-autocast, as in the trainer, and its output is cast to bf16 as the next convolution would. Timing (--timing graph,
+Each implementation of ffcv_ddpm.norm.GroupNormAct (torch, scale-shift, fused: with the config's model.norm_*
+switches, the preset's fast SiLU among them) runs under torch.compile and bf16 autocast, as in the trainer, and its
+output is cast to bf16 as the next convolution would. Timing (--timing graph,
 the default): --iters calls captured as one CUDA graph and replayed, so the kernels are timed without the host's
 launches between them (an H100 run launched from the host measured the same plan up to 1.9x apart in two runs:
 NOTES item 15); every implementation and plan of a site is measured --rounds times, interleaved, and a row is its
@@ -56,8 +57,9 @@ FUSED_PLANS = {"default": ((2048, 65536, 4, 4), (2048, 65536, 4), (1024, 16384, 
 class Site:
     """One shape's inputs and each implementation's layer, built once and timed under any plan."""
 
-    def __init__(self, shape: tuple):
+    def __init__(self, shape: tuple, fused: tuple = ()):
         self.shape = shape
+        self.fused = fused  # the fused layer's switches as the config sets them: (name, value) pairs
         n, c, h, w, _, add, _ = shape
         torch.manual_seed(0)
         x = (torch.randn(n, c, h, w, device="cuda") * 2 + 1).to(torch.bfloat16)
@@ -73,7 +75,8 @@ class Site:
         from ffcv_ddpm.norm import GroupNormAct
 
         _, c, _, _, site_p, _, groups = self.shape
-        m = GroupNormAct(groups, c, impl, plan=plan, **{"dropout": site_p, **dict(switches)}).cuda()
+        own = dict(self.fused) if impl == "fused" else {}
+        m = GroupNormAct(groups, c, impl, plan=plan, **{"dropout": site_p, **own, **dict(switches)}).cuda()
 
         def fwd(x, e):
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -109,15 +112,16 @@ KERNEL_PASSES = {"_stats_kernel": 1, "_apply_kernel": 2, "_bwd_reduce_kernel": 2
 BITS_KERNELS = ("_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
 
 
-# --kernels profiles the site's layer, then with SiLU through tanh.approx (fast_silu), with the mask as bits
-# (mask_bits, where the site has dropout), both, then without its dropout and without SiLU either: what each
-# kernel's arithmetic costs it beside its bytes, and what the two switches win back of it. (name, switches,
-# whether the variant needs the site's dropout)
+# --kernels profiles the site's layer as the config has it (the preset: SiLU through tanh.approx), then with the
+# exact SiLU, with the dropout mask a hash a pair of channels (pair_hash) or kept as bits (mask_bits) where the site
+# has dropout, then without its dropout and without SiLU either: what each kernel's arithmetic costs it beside its
+# bytes, and what each switch wins back of it. (name, switches over the config's, whether it needs the site's
+# dropout)
 KERNEL_VARIANTS = (
     ("as at the site", (), False),
-    ("fast SiLU", (("fast_silu", True),), False),
+    ("exact SiLU", (("fast_silu", False),), False),
+    ("pair hash", (("pair_hash", True),), True),
     ("mask bits", (("mask_bits", True),), True),
-    ("fast SiLU, mask bits", (("fast_silu", True), ("mask_bits", True)), True),
     ("no dropout", (("dropout", 0.0),), True),
     ("no SiLU, no dropout", (("silu", False), ("dropout", 0.0)), False),
 )
@@ -210,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                         "median round (the spread between rounds is in the JSON)")
     p.add_argument("--kernels", action="store_true",
                    help="also each fused kernel's ms a call at the plans' first (torch.profiler) and its rate against "
-                        "a copy of one pass's size measured here, as the site has it and in KERNEL_VARIANTS' variants: "
-                        "fast SiLU, mask bits, both, no dropout, neither (NOTES items 36-37)")
+                        "a copy of one pass's size measured here, as the site has it (the config's model.norm_* "
+                        "switches) and in KERNEL_VARIANTS' variants: exact SiLU, pair hash, mask bits, no dropout, "
+                        "neither SiLU nor dropout (NOTES items 36-37)")
     args, overrides = p.parse_with_overrides(argv)
     try:
         cfg = load_config("ddpm-cifar10", [*DEFAULTS, *overrides])
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {"timing": args.timing, "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
                            "plans": args.plans, "kernels": args.kernels}}
     for shape in shapes:
-        site = Site(shape)
+        site = Site(shape, fused=(("fast_silu", cfg.model.norm_fast_silu), ("pair_hash", cfg.model.norm_pair_hash),
+                                  ("mask_bits", cfg.model.norm_mask_bits)))
         runs = [(impl, plan) for impl in args.impls.split(",")
                 for plan in (FUSED_PLANS[args.plans] if impl == "fused" else (None,))]
         got, failed = sweep(lambda impl, plan: site.measure(impl, plan, args.timing, args.iters, args.warmup),
