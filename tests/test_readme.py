@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.speed.ddp import parse_variant
+from benchmarks.speed import ddp, levers
 from benchmarks.speed.report import add_metrics
 from benchmarks.speed.rows import TABLES, resolve_rows
 from ffcv_ddpm import checks
@@ -137,7 +137,8 @@ def check_command(command: str, parse_only) -> None:
         preset = preset if preset in PRESETS else "ddpm-cifar10"
         if parsed.overrides:  # every KEY=VALUE names a config field and holds an allowed value
             load_config(preset, parsed.overrides)
-        for text in getattr(parsed.options, "variant", None) or []:  # benchmarks.speed.ddp: NAME:KEY=VALUE ...
+        for text in getattr(parsed.options, "variant", None) or []:  # ddp and levers: NAME:KEY=VALUE ...
+            parse_variant = levers.parse_variant if module == "benchmarks.speed.levers" else ddp.parse_variant
             try:
                 load_config(preset, [*parsed.overrides, *parse_variant(text)[1]])
             except ValueError as e:
