@@ -173,3 +173,16 @@ def commit_text(env: dict, width: int = 10) -> str:
     note = (" (declared, not verified)" if str(env.get("commit_source", "")).startswith("declared")
             else " (dirty)" if env.get("dirty") else "")
     return commit[:width] + note
+
+
+def parse_variant(text: str, example: str) -> tuple[str, tuple[str, ...]]:
+    """--variant NAME:KEY=VALUE[,KEY=VALUE...] (benchmarks.speed.levers, benchmarks.speed.ddp) as (name, overrides);
+    ValueError saying what to write, with `example`. Spaces separate overrides, and so does a comma before the next
+    KEY=: a value may hold commas (model.norm_plan=1024,16384,4)."""
+    import re
+
+    name, sep, rest = text.partition(":")
+    overrides = tuple(o for part in rest.split() for o in re.split(r",(?=[A-Za-z_][\w.]*=)", part) if o)
+    if not sep or not name.strip() or not overrides or not all("=" in o for o in overrides):
+        raise ValueError(f"--variant {text!r}: write NAME:KEY=VALUE[,KEY=VALUE...], e.g. {example}")
+    return name.strip(), overrides

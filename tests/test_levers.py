@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.speed import levers
+from benchmarks.speed import ddp, levers
 
 
 def test_rows_are_rounds_of_the_defaults_and_each_variant():
@@ -10,6 +10,11 @@ def test_rows_are_rounds_of_the_defaults_and_each_variant():
         "bits", ("model.norm_mask_bits=True", "train.seed=3"))
     assert levers.parse_variant("plan:model.norm_plan=1024,16384,4,train.seed=3") == (
         "plan", ("model.norm_plan=1024,16384,4", "train.seed=3"))
+    # the one parser of levers and ddp: spaces separate overrides too, and ddp takes commas as levers does
+    assert levers.parse_variant("b:model.norm_mask_bits=True train.seed=3") == levers.parse_variant(
+        "b:model.norm_mask_bits=True,train.seed=3")
+    assert ddp.parse_variant("g:train.ddp_grad_dtype=bf16,data.loader=gpu") == (
+        "g", ["train.ddp_grad_dtype=bf16", "data.loader=gpu"])
     rows = levers.plan_rows(list(levers.DEFAULT_VARIANTS))
     names = ["defaults", "all", "residual", "saved-means", "mask-bits"]
     assert [name for name, _ in rows] == names * 2 and rows[0][1] == ()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.speed import ddp, levers
+from benchmarks.common import parse_variant
 from benchmarks.speed.report import add_metrics
 from benchmarks.speed.rows import TABLES, resolve_rows
 from ffcv_ddpm import checks
@@ -137,10 +137,9 @@ def check_command(command: str, parse_only) -> None:
         preset = preset if preset in PRESETS else "ddpm-cifar10"
         if parsed.overrides:  # every KEY=VALUE names a config field and holds an allowed value
             load_config(preset, parsed.overrides)
-        for text in getattr(parsed.options, "variant", None) or []:  # ddp and levers: NAME:KEY=VALUE ...
-            parse_variant = levers.parse_variant if module == "benchmarks.speed.levers" else ddp.parse_variant
+        for text in getattr(parsed.options, "variant", None) or []:  # ddp and levers: NAME:KEY=VALUE[,...]
             try:
-                load_config(preset, [*parsed.overrides, *parse_variant(text)[1]])
+                load_config(preset, [*parsed.overrides, *parse_variant(text, "")[1]])
             except ValueError as e:
                 raise AssertionError(f"{command}: --variant {text}: {e}") from None
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from benchmarks.common import (DATA_HELP, DEFAULT_DATA, REPO, BenchError, commit_text, ensure_dataset, md_table,
                                pyplot, results_out, save_figure, write_json, write_text)
+from benchmarks.common import parse_variant as parse_any_variant
 from benchmarks.speed.flops import train_flops_per_image
 from benchmarks.speed.peaks import lookup_peak
 from ffcv_ddpm import stopping
@@ -266,13 +267,10 @@ def sum_of_processes(stats: list[list[dict]]) -> dict:
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
-    """--variant NAME:KEY=VALUE[ KEY=VALUE ...]: a DDP setting to measure beside the default."""
-    name, sep, rest = text.partition(":")
-    items = rest.split()
-    if not sep or not name.strip() or not items or not all("=" in i for i in items):
-        raise ValueError(f"expected NAME:KEY=VALUE [KEY=VALUE ...], e.g. bf16-grads:train.ddp_grad_dtype=bf16; "
-                         f"got {text!r}")
-    return name.strip(), items
+    """--variant NAME:KEY=VALUE[,KEY=VALUE...]: a DDP setting to measure beside the default
+    (benchmarks.common.parse_variant: commas or spaces between the overrides, as levers takes them)."""
+    name, overrides = parse_any_variant(text, "bf16-grads:train.ddp_grad_dtype=bf16")
+    return name, list(overrides)
 
 
 def _allreduce_worker(rank: int, nproc: int, store: str, numel: int, iters: int, results, cuda: bool) -> None:
@@ -564,7 +562,7 @@ def run(argv: list[str] | None) -> int:
     p.add_argument("--control", action="store_true",
                    help="also run N independent single-GPU trainers at once (no DDP) for each N > 1: what the host "
                         "gives N GPUs without communication")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[ KEY=VALUE]",
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                    help="also run the per-GPU points with these overrides (repeatable), e.g. "
                         "'bf16-grads:train.ddp_grad_dtype=bf16' or 'gpu-data:data.loader=gpu'; one process too "
                         "unless it sets train.ddp_* keys alone")
@@ -608,7 +606,7 @@ def run(argv: list[str] | None) -> int:
             vcfg = load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
             variants.append((name, extra, vcfg.data.batch_size))
     except ValueError as e:
-        return fail("ddp", f"--variant: {e}")
+        return fail("ddp", str(e) if str(e).startswith("--variant") else f"--variant: {e}")
     batch = cfg.data.batch_size
     if args.loss_check and (args.mode == "per-gpu" or 1 not in counts or not many_of(counts)):
         return fail("ddp", "--loss-check compares global-batch points with one process: give --mode global "

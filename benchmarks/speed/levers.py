@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import BenchError, ensure_dataset, write_json
+from benchmarks.common import parse_variant as parse_any_variant
 from ffcv_ddpm.checks import Parser, at_least, fail, option
 
 DEFAULT_VARIANTS = (
@@ -38,16 +39,8 @@ BATCH = 1024  # unless data.batch_size says otherwise: the batch of the bench's 
 
 
 def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
-    """--variant NAME:KEY=VALUE[,KEY=VALUE...] as (name, overrides); ValueError saying what to write. A comma
-    starts another override only before KEY=: a value may hold commas (model.norm_plan=1024,16384,4)."""
-    import re
-
-    name, _, rest = text.partition(":")
-    overrides = tuple(o for o in re.split(r",(?=[A-Za-z_][\w.]*=)", rest) if o)
-    if not name or not overrides or not all("=" in o for o in overrides):
-        raise ValueError(f"--variant {text!r}: write NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
-                         "bits:model.norm_mask_bits=True")
-    return name, overrides
+    """--variant NAME:KEY=VALUE[,KEY=VALUE...] as (name, overrides): benchmarks.common.parse_variant."""
+    return parse_any_variant(text, "bits:model.norm_mask_bits=True")
 
 
 def plan_rows(variants: list[tuple[str, tuple[str, ...]]], rounds: int = 2) -> list[tuple[str, tuple[str, ...]]]:
