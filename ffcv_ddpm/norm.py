@@ -613,6 +613,7 @@ def keep_mask(seed: Tensor, shape: tuple[int, ...], p: float, pair_hash: bool = 
     s ^= s >> np.uint64(16)
     s = (s * np.uint64(0x7FEB352D)) & m32
     s ^= s >> np.uint64(15)
+    pair_hash = _pair(pair_hash, p, c)  # the kernels' rule: an odd channel count is refused here too
     index = np.arange(n * h * w * c, dtype=np.uint64)
     z = ((index >> np.uint64(1) if pair_hash else index) * np.uint64(0x9E3779B1) + s) & m32
     z ^= z >> np.uint64(16)

@@ -602,11 +602,14 @@ def run(argv: list[str] | None) -> int:
     try:
         variants = []  # (name, settings, batch): data.batch_size in a variant is its batch per GPU
         for text in args.variant:
-            name, extra = parse_variant(text)
-            vcfg = load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
+            name, extra = parse_variant(text)  # its ValueError names the --variant
+            try:
+                vcfg = load_config(args.preset, ["data.batch_size=512", *overrides, *extra])
+            except ValueError as e:
+                raise ValueError(f"--variant {text!r}: {e}") from None
             variants.append((name, extra, vcfg.data.batch_size))
     except ValueError as e:
-        return fail("ddp", str(e) if str(e).startswith("--variant") else f"--variant: {e}")
+        return fail("ddp", str(e))
     batch = cfg.data.batch_size
     if args.loss_check and (args.mode == "per-gpu" or 1 not in counts or not many_of(counts)):
         return fail("ddp", "--loss-check compares global-batch points with one process: give --mode global "

@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {"timing": args.timing, "rounds": args.rounds, "iters": args.iters, "warmup": args.warmup,
                            "plans": args.plans, "kernels": args.kernels}}
     for shape in shapes:
-        site = Site(shape, fused=(("fast_silu", cfg.model.norm_fast_silu), ("pair_hash", cfg.model.norm_pair_hash),
-                                  ("mask_bits", cfg.model.norm_mask_bits)))
+        # the fused layer as the model builds its GroupNorms: the config's switches (not its plan: swept here)
+        site = Site(shape, fused=tuple({**cfg.model.norm_switches(), "fast_silu": cfg.model.norm_fast_silu}.items()))
         runs = [(impl, plan) for impl in args.impls.split(",")
                 for plan in (FUSED_PLANS[args.plans] if impl == "fused" else (None,))]
         got, failed = sweep(lambda impl, plan: site.measure(impl, plan, args.timing, args.iters, args.warmup),

@@ -73,7 +73,7 @@ STACK = (
     # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels); on
     # the DDPM network the up blocks' first ones read (h, skip) where they lie (model.fused_parts, the preset's since
     # the 5f421de measurements: the rows of tables measured before leave it off, their JSON says so), and SiLU
-    # through tanh.approx (model.norm_fast_silu, the preset's since 9212ba3: likewise).
+    # through tanh.approx (model.norm_fast_silu, the preset's since 74b8544: likewise).
     ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused", "model.norm_fast_silu=True", *DDPM_FUSED),
      "prev"),
 )
