@@ -23,31 +23,33 @@ def data(tmp_path):
 
 
 def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
-    """The points at 1 and 2 processes; then, in the same call, the control (independent single-process trainers), a
-    DDP variant (small buckets; gloo has no bf16 all-reduce, so the bf16 hook is refused on CPU, one line) and the
-    all-reduce timing: each recorded as its own mode, each rank's data wait in the DDP points."""
+    """Both modes at 1 and 2 processes (their one-process points one run, recorded in both); then, in the same call,
+    the control (independent single-process trainers), a DDP variant (small buckets; gloo has no bf16 all-reduce, so
+    the bf16 hook is refused on CPU, one line), the all-reduce timing and the loss check: each recorded as its own
+    mode, each rank's data wait in the DDP points. (One call: a torchrun launch costs ~10 s of a 2-core machine.)"""
     out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "per-gpu",
-                   "data.batch_size=16", LOADER, "--steps", "6", "--log-every", "2", "--out", str(out), "--control",
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "both",
+                   "data.batch_size=16", LOADER, "--steps", "12", "--log-every", "2", "--out", str(out), "--control",
                    "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
-                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16"])
-    assert rc == 1  # the bf16 variant failed, recorded; the rest ran
+                   "--variant", "bf16-grads:train.ddp_grad_dtype=bf16", "--loss-check"])
     result = json.loads((out / "ddp.json").read_text())
     points = result["points"]["per-GPU"]
     assert [p["nproc"] for p in points] == [1, 2]
     assert [p["global_batch"] for p in points] == [16, 32]
     for p in points:
         assert p["img_per_s"] > 0 and 0 <= p["data_wait_share"] <= 1 and p["mfu_per_gpu"] is None
-        assert [s["step"] for s in p["stats"]] == [2, 4, 6]
-        # The intervals after the first: 4 steps of the global batch over the seconds the two took.
+        assert [s["step"] for s in p["stats"]] == [2, 4, 6, 8, 10, 12]
+        # The intervals after the first: 10 steps of the global batch over the seconds the five took.
         seconds = sum(2 * p["global_batch"] / s["img_per_s"] for s in p["stats"][1:])
-        assert p["img_per_s"] == pytest.approx(4 * p["global_batch"] / seconds)
-        assert p["img_per_s_median"] == pytest.approx(sum(s["img_per_s"] for s in p["stats"][1:]) / 2)
+        assert p["img_per_s"] == pytest.approx(10 * p["global_batch"] / seconds)
+        assert p["img_per_s_median"] == pytest.approx(sorted(s["img_per_s"] for s in p["stats"][1:])[2])
         assert 0 < p["img_per_s_wall"] < p["img_per_s"]  # wall time holds the steps and the intervals' syncs
     assert points[0]["scaling_efficiency"] == 1.0
-    assert (out / "ddp.md").read_text().count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
+    md = (out / "ddp.md").read_text()
+    assert md.count("\n| ") >= 3 and (out / "ddp.png").stat().st_size > 0
 
-    assert list(result["points"]) == ["per-GPU", ddp.CONTROL, "per-GPU, small-buckets", "per-GPU, bf16-grads"]
+    assert list(result["points"]) == ["per-GPU", ddp.CONTROL, "per-GPU, small-buckets", "per-GPU, bf16-grads",
+                                      "global"]
     assert "train.ddp_grad_dtype=bf16 needs NCCL" in result["points"]["per-GPU, bf16-grads"][0]["error"]
     control, variant = result["points"][ddp.CONTROL], result["points"]["per-GPU, small-buckets"]
     assert [p["nproc"] for p in control] == [2] and len(control[0]["per_process_img_per_s"]) == 2
@@ -57,7 +59,22 @@ def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
         assert p["scaling_efficiency"] > 0  # against the one-process per-GPU point
     (a,) = result["allreduce"]
     assert a["nproc"] == 2 and a["numel"] > 40_000 and a["bf16"]["bytes"] * 2 == a["fp32"]["bytes"]
-    assert "## independent (no DDP)" in (out / "ddp.md").read_text()
+    assert "## independent (no DDP)" in md
+
+    # Global batch 16: one process at 16 is the per-GPU one-process point's run, recorded as such; two at 8 each.
+    one, two = result["points"]["global"]
+    assert one["same_run_as"] == "per-GPU" and one["stats"] == points[0]["stats"] and "same_run_as" not in points[0]
+    assert (two["nproc"], two["per_rank_batch"], two["global_batch"]) == (2, 8, 16)
+    assert "| 1 (the per-GPU run) | 16 | 16 |" in md
+    lc = result["loss_check"]
+    # The control: same weights (train.seed), another data order, and a noise stream none of the 2 ranks draws.
+    assert lc["control"]["config"]["data"]["seed"] == 1 and lc["control"]["config"]["train"]["noise_seed"] == 2
+    assert lc["control"]["config"]["train"]["seed"] == 0 and lc["floor"] > 0  # other draws: another curve
+    assert lc["tol"] == ddp.LOSS_MARGIN * lc["floor"]
+    (c,) = lc["checks"]
+    assert c["nproc"] == 2 and c["ok"] == (c["max_abs_smoothed"] <= lc["tol"])
+    assert "Loss curves: N GPUs against one" in md
+    assert rc == 1  # the bf16 variant failed, recorded; the rest ran (a curve outside the tolerance fails it too)
 
 
 def test_a_bad_variant_is_one_line(tmp_path, capsys):
@@ -68,21 +85,9 @@ def test_a_bad_variant_is_one_line(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_loss_check_compares_curves_against_a_random_draws_control(data, tmp_path):
-    out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "global",
-                   "data.batch_size=16", LOADER, "--steps", "12", "--log-every", "2", "--out", str(out),
-                   "--loss-check"])
-    lc = json.loads((out / "ddp.json").read_text())["loss_check"]
-    # The control: same weights (train.seed), another data order, and a noise stream none of the 2 ranks draws.
-    assert lc["control"]["config"]["data"]["seed"] == 1 and lc["control"]["config"]["train"]["noise_seed"] == 2
-    assert lc["control"]["config"]["train"]["seed"] == 0 and lc["floor"] > 0  # other draws: another curve
-    assert lc["tol"] == ddp.LOSS_MARGIN * lc["floor"]
-    (c,) = lc["checks"]
-    assert c["nproc"] == 2 and c["ok"] == (c["max_abs_smoothed"] <= lc["tol"])
-    assert rc == (0 if c["ok"] else 1)  # a curve outside the tolerance fails the command
-    assert "Loss curves: N GPUs against one" in (out / "ddp.md").read_text()
+def test_loss_check_needs_global_points_with_one_process(data):
     assert ddp.main(["--data", str(data), "--device", "cpu", "--mode", "per-gpu", "--loss-check"]) == 2
+    assert ddp.main(["--data", str(data), "--device", "cpu", "--mode", "global", "--gpus", "2", "--loss-check"]) == 2
 
 
 def test_a_point_past_its_timeout_is_recorded_and_the_rest_run(data, tmp_path):

@@ -111,25 +111,25 @@ def test_reference_stats_are_cached_by_content_beside_the_data(inception, small_
 
     beton = small_dataset / "cifar10_test_raw.beton"
     tag = fid.network_tag(random_init_seed=0)
-    first = fid.reference_stats(beton, inception, tag, batch_size=16, max_images=12)
-    assert not first["cached"] and first["n"] == 12
-    cache = fid.stats_cache_path(beton, first["content_sha256"], 12, tag)
+    first = fid.reference_stats(beton, inception, tag, batch_size=16, max_images=6)
+    assert not first["cached"] and first["n"] == 6
+    cache = fid.stats_cache_path(beton, first["content_sha256"], 6, tag)
     assert first["cache"] == str(cache) and cache.parent == small_dataset and cache.is_file()
-    again = fid.reference_stats(beton, inception, tag, max_images=12)
+    again = fid.reference_stats(beton, inception, tag, max_images=6)
     assert again["cached"]
     np.testing.assert_array_equal(again["sigma"], first["sigma"])
     # The same pixels as a PNG folder: the same content hash (the statistics key is the pixels, not the file).
     png = tmp_path / "test_png"
     png.mkdir()
-    for i, im in enumerate(small_dataset_arrays.test.images[:12]):
+    for i, im in enumerate(small_dataset_arrays.test.images[:6]):
         Image.fromarray(im).save(png / f"{i + 1}.png")
     assert fid.content_sha256(fid.read_images(png)) == first["content_sha256"]
     # A set against its own statistics is ~0; another set of the same kind is farther; noise farther still.
-    same = torch.from_numpy(small_dataset_arrays.test.images[:12]).permute(0, 3, 1, 2)
-    other = torch.from_numpy(small_dataset_arrays.train.images[:12]).permute(0, 3, 1, 2)
-    noise = torch.randint(0, 256, (12, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    same = torch.from_numpy(small_dataset_arrays.test.images[:6]).permute(0, 3, 1, 2)
+    other = torch.from_numpy(small_dataset_arrays.train.images[:6]).permute(0, 3, 1, 2)
+    noise = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     d_same, d_other, d_noise = (fid.fid_of_images(inception, x, first) for x in (same, other, noise))
-    # 12 samples in 2048 dimensions: ~2037 zero eigenvalues, each contributing a √(round-off) of ~1e-8.
+    # 6 samples in 2048 dimensions: ~2043 zero eigenvalues, each contributing a √(round-off) of ~1e-8.
     assert abs(d_same) < 1e-5 * np.trace(first["sigma"])
     assert 0 < d_other < d_noise
 

@@ -12,7 +12,8 @@ FFCV shards per rank (`distributed=True`), CPU cores split evenly among ranks as
 wait come from the run's stats.jsonl (CUDA events on rank 0, the wait for data inside each iteration); the first
 log interval (compilation, FFCV's first epoch) is dropped. img/s = the other intervals' images over their seconds
 (a stalled interval counts with all its time; their median rate and the trainer's images over wall time beside it);
-scaling efficiency = img/s(N) / (N x img/s(1)). --rederive recomputes committed files by this formula.
+scaling efficiency = img/s(N) / (N x img/s(1)). --rederive recomputes committed files by this formula. The modes'
+one-process points at the same batch (--mode both) are one run, recorded in both with `same_run_as`.
 NVLink multicast stays off in every rank (ffcv_ddpm.train.NO_MULTICAST, also put in the children's environment).
 A compiled CUDA run first compiles every graph its points use, all at once (--warm: each point would otherwise compile
 cold in turn, ~150 s for a DDP graph), so a 1, 2, 4-GPU comparison fits in one 10-minute GPU call.
@@ -492,7 +493,8 @@ def render(result: dict, out: Path) -> None:
             g = p.get("gpu0")
             gpu = (f"{g['sm_clock_mhz_p10']:.0f} / {g['sm_clock_mhz_median']:.0f}, {g['power_w_median']:.0f}" if g
                    else "-")
-            lines.append(f"| {p['nproc']} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
+            gpus = f"{p['nproc']} (the {p['same_run_as']} run)" if "same_run_as" in p else p["nproc"]
+            lines.append(f"| {gpus} | {p['per_rank_batch']} | {p['global_batch']} | {p['img_per_s']:,.0f} | "
                          f"{other} | {p['img_per_s_per_gpu']:,.0f} | {_pct(p['mfu_per_gpu'])}"
                          + (f" ({_pct(p['executed_mfu_per_gpu'])})" if p.get("executed_mfu_per_gpu") is not None
                             else "")
@@ -665,17 +667,25 @@ def run(argv: list[str] | None) -> int:
             print(f"bench-ddp: all-reduce of {numel:,} gradients on {n}: fp32 {a['fp32']['ms_median']:.2f} ms "
                   f"({a['fp32']['bus_gb_per_s']:.0f} GB/s bus), bf16 {a['bf16']['ms_median']:.2f} ms", flush=True)
             write_json(out, result, indent=2)
+    # A point two modes share (one process at the same batch: per-GPU's and global's first) runs once.
+    ran = {}
     for mode, ns, per_gpu, runner, extra, mode_batch in plan:
         result["points"].setdefault(mode, [])
         for n in ns:
             per_rank = mode_batch if per_gpu else mode_batch // n
-            stopping.doing(f"the point {mode}, {n} process(es)")
-            with tempfile.TemporaryDirectory() as tmp:
-                point = runner(args, extra, beton, n, per_rank, Path(tmp))
+            key = (runner, n, per_rank, tuple(extra))
+            if key in ran:
+                point = {**copy.deepcopy(ran[key][1]), "same_run_as": ran[key][0]}
+            else:
+                stopping.doing(f"the point {mode}, {n} process(es)")
+                with tempfile.TemporaryDirectory() as tmp:
+                    point = runner(args, extra, beton, n, per_rank, Path(tmp))
+                ran[key] = (mode, point)
             result["points"][mode].append(point)
             msg = point.get("error", "").splitlines()[-1:] or [f"{point['img_per_s']:,.0f} img/s, data wait "
                                                                  f"{point['data_wait_share']:.2%}"]
-            print(f"bench-ddp: {mode}, {n} process(es), batch {per_rank} per rank: {msg[0]}", flush=True)
+            shared = f" (the {point['same_run_as']} point's run)" if "same_run_as" in point else ""
+            print(f"bench-ddp: {mode}, {n} process(es), batch {per_rank} per rank{shared}: {msg[0]}", flush=True)
             add_metrics(result)
             write_json(out, result, indent=2)
             stopping.keep("report", f"{out} ({sum(map(len, result['points'].values()))} points)")
