@@ -138,16 +138,30 @@ def _unpack_keep(words, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.c
 
 @triton.jit
 def _act_grad(x, u, v, a, b, dout, keep, inv_keep, SILU: tl.constexpr, DROPOUT: tl.constexpr,
-              FAST_TANH: tl.constexpr):
+              FAST_TANH: tl.constexpr, XSUMS: tl.constexpr):
     """(xhat, dL/dy) for a tile: xhat recomputed from x, y = xhat * a + b, the output's gradient taken back through
-    dropout (the forward's mask `keep`, recomputed or read back) and SiLU."""
-    xhat = x * u + v
+    dropout (the forward's mask `keep`, recomputed or read back) and SiLU. XSUMS (model.norm_x_sums): (x, dL/dy),
+    with (u, v) y's own coefficients (u * a, v * a + b, _y_coefs): y in one step, and the callers sum over x."""
+    if XSUMS:
+        xhat = x
+        y = x * u + v
+    else:
+        xhat = x * u + v
+        y = xhat * a + b
     dy = dout
     if DROPOUT:
         dy = tl.where(keep, dy * inv_keep, 0.0)
     if SILU:
-        dy = dy * _silu_grad(xhat * a + b, SILU, FAST_TANH)
+        dy = dy * _silu_grad(y, SILU, FAST_TANH)
     return xhat, dy
+
+
+@triton.jit
+def _y_coefs(u, v, a, b, XSUMS: tl.constexpr):
+    """The per-channel (u, v) _act_grad takes: xhat's, or with XSUMS y's (y = xhat * a + b = x * u a + (v a + b))."""
+    if XSUMS:
+        return u * a, v * a + b
+    return u, v
 
 
 @triton.jit
@@ -208,9 +222,9 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, see
                s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
                SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, FAST_TANH: tl.constexpr,
-               PAIR: tl.constexpr):
-    """(xhat, dy) of rows r of sample n: x (from either part) and dout read, _act_grad on them. The dropout mask:
-    with BITS read from the forward's keep bits, else hashed again."""
+               PAIR: tl.constexpr, XSUMS: tl.constexpr):
+    """(xhat, dy) of rows r of sample n (with XSUMS (x, dy), u and v from _y_coefs): x (from either part) and dout
+    read, _act_grad on them. The dropout mask: with BITS read from the forward's keep bits, else hashed again."""
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
     dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
     keep = None
@@ -221,7 +235,7 @@ def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, see
         else:
             keep = _keep_tile(n, r, C, HW, seed, thr, BLOCK_C, PAIR)
     return _act_grad(x, u[None, :], v[None, :], a[None, :], b[None, :], dout, keep, inv_keep, SILU, DROPOUT,
-                     FAST_TANH)
+                     FAST_TANH, XSUMS)
 
 
 @triton.jit
@@ -349,15 +363,18 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                        STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr,
-                       FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False):
+                       FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, XSUMS: tl.constexpr = False):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
     with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
-    _stats_kernel; BITS: the dropout mask read from the forward's bits."""
+    _stats_kernel; BITS: the dropout mask read from the forward's bits. XSUMS: the tiles sum dy * x and x, one
+    multiply-add an element fewer (xhat = x * u + v is never formed), and the chunk's sums are turned into xhat's
+    at the end: sum(dy * xhat) = u sum(dy * x) + v sum(dy), sum(xhat) = u sum(x) + v rows."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
     u, v, a, b = _per_channel(a_ptr, b_ptr, e_ptr, mean_ptr, rstd_ptr, n, cols, C, G, CPG, s_an, s_ac, s_en, s_ec,
                               HAS_ADD)
+    cu, cv = _y_coefs(u, v, a, b, XSUMS)
     seed = _mix_seed(seed_ptr)
     acc1 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
@@ -365,18 +382,28 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
-        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr, inv_keep,
+        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, cu, cv, a, b, seed, thr, inv_keep,
                               C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT,
-                              TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR)
+                              TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR, XSUMS)
         acc1 += dy
         acc2 += dy * xhat
         if SUM_XHAT:
-            acc3 += tl.where(m, xhat, 0.0)
+            if XSUMS:
+                acc3 += xhat  # x, read as 0 outside the rows and channels
+            else:
+                acc3 += tl.where(m, xhat, 0.0)
     out = part_ptr + (n * K + k) * 3 * C + cols
-    tl.store(out, tl.sum(acc1, axis=0), mask=cols < C)
-    tl.store(out + C, tl.sum(acc2, axis=0), mask=cols < C)
+    s1 = tl.sum(acc1, axis=0)
+    s2 = tl.sum(acc2, axis=0)
+    if XSUMS:
+        s2 = u * s2 + v * s1
+    tl.store(out, s1, mask=cols < C)
+    tl.store(out + C, s2, mask=cols < C)
     if SUM_XHAT:
-        tl.store(out + 2 * C, tl.sum(acc3, axis=0), mask=cols < C)
+        s3 = tl.sum(acc3, axis=0)
+        if XSUMS:
+            s3 = u * s3 + v * tl.minimum(HW - k * CHUNK, CHUNK).to(tl.float32)
+        tl.store(out + 2 * C, s3, mask=cols < C)
 
 
 @triton.jit
@@ -426,10 +453,12 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                    BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
-                   HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False):
-    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n. With HAS_DS plus ds, the
-    gradient the first part (x a residual sum, model.norm_residual) gets from its other readers: one write of the
-    sum's whole gradient where a pass of its own would read dx and ds and write their sum."""
+                   HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False,
+                   XSUMS: tl.constexpr = False):
+    """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n (XSUMS: beta u x +
+    (beta v + gamma), xhat never formed). With HAS_DS plus ds, the gradient the first part (x a residual sum,
+    model.norm_residual) gets from its other readers: one write of the sum's whole gradient where a pass of its own
+    would read dx and ds and write their sum."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -440,9 +469,13 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
     alpha = tl.load(coef_ptr + n * 3 * C + cols, mask=cmask, other=0.0)
     beta = tl.load(coef_ptr + n * 3 * C + C + cols, mask=cmask, other=0.0)
     gamma = tl.load(coef_ptr + n * 3 * C + 2 * C + cols, mask=cmask, other=0.0)
-    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, _mix_seed(seed_ptr), thr,
+    cu, cv = _y_coefs(u, v, a, b, XSUMS)
+    if XSUMS:  # beta * xhat + gamma = beta u * x + (beta v + gamma)
+        gamma = beta * v + gamma
+        beta = beta * u
+    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, cu, cv, a, b, _mix_seed(seed_ptr), thr,
                           inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
-                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR)
+                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR, XSUMS)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
     if HAS_DS:
         dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],

@@ -93,6 +93,11 @@ class ModelConfig:
     # p * 2^16) instead of one an element: half the integer work of the mask, which the kernels are short of (NOTES
     # item 37: the hash costs the apply ~15 points of a copy's rate). A different mask of the same p (to 2^-16).
     norm_pair_hash: bool = False
+    # norm_impl=fused, every GroupNorm + SiLU: the backward kernels sum dy * x and x and form dx from x (the sums
+    # over xhat follow per channel: u sum(dy x) + v sum(dy)), so xhat = x * u + v is never formed: one multiply-add
+    # an element fewer in the reduction and in dx, the kernels the arithmetic holds back (NOTES item 38). The same
+    # sums up to fp32 rounding (PyTorch's own GroupNorm backward sums over x too).
+    norm_x_sums: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -111,8 +116,8 @@ class ModelConfig:
         return parse_plan(self.norm_plan) if self.norm_plan else None
 
     def act_norm(self) -> dict:
-        """The plan and SiLU switch as every GroupNorm + SiLU takes them (GroupNormAct's plan, fast_silu)."""
-        return dict(plan=self.fused_norm_plan(), fast_silu=self.norm_fast_silu)
+        """The plan and switches as every GroupNorm + SiLU takes them (GroupNormAct's plan, fast_silu, x_sums)."""
+        return dict(plan=self.fused_norm_plan(), fast_silu=self.norm_fast_silu, x_sums=self.norm_x_sums)
 
     def norm_switches(self) -> dict:
         """The fused kernels' switches as GroupNormAct takes them (for the GroupNorms with an add or dropout)."""
@@ -167,7 +172,8 @@ class ModelConfig:
         if self.norm_residual and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("norm_residual=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set norm_residual=False")
-        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu", "norm_pair_hash"):
+        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu", "norm_pair_hash",
+                     "norm_x_sums"):
             if getattr(self, name) and self.norm_impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused GroupNorm kernels: it needs norm_impl='fused' "
                                  f"(got {self.norm_impl!r}); set {name}=False")

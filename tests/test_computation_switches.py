@@ -372,7 +372,8 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
 def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     """model.norm_saved_means, model.norm_mask_bits (the fused GroupNorm's backward from the forward's means and mask
     bits, at the res blocks' norm2: an add and dropout), model.norm_fast_silu (SiLU through tanh at every GroupNorm
-    with SiLU; exact in math, so the interpreter's exact tanh matches) and model.norm_residual (each residual sum computed by the
+    with SiLU; exact in math, so the interpreter's exact tanh matches), model.norm_x_sums (the backward's sums over x
+    at every GroupNorm with SiLU) and model.norm_residual (each residual sum computed by the
     fused GroupNorm that reads it next, the up path's as the first of its two parts) give the network's function and
     gradients, with the same dropout masks: through the op's plain-torch path and through its Triton kernels
     (interpreted without a GPU; 8x8 images keep that fast). Every sum is computed once, and in torch only where no
@@ -382,7 +383,8 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
 
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
                               base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.3)
-    switch = dict(norm_saved_means=True, norm_mask_bits=True, norm_residual=True, norm_fast_silu=True)
+    switch = dict(norm_saved_means=True, norm_mask_bits=True, norm_residual=True, norm_fast_silu=True,
+                  norm_x_sums=True)
     made, in_torch = [], []
     value = norm.Pending.value
     monkeypatch.setattr(norm.Pending, "value", lambda p: (p.computed is None and in_torch.append(p), value(p))[1])
@@ -393,13 +395,14 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     assert norm2 and all(m.saved_means and m.mask_bits for m in norm2)
     acts = [m for m in new.modules() if isinstance(m, norm.GroupNormAct)]
     assert all(m.silu_mode == (2 if m.silu else 0) for m in acts) and {m.silu for m in acts} == {True, False}
+    assert all(m.x_sums for m in acts if m.silu)
     resamplers = [m for m in new.modules() if isinstance(m, (Downsample, Upsample))]
     assert len(in_torch) == len(resamplers) and len(made) > 2 * len(in_torch)
     assert all(p.computed is not None for p in made)
     # model.norm_pair_hash draws another mask (tests/test_norm.py checks it): here only where it goes, and refused
     pairs = build_model(load_config("ddpm-cifar10", ["model.norm_pair_hash=True"]).model)
     assert {m.norm2.pair_hash for m in pairs.modules() if isinstance(m, DDPMResBlock)} == {True}
-    for key in (*switch, "norm_pair_hash"):
+    for key in (*switch, "norm_pair_hash"):  # norm_x_sums among them
         with pytest.raises(BadValue, match=f"{key}=True is a switch of the fused GroupNorm kernels"):
             load_config("ddpm-cifar10", ["model.norm_fast_silu=False", f"model.{key}=True",
                                          "model.norm_impl=scale-shift", "model.fused_parts=False"])

@@ -126,9 +126,10 @@ def test_triton_kernels_against_reference(case):
     check_kernels(case, N.DEFAULT_PLAN)
 
 
-def check_kernels(case, plan, pair_hash=False):
+def check_kernels(case, plan, pair_hash=False, x_sums=False):
     """test_triton_kernels_against_reference's checks, the kernels launched with `plan` (tile, chunk, warps[,
-    stages]), the dropout mask hashed a pair of channels at a time with pair_hash."""
+    stages]), the dropout mask hashed a pair of channels at a time with pair_hash, the backward's sums over x with
+    x_sums."""
     needs_triton()
     n, c, h, w, groups, silu, p, add, cl, dtype = case
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,7 +163,7 @@ def check_kernels(case, plan, pair_hash=False):
 
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
     dx, da, db, de, dx2 = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan,
-                                            pair_hash=pair_hash)
+                                            pair_hash=pair_hash, x_sums=x_sums)
     assert dx2.numel() == 0  # one part
     _, *ref_grads = grads(fn, leaves, dout.double())
     for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
@@ -337,6 +338,35 @@ def test_pair_hash_kernels_against_reference(case):
     n, c, h, w, p = case[0], case[1], case[2], case[3], case[6]
     seed = torch.tensor([1234])
     assert not torch.equal(N.keep_mask(seed, (n, c, h, w), p, True), N.keep_mask(seed, (n, c, h, w), p))
+
+
+@pytest.mark.parametrize("case,plan", [(CASES[2], FIRST_PLAN), (CASES[1], N.DEFAULT_PLAN), (CASES[4], N.DEFAULT_PLAN),
+                                       (CASES[6], (16, 16, 1))],
+                         ids=["c24-p0.3-first-plan", "add-nchw", "one-launch", "fast-silu-a-row-per-tile"])
+def test_x_sums_kernels_against_reference(case, plan):
+    """model.norm_x_sums: the backward reduction sums dy * x and x and turns them into xhat's sums per chunk (its
+    rows counted where the sample ends inside it: several chunks a sample under the first plan and a row a tile),
+    dx is formed from x; the same checks against fp64, on inputs whose |mean| >> std in places (the sums over x
+    are where cancellation would show)."""
+    check_kernels(case, plan, x_sums=True)
+
+
+def test_x_sums_with_two_parts_and_a_residual_gradient():
+    """The up blocks' reads of two parts and the residual sum's ds added in dx, with the sums over x: what the sums
+    over xhat give, to fp32 rounding."""
+    needs_triton()
+    g = torch.Generator().manual_seed(3)
+    n, c1, c2, h, w, groups, p = 2, 9, 7, 3, 5, 4, 0.2
+    x, x2, dout = (spread_input((n, k, h, w), g, torch.float32).add(5).contiguous(memory_format=torch.channels_last)
+                   for k in (c1, c2, c1 + c2))
+    ds = torch.randn(n, c1, h, w, generator=g).contiguous(memory_format=torch.channels_last)
+    a, b, e = (torch.randn(n, c1 + c2, generator=g) for _ in range(3))
+    seed = torch.tensor([5])
+    fwd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, True, p, *N.DEFAULT_PLAN, x2)
+    want, got = (N.triton_backward(dout, x, a, b, e, seed, *fwd[1:3], groups, True, p, *N.DEFAULT_PLAN, x2, None,
+                                   None, ds, x_sums=on) for on in (False, True))
+    for name, u, v in zip(("dx", "da", "db", "de", "dx2"), got, want):
+        assert rel(u, v) < 1e-5, name
 
 
 def test_pair_hash_refuses_an_odd_channel_count():
@@ -556,13 +586,13 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     y.sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    # the plan, then no second part, the switches off, no residual sum and the per-element hash
-    assert len(calls) == 1 and calls[0].args[-11:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
-                                                       False)
+    # the plan, then no second part, the switches off, no residual sum, the per-element hash, the sums over xhat
+    assert len(calls) == 1 and calls[0].args[-12:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
+                                                       False, False)
     torch._dynamo.reset()
     staged, backend = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8, 3)), EagerAndRecordGraphs()
     torch.compile(staged, backend=backend, fullgraph=True)(x)
-    assert [node.args[-11:-4] for graph in backend.graphs for node in graph.graph.nodes
+    assert [node.args[-12:-5] for graph in backend.graphs for node in graph.graph.nodes
             if node.op == "call_function" and "group_norm_act" in str(node.target)] == [
         (2048, 65536, 8, 3, None, False, False)]
     ref = GroupNormAct(2, 8, "fused")
@@ -573,13 +603,14 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
 
 def test_the_switches_compile_into_the_op_and_its_backward():
     """torch.compile (fullgraph) of a fused GroupNormAct with an add and dropout and its switches (saved_means,
-    mask_bits, pair_hash): the forward call carries them, its extra outputs (the means, the mask's bits: the fake
-    implementation's shapes) reach the backward op, pair_hash too, and the numbers are the eager module's with the
-    same seed."""
+    mask_bits, pair_hash, x_sums): the forward call carries them, its extra outputs (the means, the mask's bits: the
+    fake implementation's shapes) reach the backward op, pair_hash and x_sums too, and the numbers are the eager
+    module's with the same seed."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
-    m = GroupNormAct(2, 40, "fused", dropout=0.3, saved_means=True, mask_bits=True, pair_hash=True).train()
+    m = GroupNormAct(2, 40, "fused", dropout=0.3, saved_means=True, mask_bits=True, pair_hash=True,
+                     x_sums=True).train()
     backend = AotEagerAndRecordGraphs()
     x = torch.randn(2, 40, 3, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
     temb = torch.randn(2, 40, requires_grad=True)
@@ -588,11 +619,11 @@ def test_the_switches_compile_into_the_op_and_its_backward():
     y.square().sum().backward()
     fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     bw = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
-    assert len(fw) == 1 and fw[0].args[-6:] == (True, True, None, None, None, True) and len(bw) == 1
+    assert len(fw) == 1 and fw[0].args[-7:] == (True, True, None, None, None, True, True) and len(bw) == 1
     cmean, bits = (fw[0].meta["val"][i] for i in (3, 4))
     assert cmean.shape == (2, 40) and bits.shape == (2 * 9, 2) and bits.dtype == torch.int32
-    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-4:-2])  # the forward's means and bits
-    assert bw[0].args[-1] is True  # pair_hash: the backward draws the forward's mask
+    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-5:-3])  # the forward's means and bits
+    assert bw[0].args[-2:] == (True, True)  # pair_hash: the backward draws the forward's mask; x_sums
     r, rt = x.detach().clone().requires_grad_(), temb.detach().clone().requires_grad_()
     torch.manual_seed(0)
     want = m(r, add=rt)

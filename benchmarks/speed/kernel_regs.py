@@ -33,8 +33,10 @@ from ffcv_ddpm.checks import Parser, fail
 # the sum; HAS_DS: the sum's other gradients added in the dx kernel): a down block's (one term, its skip), an up
 # block's (two terms, its skip convolution over the parts) with its second part. With model.norm_fast_silu (NOTES
 # item 37) SILU is 2 and FAST_TANH on: SiLU and its derivative through tanh.approx.f32, inline PTX; with
-# model.norm_pair_hash PAIR on: one hash for two channels' dropout masks.
-FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS", "FAST_TANH", "PAIR")
+# model.norm_pair_hash PAIR on: one hash for two channels' dropout masks; with model.norm_x_sums XSUMS on: the
+# backward kernels' sums over x (NOTES item 38).
+FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS", "FAST_TANH", "PAIR",
+         "XSUMS")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
@@ -49,6 +51,8 @@ VARIANTS = {
     "norm2, fast SiLU": (2, True, True, False, True, False, 0, False, False, True),
     "norm2, fast SiLU + mask bits": (2, True, True, False, True, True, 0, False, False, True),
     "norm2, fast SiLU + pair hash": (2, True, True, False, True, False, 0, False, False, True, True),
+    "res block norm1, fast SiLU + x sums": (2, False, False, False, False, False, 0, False, False, True, False, True),
+    "norm2, fast SiLU + pair hash + x sums": (2, True, True, False, True, False, 0, False, False, True, True, True),
 }
 # The residual sum's pointers (norm.py passes None, a constant, where a variant reads none of them).
 RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
@@ -136,7 +140,7 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
             flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False, FAST_TANH=False,
-                            PAIR=False),
+                            PAIR=False, XSUMS=False),
                      **dict(zip(FLAGS, flags))}
             # the finalize kernels keep and read the means where the reduction does not sum xhat
             flags["SAVE_MEANS"] = flags["FROM_MEANS"] = flags["HAS_ADD"] and not flags["SUM_XHAT"]

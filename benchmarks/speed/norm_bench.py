@@ -114,13 +114,14 @@ BITS_KERNELS = ("_apply_kernel", "_bwd_reduce_kernel", "_bwd_dx_kernel")
 
 # --kernels profiles the site's layer as the config has it (the preset: SiLU through tanh.approx), then with the
 # exact SiLU, with the dropout mask a hash a pair of channels (pair_hash) or kept as bits (mask_bits) where the site
-# has dropout, then without its dropout and without SiLU either: what each kernel's arithmetic costs it beside its
-# bytes, and what each switch wins back of it. (name, switches over the config's, whether it needs the site's
-# dropout)
+# has dropout, with the backward's sums over x (x_sums), then without its dropout and without SiLU either: what each
+# kernel's arithmetic costs it beside its bytes, and what each switch wins back of it. (name, switches over the
+# config's, whether it needs the site's dropout)
 KERNEL_VARIANTS = (
     ("as at the site", (), False),
     ("exact SiLU", (("fast_silu", False),), False),
     ("pair hash", (("pair_hash", True),), True),
+    ("x sums", (("x_sums", True),), False),
     ("mask bits", (("mask_bits", True),), True),
     ("no dropout", (("dropout", 0.0),), True),
     ("no SiLU, no dropout", (("silu", False), ("dropout", 0.0)), False),
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                            "plans": args.plans, "kernels": args.kernels}}
     for shape in shapes:
         # the fused layer as the model builds its GroupNorms: the config's switches (not its plan: swept here)
-        site = Site(shape, fused=tuple({**cfg.model.norm_switches(), "fast_silu": cfg.model.norm_fast_silu}.items()))
+        switches = {k: v for k, v in cfg.model.act_norm().items() if k != "plan"}
+        site = Site(shape, fused=tuple({**cfg.model.norm_switches(), **switches}.items()))
         runs = [(impl, plan) for impl in args.impls.split(",")
                 for plan in (FUSED_PLANS[args.plans] if impl == "fused" else (None,))]
         got, failed = sweep(lambda impl, plan: site.measure(impl, plan, args.timing, args.iters, args.warmup),
