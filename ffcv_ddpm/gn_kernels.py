@@ -16,6 +16,8 @@ NCHW works. Each direction is three launches, so that the two passes over the da
   dL/db, dL/de and the per-channel coefficients of dx), `_bwd_dx` (dx = alpha * dy + beta * xhat + gamma). The sum
   of xhat (dL/de alone needs it) can instead come from the per-channel means the forward's finalize saves
   (model.norm_saved_means): it is HW * (channel mean - group mean) * rstd, so the reduction carries two sums.
+  With model.norm_x_sums the reduction sums dy * x and x and turns them into xhat's per chunk, and dx is formed from
+  x: xhat is never formed (NOTES item 38).
 - a residual sum folded in (model.norm_residual): x's first part given as the addends of s = h + res (+ res2) (+ a
   bias per channel); `_stats` writes s while it reads them, the other kernels read s, and `_bwd_dx` adds the
   gradient s gets from its other readers to dx, so that s and its gradient are each written once.
