@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ffcv_ddpm.checkpoint import staged_file
-from ffcv_ddpm.frechet import frechet_distance_from_stats, gaussian_stats
+from ffcv_ddpm.frechet import frechet_distance_to_stats, gaussian_stats
 
 WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"  # pytorch-fid's port of the TF Inception of FID
 WEIGHTS_URL = f"https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/{WEIGHTS_NAME}"  # its source's
@@ -249,5 +249,4 @@ def reference_stats(data: str | os.PathLike, model: nn.Module, tag: str, batch_s
 
 def fid_of_images(model: nn.Module, images_u8: torch.Tensor, ref: dict, batch_size: int = 200) -> float:
     """FID of uint8 images (N, 3, H, W) against reference statistics from reference_stats."""
-    mu, sigma = gaussian_stats(inception_features(model, images_u8, batch_size))
-    return frechet_distance_from_stats(mu, sigma, ref["mu"], ref["sigma"])
+    return frechet_distance_to_stats(inception_features(model, images_u8, batch_size), ref["mu"], ref["sigma"])

@@ -8,6 +8,8 @@ features (ffcv_ddpm.quality). The statistics are pytorch-fid's (float64 mean, `n
 Σ_a^½ Σ_b Σ_a^½, which has the same spectrum: the same number (tests/test_fid.py checks it against pytorch-fid and
 against sqrtm), two symmetric eigendecompositions instead of a Schur decomposition (several times faster at 2048
 dimensions), and no complex round-off or ε retry when the covariances are singular (fewer samples than dimensions).
+Features against statistics with no more samples than dimensions (an evaluation's few hundred samples against the
+reference) take an N x N route instead (frechet_distance_to_stats): the same number, milliseconds instead of ~2 s.
 """
 
 from __future__ import annotations
@@ -42,6 +44,27 @@ def frechet_distance_from_stats(mu_a: np.ndarray, sigma_a: np.ndarray, mu_b: np.
                          f"covariances {sigma_a.shape} vs {sigma_b.shape}")
     diff = mu_a - mu_b
     return float(diff @ diff + np.trace(sigma_a) + np.trace(sigma_b) - 2 * trace_sqrt_product(sigma_a, sigma_b))
+
+
+def frechet_distance_to_stats(feats: np.ndarray, mu: np.ndarray, sigma: np.ndarray) -> float:
+    """Fréchet distance between features (N, D) and a Gaussian (mu, sigma): frechet_distance_from_stats of the
+    features' statistics, computed without them where N <= D. The features' covariance is then A^T A / (N - 1) (A the
+    centred features, rank < N), and Tr((Σ A^T A / (N - 1))^½) is Σ √λ over the N x N A Σ A^T / (N - 1) (XY and YX
+    share their non-zero eigenvalues): an (N, D) x (D, D) product where the general route takes two D x D
+    eigendecompositions (~1.7 s a distance at D = 2048 on a CPU core: an evaluation of a few hundred samples)."""
+    f = np.asarray(feats, dtype=np.float64)
+    if f.ndim != 2 or not 2 <= len(f) <= f.shape[1] or not np.isfinite(f).all():
+        return frechet_distance_from_stats(*gaussian_stats(f), mu, sigma)  # gaussian_stats names bad features
+    mu_f = f.mean(axis=0)
+    mu, sigma = np.atleast_1d(mu), np.atleast_2d(sigma)
+    if mu.shape != mu_f.shape or sigma.shape != (len(mu_f), len(mu_f)):
+        raise ValueError(f"statistics of different dimensions: means {mu_f.shape} vs {mu.shape}, covariances "
+                         f"{(len(mu_f), len(mu_f))} vs {sigma.shape}")
+    a = f - mu_f
+    lam = np.linalg.eigvalsh(a @ sigma @ a.T / (len(f) - 1))
+    diff = mu_f - mu
+    return float(diff @ diff + np.sum(a * a) / (len(f) - 1) + np.trace(sigma)
+                 - 2 * np.sqrt(np.clip(lam, 0, None)).sum())
 
 
 def frechet_distance(feats_a: np.ndarray, feats_b: np.ndarray) -> float:

@@ -13,7 +13,7 @@ import scipy.linalg
 import torch
 
 from ffcv_ddpm import fid
-from ffcv_ddpm.frechet import frechet_distance, frechet_distance_from_stats, gaussian_stats
+from ffcv_ddpm.frechet import frechet_distance, frechet_distance_from_stats, frechet_distance_to_stats, gaussian_stats
 
 
 def random_spd(rng, d: int) -> np.ndarray:
@@ -82,6 +82,25 @@ def test_matches_pytorch_fid_and_survives_a_singular_product():
         gaussian_stats(np.zeros((1, 4)))
     with pytest.raises(ValueError, match="different dimensions"):
         frechet_distance(a, b[:, :4])
+
+
+def test_features_against_statistics_take_the_few_samples_route_to_the_same_number():
+    """frechet_distance_to_stats: with N <= D the N x N route, with N > D the general one; both the distance of the
+    features' own statistics (rank-deficient, as 10 samples in 2048 dimensions are), and bad features named."""
+    rng = np.random.default_rng(3)
+    d = 40
+    mu, sigma = rng.normal(size=d), random_spd(rng, d)
+    for n in (2, 10, d, 3 * d):
+        f = rng.normal(size=(n, d)) * np.linspace(0.2, 4, d) + 5
+        want = frechet_distance_from_stats(*gaussian_stats(f), mu, sigma)
+        # The general route takes √ of the rank-deficient product's round-off-sized eigenvalues (~1e-5 in all here)
+        assert frechet_distance_to_stats(f, mu, sigma) == pytest.approx(want, rel=1e-7), n
+    with pytest.raises(ValueError, match="N >= 2"):
+        frechet_distance_to_stats(np.zeros((1, d)), mu, sigma)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        frechet_distance_to_stats(np.full((3, d), np.nan), mu, sigma)
+    with pytest.raises(ValueError, match="different dimensions"):
+        frechet_distance_to_stats(f[:5, :8], mu, sigma)
 
 
 # ---------------------------------------------------------------------------------------------------------------
