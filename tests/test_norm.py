@@ -341,8 +341,9 @@ def test_pair_hash_kernels_against_reference(case):
 
 
 @pytest.mark.parametrize("case,plan", [(CASES[2], FIRST_PLAN), (CASES[1], N.DEFAULT_PLAN), (CASES[4], N.DEFAULT_PLAN),
-                                       (CASES[6], (16, 16, 1))],
-                         ids=["c24-p0.3-first-plan", "add-nchw", "one-launch", "fast-silu-a-row-per-tile"])
+                                       (CASES[6], (16, 16, 1)), (CASES[7], N.DEFAULT_PLAN)],
+                         ids=["c24-p0.3-first-plan", "add-nchw", "one-launch", "fast-silu-a-row-per-tile",
+                              "fast-silu-bf16"])
 def test_x_sums_kernels_against_reference(case, plan):
     """model.norm_x_sums: the backward reduction sums dy * x and x and turns them into xhat's sums per chunk (its
     rows counted where the sample ends inside it: several chunks a sample under the first plan and a row a tile),
