@@ -35,13 +35,17 @@ def trace_sqrt_product(sigma_a: np.ndarray, sigma_b: np.ndarray) -> float:
     return float(np.sqrt(np.clip(lam, 0, None)).sum())
 
 
+def _check_dimensions(mu_a: np.ndarray, sigma_a_shape: tuple, mu_b: np.ndarray, sigma_b_shape: tuple) -> None:
+    if mu_a.shape != mu_b.shape or sigma_a_shape != sigma_b_shape:
+        raise ValueError(f"statistics of different dimensions: means {mu_a.shape} vs {mu_b.shape}, "
+                         f"covariances {sigma_a_shape} vs {sigma_b_shape}")
+
+
 def frechet_distance_from_stats(mu_a: np.ndarray, sigma_a: np.ndarray, mu_b: np.ndarray,
                                 sigma_b: np.ndarray) -> float:
     mu_a, mu_b = np.atleast_1d(mu_a), np.atleast_1d(mu_b)
     sigma_a, sigma_b = np.atleast_2d(sigma_a), np.atleast_2d(sigma_b)
-    if mu_a.shape != mu_b.shape or sigma_a.shape != sigma_b.shape:
-        raise ValueError(f"statistics of different dimensions: means {mu_a.shape} vs {mu_b.shape}, "
-                         f"covariances {sigma_a.shape} vs {sigma_b.shape}")
+    _check_dimensions(mu_a, sigma_a.shape, mu_b, sigma_b.shape)
     diff = mu_a - mu_b
     return float(diff @ diff + np.trace(sigma_a) + np.trace(sigma_b) - 2 * trace_sqrt_product(sigma_a, sigma_b))
 
@@ -57,9 +61,7 @@ def frechet_distance_to_stats(feats: np.ndarray, mu: np.ndarray, sigma: np.ndarr
         return frechet_distance_from_stats(*gaussian_stats(f), mu, sigma)  # gaussian_stats names bad features
     mu_f = f.mean(axis=0)
     mu, sigma = np.atleast_1d(mu), np.atleast_2d(sigma)
-    if mu.shape != mu_f.shape or sigma.shape != (len(mu_f), len(mu_f)):
-        raise ValueError(f"statistics of different dimensions: means {mu_f.shape} vs {mu.shape}, covariances "
-                         f"{(len(mu_f), len(mu_f))} vs {sigma.shape}")
+    _check_dimensions(mu_f, (len(mu_f), len(mu_f)), mu, sigma.shape)  # the features' covariance is never formed
     a = f - mu_f
     lam = np.linalg.eigvalsh(a @ sigma @ a.T / (len(f) - 1))
     diff = mu_f - mu
