@@ -122,6 +122,7 @@ KERNEL_VARIANTS = (
     ("exact SiLU", (("fast_silu", False),), False),
     ("pair hash", (("pair_hash", True),), True),
     ("x sums", (("x_sums", True),), False),
+    ("pair hash + x sums", (("pair_hash", True), ("x_sums", True)), True),
     ("mask bits", (("mask_bits", True),), True),
     ("no dropout", (("dropout", 0.0),), True),
     ("no SiLU, no dropout", (("silu", False), ("dropout", 0.0)), False),
@@ -216,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", action="store_true",
                    help="also each fused kernel's ms a call at the plans' first (torch.profiler) and its rate against "
                         "a copy of one pass's size measured here, as the site has it (the config's model.norm_* "
-                        "switches) and in KERNEL_VARIANTS' variants: exact SiLU, pair hash, mask bits, no dropout, "
-                        "neither SiLU nor dropout (NOTES items 36-37)")
+                        "switches) and in KERNEL_VARIANTS' variants: exact SiLU, pair hash, x sums (alone and with the "
+                        "pair hash), mask bits, no dropout, neither SiLU nor dropout (NOTES items 36-38)")
     args, overrides = p.parse_with_overrides(argv)
     try:
         cfg = load_config("ddpm-cifar10", [*DEFAULTS, *overrides])
