@@ -172,21 +172,25 @@ class ModelConfig:
         if self.norm_residual and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable):
             raise ValueError("norm_residual=True is built for arch='ddpm' res blocks with plain 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False); set norm_residual=False")
-        for name in ("norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu", "norm_pair_hash",
-                     "norm_x_sums"):
-            if getattr(self, name) and self.norm_impl != "fused":
-                raise ValueError(f"{name}=True is a switch of the fused GroupNorm kernels: it needs norm_impl='fused' "
-                                 f"(got {self.norm_impl!r}); set {name}=False")
-        if self.fused_parts and not (self.norm_impl == "fused" and self.concat_free):
-            raise ValueError(f"fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
-                             f"needs norm_impl='fused' and concat_free=True (got {self.norm_impl!r}, "
-                             f"{self.concat_free}); set fused_parts=False")
+        on = [name for name in FUSED_SWITCHES if getattr(self, name)]
+        if on and self.norm_impl != "fused":  # all named at once: the preset has several on
+            raise ValueError(f"the fused GroupNorm kernels' switches {', '.join(on)} are on, but "
+                             f"norm_impl={self.norm_impl!r} runs no fused kernels: turn them off with it ("
+                             + " ".join(f"model.{name}=False" for name in on) + ") or set norm_impl=fused")
+        if self.fused_parts and not self.concat_free:
+            raise ValueError("fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
+                             "needs concat_free=True; set fused_parts=False")
         if self.pad_image_channels and self.pad_image_channels < self.in_channels:
             raise ValueError(f"pad_image_channels={self.pad_image_channels} is below in_channels={self.in_channels}; "
                              "use 0 (no padding) or at least in_channels")
 
 
 UPSAMPLES = ("nearest", "expand", "transposed")
+# ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
+# of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
+FUSED_SWITCHES = ("fused_parts", "norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu",
+                  "norm_pair_hash", "norm_x_sums")
+FUSED_OFF = tuple(f"model.{name}=False" for name in FUSED_SWITCHES)
 
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
 # FLOPs of this network, so a switch that does extra work (zero padding) or less (the folded upsample) does not
@@ -215,11 +219,16 @@ PRESETS: dict[str, ModelConfig] = {
     # bf16 vs fp32 at 2,000 steps within the noise floor (h200/numerics-5f421de). Then SiLU through tanh.approx
     # (norm_fast_silu): 92.32-92.45 ms a step of 1024 against 94.37-94.91, one H200, one process
     # (benchmarks/results/h200/fast-silu-9212ba3); bf16 with it against exact fp32 passes NOTES 27's six-draw rule
-    # (h200/numerics-fast-silu-9212ba3: median 6.74% against a bound of 9.51%). A norm_impl other than fused needs
-    # model.fused_parts=False and model.norm_fast_silu=False with it, concat_free=False the first (ModelConfig.validate
-    # says so).
+    # (h200/numerics-fast-silu-9212ba3: median 6.74% against a bound of 9.51%). Then one dropout hash for two
+    # channels with each residual sum left to the next GroupNorm (norm_pair_hash, norm_residual): 91.4-91.6 ms
+    # against 92.8-93.0 (h200/pair-hash-d2254d0), bf16 with both against fp32 with neither passes the rule
+    # (h200/numerics-pair-residual-d2254d0: 6.99% against 10.05%); and the backward's sums over x (norm_x_sums, exact
+    # to fp32 rounding): the reduction and dx kernels 5-7% faster at the 32x32 dropout site, the step -0.1 to -0.3 ms
+    # on top (h200/x-sums-17a6ad0). A norm_impl other than fused needs FUSED_OFF with it (ModelConfig.validate says
+    # so), concat_free=False model.fused_parts=False.
     "ddpm-cifar10": ModelConfig(concat_free=True, upsample="transposed", pad_image_channels=8, attn_linear=True,
-                                conv_bias_in_norm=True, norm_impl="fused", fused_parts=True, norm_fast_silu=True),
+                                conv_bias_in_norm=True, norm_impl="fused", fused_parts=True, norm_fast_silu=True,
+                                norm_residual=True, norm_pair_hash=True, norm_x_sums=True),
     "annotated-small": ModelConfig(
         arch="annotated",
         base_channels=32,

@@ -15,8 +15,8 @@ from benchmarks.speed.rows import Row
 from benchmarks.speed.runner import flops_of
 from ffcv_ddpm.checks import BadValue
 from ffcv_ddpm.config import load_config
-from ffcv_ddpm.unet import (PRESETS, REFERENCE_COMPUTATION, DDPMResBlock, Upsample, build_model, nearest_2x,
-                            reference_config)
+from ffcv_ddpm.unet import (FUSED_OFF, PRESETS, REFERENCE_COMPUTATION, DDPMResBlock, Upsample, build_model,
+                            nearest_2x, reference_config)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -363,9 +363,8 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, base_channels=8, norm_groups=4,
                               channel_mult=(1, 2), image_size=8, attn_resolutions=(4,))
     fused_switch_matches(cfg, dict(fused_parts=True), kernels, monkeypatch, 8)
-    with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs norm_impl='fused'"):
-        load_config("ddpm-cifar10", ["model.fused_parts=True", "model.norm_impl=scale-shift",
-                                     "model.norm_fast_silu=False"])
+    with pytest.raises(BadValue, match="fused_parts=True is the fused GroupNorm's read .* needs concat_free=True"):
+        load_config("ddpm-cifar10", ["model.concat_free=False"])
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
@@ -403,9 +402,15 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     pairs = build_model(load_config("ddpm-cifar10", ["model.norm_pair_hash=True"]).model)
     assert {m.norm2.pair_hash for m in pairs.modules() if isinstance(m, DDPMResBlock)} == {True}
     for key in (*switch, "norm_pair_hash"):  # norm_x_sums among them
-        with pytest.raises(BadValue, match=f"{key}=True is a switch of the fused GroupNorm kernels"):
-            load_config("ddpm-cifar10", ["model.norm_fast_silu=False", f"model.{key}=True",
-                                         "model.norm_impl=scale-shift", "model.fused_parts=False"])
+        with pytest.raises(BadValue, match=rf"the fused GroupNorm kernels' switches {key} are on, but "
+                                           rf"norm_impl='scale-shift' runs no fused kernels: turn them off with it "
+                                           rf"\(model.{key}=False\) or set norm_impl=fused"):
+            load_config("ddpm-cifar10", [*FUSED_OFF, f"model.{key}=True", "model.norm_impl=scale-shift"])
+    # The preset's switches named at once, each with its override
+    with pytest.raises(BadValue, match=r"switches fused_parts, norm_residual, norm_fast_silu, norm_pair_hash, "
+                                       r"norm_x_sums are on, .* \(model.fused_parts=False model.norm_residual=False "
+                                       r"model.norm_fast_silu=False model.norm_pair_hash=False model.norm_x_sums=False\)"):
+        load_config("ddpm-cifar10", ["model.norm_impl=torch"])
     with pytest.raises(BadValue, match="norm_residual=True is built for arch='ddpm'"):
         load_config("annotated-small", ["model.norm_residual=True", "model.norm_impl=fused"])
 

@@ -50,7 +50,7 @@ def test_a_row_starts_only_with_the_time_its_kind_took():
     (["--out", "x", "--variant", "bits"], "--variant 'bits': write NAME:KEY=VALUE"),
     (["--out", "x", "--variant", "b:model.norm_mask_bits"], "--variant 'b:model.norm_mask_bits': write NAME:"),
     (["--out", "x", "--variant", "r:model.norm_residual=True,model.norm_impl=scale-shift"],
-     "norm_residual=True is a switch of the fused GroupNorm kernels"),
+     "norm_residual, norm_fast_silu, norm_pair_hash, norm_x_sums are on, but norm_impl='scale-shift' runs no fused"),
 ])
 def test_a_bad_variant_is_one_line(argv, message, capsys):
     assert levers.main(argv) == 2

@@ -12,14 +12,15 @@ import pytest
 from PIL import Image
 
 from benchmarks.quality import race
+from ffcv_ddpm.unet import FUSED_OFF
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Our side at toy size on a CPU (as tests/test_sde_quality.py's TOY: no Triton GroupNorm, no attention).
 TOY = ["model.base_channels=8", "model.channel_mult=(1, 2)", "model.num_res_blocks=1", "model.norm_groups=4",
        "diffusion.timesteps=20", "train.device=cpu", "train.precision=fp32", "data.batch_size=8", "train.log_every=2",
-       "train.warmup_steps=1", "train.sample_steps=2", "model.norm_impl=scale-shift", "model.fused_parts=False",
-       "model.norm_fast_silu=False", "model.attn_resolutions=()"]
+       "train.warmup_steps=1", "train.sample_steps=2", "model.norm_impl=scale-shift", *FUSED_OFF,
+       "model.attn_resolutions=()"]
 
 
 def test_clock_takes_each_evaluation_off_and_says_when_time_is_up(tmp_path, monkeypatch):

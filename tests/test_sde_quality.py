@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.quality import sde as sde_quality
 from benchmarks.quality import sde_report
+from ffcv_ddpm.unet import FUSED_OFF
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,8 +24,7 @@ TOY = ["--steps", "2", "--n", "10", "--judge-steps", "3", "--heun-steps", "5", "
        "data.num_workers=1", "train.log_every=1", "train.warmup_steps=1", "--budget-s", "1000",
        # The fused GroupNorm's Triton kernels run interpreted on a CPU (seconds a forward), attention is not needed:
        # ~0.05 s a forward of 10 images on one core.
-       "model.norm_impl=scale-shift", "model.fused_parts=False", "model.norm_fast_silu=False",
-       "model.attn_resolutions=()"]
+       "model.norm_impl=scale-shift", *FUSED_OFF, "model.attn_resolutions=()"]
 # NFE per image of each (sampler, steps, eta, churn) row of TOY but the ODE's (adaptive).
 TOY_NFE = {("heun", 5, None, 0.0): 9, ("heun", 5, None, 30.0): 9, ("dpm2m", 3, None, 0.0): 3,
            ("em", 3, None, 0.0): 3, ("pc", 2, None, 0.0): 4}

@@ -87,6 +87,8 @@ class Site:
 def record_sites(model_cfg) -> list[tuple[Site, int]]:
     """The distinct 3x3 convolutions of one forward of the model (CPU, fp32, batch RECORD_BATCH), each with how many
     times a step it runs, in the order first seen."""
+    import dataclasses
+
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
 
@@ -95,7 +97,9 @@ def record_sites(model_cfg) -> list[tuple[Site, int]]:
     from ffcv_ddpm.unet import build_model
 
     torch.manual_seed(0)
-    model = build_model(model_cfg).train()
+    # The residual sums computed where they are written (norm_residual leaves them to the next GroupNorm as Pending
+    # sums, which the recorder below cannot follow): the same convolutions, adds and GroupNorms.
+    model = build_model(dataclasses.replace(model_cfg, norm_residual=False)).train()
     keep = []  # every tensor seen, alive until the end: ids stay unique
     gn_out, gn_in = {}, []  # id(GroupNormAct output) -> (module, input parts, add given); (part ids, add) per call
     convs, sums = [], {}  # conv calls; id(a + b) -> the ids of a and b

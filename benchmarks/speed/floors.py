@@ -180,7 +180,7 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     from benchmarks.speed.clocks import clock_ms
     from benchmarks.speed.copy_rate import copy_gb_per_s
     from benchmarks.speed.flops import _inputs
-    from ffcv_ddpm.unet import build_model
+    from ffcv_ddpm.unet import FUSED_SWITCHES, build_model
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -192,10 +192,10 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     x, t, y = _inputs(cfg.model, RECORD_BATCH, device)
     inputs = (x.contiguous(memory_format=layout), t, *([y] if y is not None else []))
     calls, _ = record(model.train(), inputs)
-    # fused_parts and norm_fast_silu go with the fused kernels (ModelConfig.validate): the F.group_norm twin reads the
-    # concatenation and takes F.silu.
-    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch", norm_plan="", fused_parts=False,
-                                          norm_fast_silu=False))
+    # The fused kernels' switches go with them (ModelConfig.validate): the F.group_norm twin reads the concatenation
+    # and the residual sums computed, and takes F.silu.
+    ref = build_model(dataclasses.replace(cfg.model, norm_impl="torch", norm_plan="",
+                                          **dict.fromkeys(FUSED_SWITCHES, False)))
     ref = ref.to(device, memory_format=layout)
     _, norms = record(ref.train(), inputs)
     del model, ref

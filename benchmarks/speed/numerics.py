@@ -3,7 +3,8 @@
     python -m benchmarks.speed.numerics --data data                   # ddpm-cifar10, batch 128, 2000 steps, bf16 vs fp32
     python -m benchmarks.speed.numerics --data data --precision fp16   # fp16 + GradScaler instead
     python -m benchmarks.speed.numerics --data data model.norm_impl=scale-shift model.fused_parts=False \
-        model.norm_fast_silu=False --control model.norm_impl=torch --parallel   # (both go with the fused kernels)
+        model.norm_residual=False model.norm_fast_silu=False model.norm_pair_hash=False model.norm_x_sums=False \
+        --control model.norm_impl=torch --parallel   # (the preset's fused-kernel switches off for both)
     python -m benchmarks.speed.numerics --data data data.batch_size=32 model.norm_impl=fused --control \
         train.cudnn_benchmark=False --parallel --gpus 2,3 --time-limit 480 --out OUT   # fused: its own control
     python -m benchmarks.speed.numerics --data data --preset tiny --steps 40 --log-every 5 data.batch_size=16 train.device=cpu

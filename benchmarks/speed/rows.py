@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common import JPEG_BETON, PNG_TRAIN, BenchError
-from ffcv_ddpm.unet import PRESETS, REFERENCE_COMPUTATION
+from ffcv_ddpm.unet import FUSED_OFF, PRESETS, REFERENCE_COMPUTATION
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,7 @@ class Row:
 BASELINE = (
     *(f"model.{k}={v}" for k, v in REFERENCE_COMPUTATION.items()),  # the network computed as the paper wrote it
     "model.norm_impl=torch",
-    "model.fused_parts=False",  # the fused kernels' read of concat_free's parts: the fused row turns it on (DDPM_FUSED)
-    "model.norm_fast_silu=False",  # the fused kernels' SiLU through tanh.approx: the fused row turns it on
+    *FUSED_OFF,  # the fused kernels' switches: the fused row turns the preset's on
     "train.precision=fp32",
     "train.compile=False",
     "model.attn_impl=math",
@@ -49,7 +48,11 @@ BASELINE = (
 # The computation switches every network takes, and those built for the DDPM one only (table_rows drops them).
 ALL_SWITCHES = ("model.upsample=transposed", "model.pad_image_channels=8", "model.attn_linear=True")
 DDPM_SWITCHES = ("model.concat_free=True", "model.conv_bias_in_norm=True")
-DDPM_FUSED = ("model.fused_parts=True",)  # with the fused kernels, DDPM network only (reads concat_free's parts)
+# With the fused kernels, DDPM network only: the read of concat_free's parts, the residual sums left to the next norm.
+DDPM_FUSED = ("model.fused_parts=True", "model.norm_residual=True")
+# With the fused kernels, every network: SiLU through tanh.approx, one dropout hash for two channels, the backward's
+# sums over x.
+FUSED_ON = ("model.norm_fast_silu=True", "model.norm_pair_hash=True", "model.norm_x_sums=True")
 SWITCHES_ROW = ("+ exact reformulations (no skip concat, folded upsample, padded image convs, linear attention "
                 "projections, conv bias in the norm's add)")
 
@@ -72,10 +75,10 @@ STACK = (
     (SWITCHES_ROW, (*ALL_SWITCHES, *DDPM_SWITCHES), "prev"),
     # GroupNorm + SiLU + dropout (+ the time-embedding add) as one Triton kernel each way (ffcv_ddpm.gn_kernels); on
     # the DDPM network the up blocks' first ones read (h, skip) where they lie (model.fused_parts, the preset's since
-    # the 5f421de measurements: the rows of tables measured before leave it off, their JSON says so), and SiLU
-    # through tanh.approx (model.norm_fast_silu, the preset's since 74b8544: likewise).
-    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused", "model.norm_fast_silu=True", *DDPM_FUSED),
-     "prev"),
+    # the 5f421de measurements: the rows of tables measured before leave it off, their JSON says so), SiLU through
+    # tanh.approx (model.norm_fast_silu, the preset's since 74b8544: likewise), and since the x-sums-17a6ad0
+    # measurements the pair hash, the residual sums and the sums over x (likewise).
+    ("+ fused GroupNorm/SiLU/dropout kernels", ("model.norm_impl=fused", *FUSED_ON, *DDPM_FUSED), "prev"),
 )
 
 # Alternatives to one step of the stack (not stacked further): (name, the stack row they replace a setting of,
