@@ -23,6 +23,8 @@ from ffcv_ddpm.unet import PRESETS, ModelConfig
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# train.sdpa_backend: the scaled_dot_product_attention backends a step may use (ffcv_ddpm.step.set_sdpa_backend)
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 # Checkpoints are named by their step in 8 digits (ckpt-00800000.pt) and found again by that pattern; 125x the
 # DDPM paper's 800k steps.
 MAX_STEPS = 99_999_999
@@ -45,6 +47,7 @@ class TrainConfig:
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
+    sdpa_backend: str = "auto"           # auto (torch's choice) | cudnn | flash | efficient | math: SDPA's only backend (NOTES item 39)
     deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     noise_seed: int = -1                 # seeds noise, timesteps and dropout alone (rank r: + r); -1 = train.seed
@@ -157,6 +160,7 @@ RULES = {
     "train.ema_decay": in_range(0, 1, high_open=True),
     "train.precision": one_of(PRECISIONS),
     "train.compile_mode": one_of(COMPILE_MODES),
+    "train.sdpa_backend": one_of(SDPA_BACKENDS),
     "train.seed": at_least(0),
     "train.noise_seed": at_least(-1),
     "train.device": matches("auto, cpu, cuda or cuda:N", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),

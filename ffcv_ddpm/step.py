@@ -79,6 +79,20 @@ def set_precision(precision: str, device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = tf32
 
 
+def set_sdpa_backend(backend: str, device: torch.device) -> None:
+    """train.sdpa_backend: which of F.scaled_dot_product_attention's backends may run (torch.backends.cuda's flags,
+    which CPU calls read too). A compiled step keeps the backend chosen when it was traced. One backend alone, so a
+    call it cannot run is an error ("No viable backend"), never a fallback that changes what a timing means; "auto"
+    enables them all (torch's default, its own priority order)."""
+    if backend in ("cudnn", "efficient") and device.type != "cuda":
+        raise TrainingError(f"train.sdpa_backend={backend} runs on CUDA GPUs only; on {device.type} use auto, flash or "
+                            "math")
+    enable = {"cudnn": torch.backends.cuda.enable_cudnn_sdp, "flash": torch.backends.cuda.enable_flash_sdp,
+              "efficient": torch.backends.cuda.enable_mem_efficient_sdp, "math": torch.backends.cuda.enable_math_sdp}
+    for name, set_enabled in enable.items():
+        set_enabled(backend in ("auto", name))
+
+
 def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig,
               reduce_grads: Callable | None = None) -> Callable:
     """One training iteration. Everything stays on the device: the caller reads the loss at log intervals.
@@ -161,6 +175,7 @@ def set_deterministic() -> None:
 def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
+    set_sdpa_backend(cfg.train.sdpa_backend, device)
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     if cfg.train.deterministic:
         set_deterministic()

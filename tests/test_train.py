@@ -282,6 +282,41 @@ def test_deterministic_sets_every_switch(monkeypatch):
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+def test_sdpa_backend_is_the_only_one_the_step_may_use():
+    """train.sdpa_backend (NOTES item 39): the one backend enabled, the others off, so a call it cannot run fails
+    instead of falling back; the step's attention computes the same function by flash and math; a GPU-only backend on
+    a CPU is refused by name; auto gives torch's defaults back."""
+    flags = (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.flash_sdp_enabled,
+             torch.backends.cuda.mem_efficient_sdp_enabled, torch.backends.cuda.math_sdp_enabled)
+    cpu = torch.device("cpu")
+    try:
+        losses = {}
+        for backend, on in (("flash", (False, True, False, False)), ("math", (False, False, False, True))):
+            cfg = load_config("tiny", ["train.device=cpu", "train.precision=fp32", "train.compile=False",
+                                       f"train.sdpa_backend={backend}"])
+            t = step_mod.build(cfg, cpu)
+            assert tuple(f() for f in flags) == on, backend
+            torch.manual_seed(0)
+            images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8)
+            losses[backend] = t.step(images, torch.randint(0, 10, (4,)), 1e-4)
+            q, v = torch.randn(2, 1, 8, 4), torch.randn(2, 1, 8, 6)  # flash needs one head dim for q, k and v
+            if backend == "flash":  # and math, which would run it, is off
+                with pytest.raises(RuntimeError, match="No available kernel"):
+                    torch.nn.functional.scaled_dot_product_attention(q, q, v)
+            else:
+                assert torch.nn.functional.scaled_dot_product_attention(q, q, v).shape == (2, 1, 8, 6)
+        assert losses["flash"].item() == pytest.approx(losses["math"].item(), rel=1e-5)
+        with pytest.raises(step_mod.TrainingError, match="train.sdpa_backend=cudnn runs on CUDA GPUs only; on cpu use "
+                                                         "auto, flash or math"):
+            step_mod.build(load_config("tiny", ["train.device=cpu", "train.sdpa_backend=cudnn"]), cpu)
+        with pytest.raises(BadValue, match="train.sdpa_backend"):
+            load_config("tiny", ["train.sdpa_backend=fastest"])
+        step_mod.build(load_config("tiny", ["train.device=cpu", "train.compile=False"]), cpu)
+        assert all(f() for f in flags)
+    finally:
+        step_mod.set_sdpa_backend("auto", cpu)
+
+
 def test_largest_fitting_batch_reports_what_fits():
     seen = []
 

@@ -180,11 +180,13 @@ def measure(cfg, batch: int, cuda: bool, iters: int, copy_mib: int) -> dict:
     from benchmarks.speed.clocks import clock_ms
     from benchmarks.speed.copy_rate import copy_gb_per_s
     from benchmarks.speed.flops import _inputs
+    from ffcv_ddpm.step import set_sdpa_backend
     from ffcv_ddpm.unet import FUSED_SWITCHES, build_model
 
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark  # the step's algorithm choice (searched in warm-up)
+    set_sdpa_backend(cfg.train.sdpa_backend, device)  # the step's attention kernels
     layout = torch.channels_last if cfg.train.channels_last else torch.contiguous_format  # the step's layout
     torch.manual_seed(0)
     model = build_model(cfg.model).to(device, memory_format=layout)
