@@ -16,9 +16,11 @@ Writing the .beton files is tools/' job; this module only reads them.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import queue
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -521,8 +523,16 @@ class _Epoch:
             raise
 
     def close(self) -> None:
-        self._batches.close()
-        self._batches.join(timeout=10)
+        self._batches.close()  # sets the thread's stop event, which its timed puts look at every 0.5 s
+        self._batches.join(timeout=1)
+        if self._batches.is_alive():
+            # It ends an epoch with an untimed put of None: after the epoch's last batches went into a queue that no
+            # one will read, that put waits for good (a run stopped near an epoch's end; 10 s a join and a thread
+            # left behind, before). One slot freed lets it finish; a thread still decoding puts one more batch and
+            # stops at its next timed put.
+            with contextlib.suppress(queue.Empty):
+                self._batches.output_queue.get_nowait()
+            self._batches.join(timeout=10)
 
     __del__ = close  # an epoch dropped half-read (as a dropped generator's finally did before)
 

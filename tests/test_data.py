@@ -11,7 +11,7 @@ from ffcv.fields import IntField, RGBImageField
 from ffcv.writer import DatasetWriter
 from PIL import Image
 
-from conftest import IndexedArrays
+from conftest import IndexedArrays, write_beton
 from ffcv_ddpm.data import (CIFAR10_CLASSES, BatchLoader, DataConfig, check_beton, dataset_info, endless,
                             epoch_order, make_loader, prepare_batch)
 
@@ -361,7 +361,6 @@ def test_read_beton_reads_what_ffcvs_loader_reads(data, small_dataset, tmp_path,
 def test_read_beton_reads_a_file_once_until_it_changes(tmp_path, monkeypatch):
     """A study reads one small .beton several times: later reads come from memory (FFCV's Loader compiles its
     pipeline for each read, ~1 s on a CPU), each a copy of its own; a file rewritten in between is read again."""
-    from conftest import write_beton
     from ffcv_ddpm import data
 
     path = write_beton(tmp_path / "a.beton", 20, seed=0)
@@ -395,6 +394,9 @@ class _FakeEpochIterator:
     def join(self, timeout=None):
         self.calls.append("join")
 
+    def is_alive(self):
+        return False
+
 
 def test_an_ffcv_epoch_stops_its_thread_when_closed_unread_or_when_it_ends():
     from ffcv_ddpm.data import _Epoch
@@ -404,6 +406,31 @@ def test_an_ffcv_epoch_stops_its_thread_when_closed_unread_or_when_it_ends():
     assert unread.calls[:2] == ["close", "join"]
     ended = _FakeEpochIterator(2)
     assert list(_Epoch(ended)) == [1, 0] and ended.calls[:2] == ["close", "join"]
+
+
+def test_an_ffcv_epoch_closed_with_its_last_batches_unread_stops_its_thread(tmp_path):
+    """FFCV's epoch thread puts the end of the epoch (None) into its queue without a timeout: closed with the last
+    batches decoded and unread (a run stopped near an epoch's end, a resumed run's 2 steps here), the queue full, it
+    used to wait there for good, and close() for 10 s a join."""
+    import time
+
+    from ffcv_ddpm.data import DataConfig, _FFCVBatches
+
+    path = write_beton(tmp_path / "train.beton", 64)
+    batches = _FFCVBatches(DataConfig(path=str(path), batch_size=8, num_workers=1, order="sequential"),
+                           torch.device("cpu"), 0, 1)
+    epoch = batches._epoch_batches(0)
+    thread = epoch._batches
+    unread = thread.output_queue.maxsize
+    for _ in range(len(batches) - unread):
+        next(epoch)
+    deadline = time.time() + 30
+    while not thread.output_queue.full() and time.time() < deadline:  # the last batches decoded...
+        time.sleep(0.01)
+    time.sleep(0.5)  # ...and the thread at its put of the epoch's end
+    assert thread.output_queue.full() and thread.is_alive()
+    epoch.close()
+    assert not thread.is_alive()
 
 
 def test_ordered_loader_is_ffcvs_loader_but_for_its_epochs():
