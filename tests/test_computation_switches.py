@@ -409,7 +409,8 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     # The preset's switches named at once, each with its override
     with pytest.raises(BadValue, match=r"switches fused_parts, norm_residual, norm_fast_silu, norm_pair_hash, "
                                        r"norm_x_sums are on, .* \(model.fused_parts=False model.norm_residual=False "
-                                       r"model.norm_fast_silu=False model.norm_pair_hash=False model.norm_x_sums=False\)"):
+                                       r"model.norm_fast_silu=False model.norm_pair_hash=False "
+                                       r"model.norm_x_sums=False\)"):
         load_config("ddpm-cifar10", ["model.norm_impl=torch"])
     with pytest.raises(BadValue, match="norm_residual=True is built for arch='ddpm'"):
         load_config("annotated-small", ["model.norm_residual=True", "model.norm_impl=fused"])

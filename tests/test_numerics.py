@@ -120,7 +120,8 @@ def test_bf16_against_fp32_with_a_control_in_process_and_in_parallel(small_datas
     numerics.render(r, tmp_path / "again.json")
     assert "control is outside" not in (tmp_path / "again.md").read_text()
     for leg in ("reference", "candidate", "control"):
-        assert [s["loss"] for s in p[leg]["stats"]] == pytest.approx([s["loss"] for s in r[leg]["stats"]], rel=1e-5), leg
+        losses = [s["loss"] for s in r[leg]["stats"]]
+        assert [s["loss"] for s in p[leg]["stats"]] == pytest.approx(losses, rel=1e-5), leg
         assert p[leg]["config"]["train"]["precision"] == r[leg]["config"]["train"]["precision"]
 
 
@@ -158,11 +159,10 @@ def test_legs_with_different_random_streams_are_refused():
     numerics.check_paired(_legs(["train.compile=False"], [], common=("train.device=cpu",)))  # eager either way
     # The control of issue 12 (scale-shift against nn.GroupNorm); ddpm-cifar10's default is fused, whose dropout
     # seeds pair only with fused legs (and the fused kernels' switches go with them: off with any other).
-    off = FUSED_OFF
     numerics.check_paired(_legs([], [], ["model.norm_impl=torch"], common=(
-        "train.device=cuda", "model.norm_impl=scale-shift", *off)))
+        "train.device=cuda", "model.norm_impl=scale-shift", *FUSED_OFF)))
     with pytest.raises(ValueError, match="control leg.*norm_impl=fused in every leg or in none"):
-        numerics.check_paired(_legs([], [], ["model.norm_impl=scale-shift", *off]))
+        numerics.check_paired(_legs([], [], ["model.norm_impl=scale-shift", *FUSED_OFF]))
     with pytest.raises(ValueError, match="control leg.*give every leg the same train.seed"):
         numerics.check_paired(_legs([], [], ["train.seed=1"]))
 
