@@ -22,7 +22,7 @@ from ffcv_ddpm.diffusion import GaussianDiffusion
 from ffcv_ddpm.ema import EMA
 from ffcv_ddpm.flat_allreduce import FlatGradReducer, broadcast_parameters
 from ffcv_ddpm.sde import VEDiffusion, make_diffusion
-from ffcv_ddpm.unet import build_model
+from ffcv_ddpm.unet import build_model, pin_sdpa_kernel
 
 AMP_DTYPES = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -81,9 +81,10 @@ def set_precision(precision: str, device: torch.device) -> None:
 
 def set_sdpa_backend(backend: str, device: torch.device) -> None:
     """train.sdpa_backend: which of F.scaled_dot_product_attention's backends may run (torch.backends.cuda's flags,
-    which CPU calls read too). A compiled step keeps the backend chosen when it was traced. One backend alone, so a
-    call it cannot run is an error ("No viable backend"), never a fallback that changes what a timing means; "auto"
-    enables them all (torch's default, its own priority order)."""
+    which CPU calls read too; build also pins the model's attention to it, in the traced graph, where the flags alone
+    let a compile reuse a cached graph of another backend: NOTES item 39). One backend alone, so a call it cannot run
+    is an error ("No viable backend"), never a fallback that changes what a timing means; "auto" enables them all
+    (torch's default, its own priority order)."""
     if backend in ("cudnn", "efficient") and device.type != "cuda":
         raise TrainingError(f"train.sdpa_backend={backend} runs on CUDA GPUs only; on {device.type} use auto, flash or "
                             "math")
@@ -181,6 +182,7 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
         set_deterministic()
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model).to(device)
+    pin_sdpa_kernel(model, cfg.train.sdpa_backend)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     diffusion = make_diffusion(cfg.diffusion).to(device)

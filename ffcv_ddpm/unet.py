@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, Pending, parse_plan, resolved
 
@@ -355,8 +356,20 @@ def fold_nearest_2x(weight: torch.Tensor) -> torch.Tensor:
     return fold(fold(weight, 2), 3).transpose(0, 1)  # (cout, cin, 4, 4) -> (cin, cout, 4, 4)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v on (B, heads, N, d) tensors, by SDPA or by the explicit matmul-softmax reference."""
+# train.sdpa_backend's names of SDPA's kernels (ffcv_ddpm.step.set_sdpa_backend); "auto" pins none.
+SDPA_KERNELS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
+              kernel: SDPBackend | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v on (B, heads, N, d) tensors, by SDPA (its kernel pinned if given) or by the explicit
+    matmul-softmax reference."""
+    if impl == "sdpa" and kernel is not None:
+        # In the traced graph, not only in torch.backends.cuda's flags: a compiled step's saved artifacts are keyed on
+        # the graph, so with the flags alone a later compile reused a cached graph of another kernel (NOTES item 39).
+        with sdpa_kernel(kernel):
+            return F.scaled_dot_product_attention(q, k, v)
     if impl == "sdpa":
         return F.scaled_dot_product_attention(q, k, v)
     scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (B, heads, N, N)
@@ -379,6 +392,7 @@ class SelfAttention(nn.Module):
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
         self.impl = impl  # "sdpa" or "math"
+        self.sdpa_kernel: SDPBackend | None = None  # SDPA's one kernel (pin_sdpa_kernel); None: torch's choice
         # The 1x1 convs as matmuls on the NHWC view: inductor hands a conv to cuDNN without its bias and adds the bias
         # in a kernel of its own, which nothing fuses when SDPA consumes the output; cuBLAS adds it in its epilogue.
         self.linear = linear
@@ -398,7 +412,7 @@ class SelfAttention(nn.Module):
             qkv = self.qkv(h).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
         qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if channels_last
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
-        o = attention(q, k, v, self.impl)  # (B, heads, HW, d)
+        o = attention(q, k, v, self.impl, self.sdpa_kernel)  # (B, heads, HW, d)
         o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim)  # (B, HW, heads, d) -> (B, H, W, heads*d)
         if self.linear:
             y = F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
@@ -407,6 +421,13 @@ class SelfAttention(nn.Module):
         if self.pending:
             return Pending(F.conv2d(o, self.proj.weight), x, bias=self.proj.bias)
         return x + self.proj(o)
+
+
+def pin_sdpa_kernel(model: nn.Module, backend: str) -> None:
+    """train.sdpa_backend: every attention of the model runs SDPA's kernel of that name ("auto": torch's choice)."""
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.sdpa_kernel = SDPA_KERNELS.get(backend)
 
 
 class TimeEmbedding(nn.Module):

@@ -317,6 +317,36 @@ def test_sdpa_backend_is_the_only_one_the_step_may_use():
         step_mod.set_sdpa_backend("auto", cpu)
 
 
+def test_a_compiled_attention_runs_the_pinned_backend_after_another_was_compiled(tmp_path, monkeypatch):
+    """NOTES item 39: with torch.backends.cuda's flags alone, a second compile of the same module reused the cached
+    graph of the first backend (the compile caches key on the graph, not the flags), so every row of a levers call ran
+    the first row's kernel. Pinned in the graph (unet.pin_sdpa_kernel, as step.build does), each compile runs its
+    own: flash's op, then math's batched GEMMs, in one process, one cache."""
+    from torch._inductor.utils import run_and_get_code
+
+    from ffcv_ddpm.unet import SelfAttention, pin_sdpa_kernel
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    x = torch.randn(2, 16, 4, 4).contiguous(memory_format=torch.channels_last)  # the step's layout: d unit-stride
+    code = {}
+    try:
+        for backend in ("flash", "math"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            attn = SelfAttention(16, 1, None, 4, True, "sdpa")
+            step_mod.set_sdpa_backend(backend, cpu)
+            pin_sdpa_kernel(attn, backend)
+            compiled = torch.compile(attn)
+            _, code[backend] = run_and_get_code(lambda: compiled(x).square().sum().backward())
+    finally:
+        torch._dynamo.reset()
+        step_mod.set_sdpa_backend("auto", cpu)
+    flash, math = "\n".join(code["flash"]), "\n".join(code["math"])
+    assert "_scaled_dot_product_flash_attention_for_cpu" in flash and "bmm" not in flash
+    assert "_scaled_dot_product_flash_attention" not in math and "bmm" in math
+
+
 def test_largest_fitting_batch_reports_what_fits():
     seen = []
 
