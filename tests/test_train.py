@@ -266,20 +266,24 @@ def test_deterministic_sets_every_switch(monkeypatch):
 
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
-    monkeypatch.setattr(inductor_config, "deterministic", False)
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    # inductor's setting through its config's own patch: monkeypatch's undo deleted the entry (it is not in the
+    # module's __dict__), and the next compile in the same worker failed looking it up.
     try:
-        cfg = load_config("tiny", ["train.device=cpu", "train.compile=False"])
-        step_mod.build(cfg, torch.device("cpu"))
-        assert not torch.are_deterministic_algorithms_enabled()  # off by default
-        cfg = load_config("tiny", ["train.device=cpu", "train.compile=False", "train.deterministic=True",
-                                   "train.cudnn_benchmark=False"])
-        step_mod.build(cfg, torch.device("cpu"))
-        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
-        assert torch.backends.cudnn.deterministic and inductor_config.deterministic
-        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        with inductor_config.patch(deterministic=False):
+            cfg = load_config("tiny", ["train.device=cpu", "train.compile=False"])
+            step_mod.build(cfg, torch.device("cpu"))
+            assert not torch.are_deterministic_algorithms_enabled()  # off by default
+            cfg = load_config("tiny", ["train.device=cpu", "train.compile=False", "train.deterministic=True",
+                                       "train.cudnn_benchmark=False"])
+            step_mod.build(cfg, torch.device("cpu"))
+            assert torch.are_deterministic_algorithms_enabled()
+            assert torch.is_deterministic_algorithms_warn_only_enabled()
+            assert torch.backends.cudnn.deterministic and inductor_config.deterministic
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert inductor_config.deterministic is False  # an entry still
 
 
 def test_sdpa_backend_is_the_only_one_the_step_may_use():
