@@ -456,11 +456,13 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                    BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
                    HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False,
-                   XSUMS: tl.constexpr = False):
+                   XSUMS: tl.constexpr = False, dbias_ptr=None, DBIAS: tl.constexpr = False):
     """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n (XSUMS: beta u x +
     (beta v + gamma), xhat never formed). With HAS_DS plus ds, the gradient the first part (x a residual sum,
     model.norm_residual) gets from its other readers: one write of the sum's whole gradient where a pass of its own
-    would read dx and ds and write their sum."""
+    would read dx and ds and write their sum. DBIAS (model.norm_dbias): dbias[n, tile, c] = the tile's sum of the
+    first part's dx as stored (rounded to its dtype), the residual sum's bias gradient in partial sums, where a
+    reduction of its own would read dx again."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -483,3 +485,7 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
         dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],
                       other=0.0).to(tl.float32)
     _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+    if DBIAS:
+        first = m & (cols < C1)[None, :]
+        part = tl.sum(tl.where(first, dx.to(dx_ptr.dtype.element_ty).to(tl.float32), 0.0), axis=0)
+        tl.store(dbias_ptr + (n * tl.num_programs(1) + tl.program_id(1)) * C1 + cols, part, mask=cols < C1)

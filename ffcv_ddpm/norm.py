@@ -142,7 +142,7 @@ class GroupNormAct(nn.GroupNorm):
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
                  parts: bool = False, saved_means: bool = False, mask_bits: bool = False, fast_silu: bool = False,
-                 pair_hash: bool = False, x_sums: bool = False):
+                 pair_hash: bool = False, x_sums: bool = False, dbias: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -151,7 +151,7 @@ class GroupNormAct(nn.GroupNorm):
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
         for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits),
-                         ("fast_silu", fast_silu), ("pair_hash", pair_hash), ("x_sums", x_sums)):
+                         ("fast_silu", fast_silu), ("pair_hash", pair_hash), ("x_sums", x_sums), ("dbias", dbias)):
             if on and impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
         if pair_hash and num_channels % 2:
@@ -168,11 +168,12 @@ class GroupNormAct(nn.GroupNorm):
         self.fast_silu = fast_silu  # fused: SiLU and its derivative through one tanh.approx (gn_kernels._silu)
         self.pair_hash = pair_hash  # fused, with dropout: one hash for two channels' masks (gn_kernels._keep_tile)
         self.x_sums = x_sums  # fused: the backward kernels sum over x, not xhat (gn_kernels._bwd_reduce_kernel)
+        self.dbias = dbias  # fused, reading a Pending sum with a bias: its gradient from the dx kernel's tile sums
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
         switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits", "fast_silu", "pair_hash",
-                                                   "x_sums") if getattr(self, k))
+                                                   "x_sums", "dbias") if getattr(self, k))
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
     def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
@@ -219,7 +220,8 @@ class GroupNormAct(nn.GroupNorm):
                                                         None if add is None else add.to(dt).contiguous(),
                                                         seed, self.num_groups, self.eps, self.silu_mode, p,
                                                         *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
-                                                        res, res2, rbias, self.pair_hash, self.x_sums)
+                                                        res, res2, rbias, self.pair_hash, self.x_sums,
+                                                        self.dbias)
         if fold:
             fold.set(s)
         return out
@@ -290,7 +292,7 @@ def _on_triton(x: Tensor) -> bool:
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
                    saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None,
-                   pair_hash: bool, x_sums: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   pair_hash: bool, x_sums: bool, dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the plain-torch
     path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second part of a
     channel concatenation [x, x2] that is never materialised (model.fused_parts). cmean, bits: what the backward
@@ -298,7 +300,7 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
     _extra_outputs), empty where off or without an add / dropout.
     res (res2, rbias): the first part is the residual sum s = x + res (+ res2) (+ rbias per channel), returned as s
     (model.norm_residual; else s is empty). pair_hash: the dropout mask one hash for two channels (keep_mask).
-    x_sums: the backward's only (model.norm_x_sums), carried to it."""
+    x_sums, dbias: the backward's only (model.norm_x_sums, model.norm_dbias), carried to it."""
     if _on_triton(x):
         return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
                               mask_bits, res, res2, rbias, pair_hash)
@@ -309,7 +311,7 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
 
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
-      rbias, pair_hash, x_sums):
+      rbias, pair_hash, x_sums, dbias):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out = _output_like(x, x2)
     n, c = out.shape[:2]
@@ -322,27 +324,35 @@ def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, sa
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: int, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
-                            bits: Tensor | None, ds: Tensor | None, pair_hash: bool, x_sums: bool
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, da, db, de, dx2): de is empty when there was no add, dx2 when there is no second part. cmean, bits: the
+                            bits: Tensor | None, ds: Tensor | None, pair_hash: bool, x_sums: bool, dbias: bool
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx, da, db, de, dx2, dbias): de is empty when there was no add, dx2 when there is no second part, dbias
+    without `dbias` (else dx summed over samples and pixels, fp32: a residual sum's bias gradient). cmean, bits: the
     forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
     to dx. x_sums: the kernels' sums over x (the plain-torch path computes one way)."""
     if _on_triton(x):
         return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
-                               cmean, bits, ds, pair_hash, x_sums)
+                               cmean, bits, ds, pair_hash, x_sums, dbias)
     dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits, pair_hash)
     dx2 = dx.new_empty(0)
     if x2 is not None:
         dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
         dx, dx2 = dx.contiguous(memory_format=_format(x)), dx2.contiguous(memory_format=_format(x2))
-    return (dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))), da, db, de, dx2
+    dx = dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))
+    return dx, da, db, de, dx2, bias_grad(dx) if dbias else dx.new_empty(0, dtype=torch.float32)
 
 
 @group_norm_act_backward.register_fake
 def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds,
-      pair_hash, x_sums):
+      pair_hash, x_sums, dbias):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
-            torch.empty_like(x2) if x2 is not None else x.new_empty(0))
+            torch.empty_like(x2) if x2 is not None else x.new_empty(0),
+            x.new_empty(x.shape[1] if dbias else 0, dtype=torch.float32))
+
+
+def bias_grad(dx: Tensor) -> Tensor:
+    """A per-channel bias's gradient from its output's: dx summed over samples and pixels, in fp32."""
+    return dx.sum((0, 2, 3), dtype=torch.promote_types(dx.dtype, torch.float32))
 
 
 def _joined(x: Tensor, x2: Tensor | None) -> Tensor:
@@ -359,28 +369,31 @@ def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums = inputs
+    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias = inputs
     _, mean, rstd, cmean, bits, s = output
     # With a residual sum the kernels after the statistics read s, not x: the backward too.
     ctx.save_for_backward(s if res is not None else x, a, b, e, seed, mean, rstd, x2,
                           cmean if cmean.numel() else None, bits if bits.numel() else None)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
     ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
-    ctx.pair_hash, ctx.x_sums = pair_hash, x_sums
+    ctx.pair_hash, ctx.x_sums, ctx.dbias = pair_hash, x_sums, dbias and rbias is not None
 
 
 def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
     x, a, b, e, seed, mean, rstd, x2, cmean, bits = ctx.saved_tensors
     has_res, has_res2, rbias_dtype = ctx.residual
     ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
-    dx, da, db, de, dx2 = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean, bits,
-                                                  ds, ctx.pair_hash, ctx.x_sums)
-    # The sum's terms share its gradient; its bias, the sum of it over samples and pixels.
-    dbias = (dx.sum((0, 2, 3), dtype=torch.promote_types(dx.dtype, torch.float32)).to(rbias_dtype)
-             if rbias_dtype is not None else None)
+    dx, da, db, de, dx2, dbias = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean,
+                                                         bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias)
+    # The sum's terms share its gradient; its bias, the sum of it over samples and pixels (with ctx.dbias summed by
+    # the dx kernel as it writes dx).
+    if rbias_dtype is not None:
+        dbias = (dbias if ctx.dbias else bias_grad(dx)).to(rbias_dtype)
+    else:
+        dbias = None
     return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
             dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias,
-            None, None)  # pair_hash, x_sums
+            None, None, None)  # pair_hash, x_sums, dbias
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -546,10 +559,12 @@ def _residual_args(x: Tensor, addends: tuple[Tensor, ...], rbias: Tensor | None,
 
 
 def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None,
-                    cmean=None, bits=None, ds=None, pair_hash=False, x_sums=False):
+                    cmean=None, bits=None, ds=None, pair_hash=False, x_sums=False, dbias=False):
     """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
-    (dx, da, db, de, dx2), dx2 empty without a second part. cmean, bits: what triton_forward kept with saved_means
-    and mask_bits (None: the backward sums xhat itself, hashes the mask again). ds: a gradient of x (the first part)
+    (dx, da, db, de, dx2, dbias), dx2 empty without a second part, dbias the sum of the first part's dx over
+    samples and pixels (fp32) with `dbias` (model.norm_dbias: from the dx kernel's per-tile sums), else empty.
+    cmean, bits: what triton_forward kept with saved_means and mask_bits (None: the backward sums xhat itself, hashes
+    the mask again). ds: a gradient of x (the first part)
     from elsewhere, added to dx (a residual sum's other readers: model.norm_residual). x_sums: the reduction and dx
     kernels compute over x, not xhat (model.norm_x_sums: one multiply-add an element fewer, the same sums)."""
     import triton
@@ -594,12 +609,17 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     if ds is not None:
         s_gn, s_gc, s_ghw = _nchw_strides(ds)
         extra = dict(ds_ptr=ds, s_gn=s_gn, s_gc=s_gc, s_ghw=s_ghw, HAS_DS=True)
-    K._bwd_dx_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](
+    tiles = triton.cdiv(hw, pl["BLOCK_R"])
+    # A tile's sums, (N, tiles, C1) fp32: 2 / BLOCK_R of dx's bytes written and read where dx.sum read all of dx.
+    dbias_part = x.new_empty((n, tiles, c1) if dbias else 0, dtype=torch.float32)
+    if dbias:
+        extra.update(dbias_ptr=dbias_part, DBIAS=True)
+    K._bwd_dx_kernel[(n, tiles)](
         dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *dstr, a.stride(0),
         a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"],
         BLOCK_C=pl["BLOCK_C"],
         **flags, **extra)
-    return dx, da, db, de, dx2
+    return dx, da, db, de, dx2, dbias_part.sum((0, 1)) if dbias else dbias_part
 
 
 # ---------------------------------------------------------------------------------------------------- reference

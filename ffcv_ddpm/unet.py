@@ -99,6 +99,10 @@ class ModelConfig:
     # an element fewer in the reduction and in dx, the kernels the arithmetic holds back (NOTES item 38). The same
     # sums up to fp32 rounding (PyTorch's own GroupNorm backward sums over x too).
     norm_x_sums: bool = False
+    # norm_impl=fused with norm_residual: a residual sum's bias gradient (conv2's and the skip's biases, attention's
+    # projection's) from the dx kernel's per-tile sums of the sum's gradient as it writes it, where a reduction of its
+    # own read that gradient again (NOTES item 41). The same sum in another order.
+    norm_dbias: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -118,7 +122,8 @@ class ModelConfig:
 
     def act_norm(self) -> dict:
         """The plan and switches as every GroupNorm + SiLU takes them (GroupNormAct's plan, fast_silu, x_sums)."""
-        return dict(plan=self.fused_norm_plan(), fast_silu=self.norm_fast_silu, x_sums=self.norm_x_sums)
+        return dict(plan=self.fused_norm_plan(), fast_silu=self.norm_fast_silu, x_sums=self.norm_x_sums,
+                    dbias=self.norm_dbias)
 
     def norm_switches(self) -> dict:
         """The fused kernels' switches as GroupNormAct takes them (for the GroupNorms with an add or dropout)."""
@@ -178,6 +183,9 @@ class ModelConfig:
             raise ValueError(f"the fused GroupNorm kernels' switches {', '.join(on)} are on, but "
                              f"norm_impl={self.norm_impl!r} runs no fused kernels: turn them off with it ("
                              + " ".join(f"model.{name}=False" for name in on) + ") or set norm_impl=fused")
+        if self.norm_dbias and not self.norm_residual:
+            raise ValueError("norm_dbias=True sums a residual sum's bias gradient in the GroupNorm that reads the sum: "
+                             "it needs norm_residual=True; set norm_dbias=False")
         if self.fused_parts and not self.concat_free:
             raise ValueError("fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
                              "needs concat_free=True; set fused_parts=False")
@@ -190,7 +198,7 @@ UPSAMPLES = ("nearest", "expand", "transposed")
 # ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
 # of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
 FUSED_SWITCHES = ("fused_parts", "norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu",
-                  "norm_pair_hash", "norm_x_sums")
+                  "norm_pair_hash", "norm_x_sums", "norm_dbias")
 FUSED_OFF = tuple(f"model.{name}=False" for name in FUSED_SWITCHES)
 
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
@@ -387,7 +395,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
                  norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, ...] | None = None,
-                 pending: bool = False):
+                 pending: bool = False, dbias: bool = False):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
@@ -398,7 +406,7 @@ class SelfAttention(nn.Module):
         self.linear = linear
         self.pending = pending  # the output x + projection left as a Pending sum (model.norm_residual)
         inner = self.heads * self.head_dim
-        self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False, plan=norm_plan)
+        self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False, plan=norm_plan, dbias=dbias)
         self.qkv = nn.Conv2d(channels, 3 * inner, 1, bias=qkv_bias)
         self.proj = nn.Conv2d(inner, channels, 1)
 
@@ -584,7 +592,7 @@ class DDPMUNet(nn.Module):
         block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
                                        cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan(),
-                                       cfg.norm_residual)
+                                       cfg.norm_residual, cfg.norm_dbias)
 
         # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
         self.down = nn.ModuleList()

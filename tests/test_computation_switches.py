@@ -372,7 +372,8 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     """model.norm_saved_means, model.norm_mask_bits (the fused GroupNorm's backward from the forward's means and mask
     bits, at the res blocks' norm2: an add and dropout), model.norm_fast_silu (SiLU through tanh at every GroupNorm
     with SiLU; exact in math, so the interpreter's exact tanh matches), model.norm_x_sums (the backward's sums over x
-    at every GroupNorm with SiLU) and model.norm_residual (each residual sum computed by the
+    at every GroupNorm with SiLU), model.norm_dbias (a residual sum's bias gradient from the dx kernel) and
+    model.norm_residual (each residual sum computed by the
     fused GroupNorm that reads it next, the up path's as the first of its two parts) give the network's function and
     gradients, with the same dropout masks: through the op's plain-torch path and through its Triton kernels
     (interpreted without a GPU; 8x8 images keep that fast). Every sum is computed once, and in torch only where no
@@ -383,7 +384,7 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
                               base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.3)
     switch = dict(norm_saved_means=True, norm_mask_bits=True, norm_residual=True, norm_fast_silu=True,
-                  norm_x_sums=True)
+                  norm_x_sums=True, norm_dbias=True)
     made, in_torch = [], []
     value = norm.Pending.value
     monkeypatch.setattr(norm.Pending, "value", lambda p: (p.computed is None and in_torch.append(p), value(p))[1])
@@ -394,7 +395,7 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     assert norm2 and all(m.saved_means and m.mask_bits for m in norm2)
     acts = [m for m in new.modules() if isinstance(m, norm.GroupNormAct)]
     assert all(m.silu_mode == (2 if m.silu else 0) for m in acts) and {m.silu for m in acts} == {True, False}
-    assert all(m.x_sums for m in acts if m.silu)
+    assert all(m.x_sums for m in acts if m.silu) and all(m.dbias for m in acts)
     resamplers = [m for m in new.modules() if isinstance(m, (Downsample, Upsample))]
     assert len(in_torch) == len(resamplers) and len(made) > 2 * len(in_torch)
     assert all(p.computed is not None for p in made)
@@ -412,6 +413,8 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
                                        r"model.norm_fast_silu=False model.norm_pair_hash=False "
                                        r"model.norm_x_sums=False\)"):
         load_config("ddpm-cifar10", ["model.norm_impl=torch"])
+    with pytest.raises(BadValue, match="norm_dbias=True .* needs norm_residual=True; set norm_dbias=False"):
+        load_config("ddpm-cifar10", ["model.norm_residual=False", "model.norm_dbias=True"])
     with pytest.raises(BadValue, match="norm_residual=True is built for arch='ddpm'"):
         load_config("annotated-small", ["model.norm_residual=True", "model.norm_impl=fused"])
 

@@ -162,8 +162,8 @@ def check_kernels(case, plan, pair_hash=False, x_sums=False):
     assert out.stride() == x.stride()
 
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev)
-    dx, da, db, de, dx2 = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan,
-                                            pair_hash=pair_hash, x_sums=x_sums)
+    dx, da, db, de, dx2, _ = N.triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, *plan,
+                                               pair_hash=pair_hash, x_sums=x_sums)
     assert dx2.numel() == 0  # one part
     _, *ref_grads = grads(fn, leaves, dout.double())
     for name, got, want in zip(["dx", "da", "db", "de"], [dx, da, db, de], ref_grads):
@@ -215,9 +215,9 @@ def test_two_parts_compute_what_their_concatenation_does(case, plan):
         assert torch.allclose(got.float(), want.float(), rtol=rtol, atol=1e-6), name
     assert split[0].stride() == whole[0].stride()
     dout = torch.randn(x.shape, generator=g).to(dtype).to(dev).contiguous(memory_format=fmt)
-    dx, da, db, de, empty = N.triton_backward(dout, x, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan)
-    dx1, da1, db1, de1, dx2 = N.triton_backward(dout, x1, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan,
-                                                x2=x2)
+    dx, da, db, de, empty, _ = N.triton_backward(dout, x, a, b, e, seed, whole[1], whole[2], groups, silu, p, *plan)
+    dx1, da1, db1, de1, dx2, _ = N.triton_backward(dout, x1, a, b, e, seed, whole[1], whole[2], groups, silu, p,
+                                                   *plan, x2=x2)
     assert empty.numel() == 0 and dx1.stride() == x1.stride() and dx2.stride() == x2.stride()
     for name, got, want, rtol in zip(("dx", "da", "db", "de"), (torch.cat((dx1, dx2), 1), da1, db1, de1),
                                      (dx, da, db, de), (step, 1e-5, 1e-5, 1e-5)):
@@ -317,6 +317,16 @@ def test_a_residual_sum_folded_into_the_statistics(two, dtype):
     assert torch.allclose(summed[0].float(), (plain[0].float() + ds.float()).to(dtype).float(), rtol=step, atol=step)
     for name, u, v in zip(("da", "db", "de", "dx2"), summed[1:], plain[1:]):
         assert torch.equal(u, v), name
+    # model.norm_dbias: the bias's gradient from the dx kernel's tile sums (a row a tile under the smallest plan: 15
+    # tiles a sample), the sum of dx as stored; the other outputs as without it.
+    assert summed[5].numel() == 0
+    for plan in (N.DEFAULT_PLAN, (16, 16, 1)):
+        off, on = (N.triton_backward(dout, got[5], a, b, e, seed, *got[1:3], groups, True, p, *plan, x2=x2, ds=ds,
+                                     dbias=dbias) for dbias in (False, True))
+        for name, u, v in zip(("dx", "da", "db", "de", "dx2"), on, off):
+            assert torch.equal(u, v), name
+        assert on[5].dtype == torch.float32 and on[5].shape == (c1,)
+        assert torch.allclose(on[5], N.bias_grad(off[0]), rtol=1e-5, atol=1e-5)
 
 
 def test_parts_that_differ_in_more_than_channels_are_refused():
@@ -587,13 +597,14 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     y.sum().backward()
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
-    # the plan, then no second part, the switches off, no residual sum, the per-element hash, the sums over xhat
-    assert len(calls) == 1 and calls[0].args[-12:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
-                                                       False, False)
+    # the plan, then no second part, the switches off, no residual sum, the per-element hash, the sums over xhat,
+    # the bias gradient (of a residual sum: none here) in torch
+    assert len(calls) == 1 and calls[0].args[-13:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
+                                                       False, False, False)
     torch._dynamo.reset()
     staged, backend = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8, 3)), EagerAndRecordGraphs()
     torch.compile(staged, backend=backend, fullgraph=True)(x)
-    assert [node.args[-12:-5] for graph in backend.graphs for node in graph.graph.nodes
+    assert [node.args[-13:-6] for graph in backend.graphs for node in graph.graph.nodes
             if node.op == "call_function" and "group_norm_act" in str(node.target)] == [
         (2048, 65536, 8, 3, None, False, False)]
     ref = GroupNormAct(2, 8, "fused")
@@ -620,11 +631,12 @@ def test_the_switches_compile_into_the_op_and_its_backward():
     y.square().sum().backward()
     fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     bw = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
-    assert len(fw) == 1 and fw[0].args[-7:] == (True, True, None, None, None, True, True) and len(bw) == 1
+    assert len(fw) == 1 and fw[0].args[-8:] == (True, True, None, None, None, True, True, False) and len(bw) == 1
     cmean, bits = (fw[0].meta["val"][i] for i in (3, 4))
     assert cmean.shape == (2, 40) and bits.shape == (2 * 9, 2) and bits.dtype == torch.int32
-    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-5:-3])  # the forward's means and bits
-    assert bw[0].args[-2:] == (True, True)  # pair_hash: the backward draws the forward's mask; x_sums
+    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-6:-4])  # the forward's means and bits
+    # pair_hash: the backward draws the forward's mask; x_sums; the bias gradient in torch (no residual sum here)
+    assert bw[0].args[-3:] == (True, True, False)
     r, rt = x.detach().clone().requires_grad_(), temb.detach().clone().requires_grad_()
     torch.manual_seed(0)
     want = m(r, add=rt)

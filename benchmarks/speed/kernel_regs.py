@@ -34,9 +34,10 @@ from ffcv_ddpm.checks import Parser, fail
 # block's (two terms, its skip convolution over the parts) with its second part. With model.norm_fast_silu (NOTES
 # item 37) SILU is 2 and FAST_TANH on: SiLU and its derivative through tanh.approx.f32, inline PTX; with
 # model.norm_pair_hash PAIR on: one hash for two channels' dropout masks; with model.norm_x_sums XSUMS on: the
-# backward kernels' sums over x (NOTES item 38).
+# backward kernels' sums over x (NOTES item 38); with model.norm_dbias DBIAS on: the residual sum's bias gradient
+# from the dx kernel's tile sums (NOTES item 41).
 FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS", "FAST_TANH", "PAIR",
-         "XSUMS")
+         "XSUMS", "DBIAS")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
@@ -53,9 +54,14 @@ VARIANTS = {
     "norm2, fast SiLU + pair hash": (2, True, True, False, True, False, 0, False, False, True, True),
     "res block norm1, fast SiLU + x sums": (2, False, False, False, False, False, 0, False, False, True, False, True),
     "norm2, fast SiLU + pair hash + x sums": (2, True, True, False, True, False, 0, False, False, True, True, True),
+    "res block norm1, residual sum, fast SiLU + x sums + dbias": (2, False, False, False, False, False, 1, True, True,
+                                                                  True, False, True, True),
+    "up block norm1, residual sum, fast SiLU + x sums + dbias": (2, False, False, True, False, False, 2, True, True,
+                                                                 True, False, True, True),
 }
 # The residual sum's pointers (norm.py passes None, a constant, where a variant reads none of them).
-RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS"}
+RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS",
+                     "dbias_ptr": "DBIAS"}
 KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
            "_bwd_dx_kernel")
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
@@ -140,7 +146,7 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
             flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False, FAST_TANH=False,
-                            PAIR=False, XSUMS=False),
+                            PAIR=False, XSUMS=False, DBIAS=False),
                      **dict(zip(FLAGS, flags))}
             # the finalize kernels keep and read the means where the reduction does not sum xhat
             flags["SAVE_MEANS"] = flags["FROM_MEANS"] = flags["HAS_ADD"] and not flags["SUM_XHAT"]
