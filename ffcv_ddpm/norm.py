@@ -564,9 +564,9 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     (dx, da, db, de, dx2, dbias), dx2 empty without a second part, dbias the sum of the first part's dx over
     samples and pixels (fp32) with `dbias` (model.norm_dbias: from the dx kernel's per-tile sums), else empty.
     cmean, bits: what triton_forward kept with saved_means and mask_bits (None: the backward sums xhat itself, hashes
-    the mask again). ds: a gradient of x (the first part)
-    from elsewhere, added to dx (a residual sum's other readers: model.norm_residual). x_sums: the reduction and dx
-    kernels compute over x, not xhat (model.norm_x_sums: one multiply-add an element fewer, the same sums)."""
+    the mask again). ds: a gradient of x (the first part) from elsewhere, added to dx (a residual sum's other readers:
+    model.norm_residual). x_sums: the reduction and dx kernels compute over x, not xhat (model.norm_x_sums: one
+    multiply-add an element fewer, the same sums)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
