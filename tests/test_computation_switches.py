@@ -421,14 +421,15 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
 
 def test_norm_residual_compiles_in_one_graph():
     """torch.compile (fullgraph, AOT autograd's eager backend: the graphs inductor would get) of the network with
-    model.norm_residual: the Pending sums trace without a graph break, the fused GroupNorm calls that read one carry
-    its terms (10 of the 21 here), and the forward and gradients are the eager reference network's."""
+    model.norm_residual (and norm_dbias): the Pending sums trace without a graph break, the fused GroupNorm calls that
+    read one carry its terms (10 of the 21 here) and their backward calls return the bias's gradient, and the forward
+    and gradients are the eager reference network's."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
                               base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.0)
-    ref, new = pair(cfg, dict(norm_residual=True), channels_last=True)
+    ref, new = pair(cfg, dict(norm_residual=True, norm_dbias=True), channels_last=True)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     t = torch.tensor([3, 700])
     backend = AotEagerAndRecordGraphs()
@@ -437,5 +438,8 @@ def test_norm_residual_compiles_in_one_graph():
     calls = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     folded = [n for n in calls if n.args[16] is not None]  # res: the sum's terms go in
     assert len(calls) == 21 and len(folded) == 10
+    # model.norm_dbias: the backward calls of the sums with a bias return its gradient (the fake's (C,) output)
+    backward = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
+    assert len(backward) == 21 and sum(n.args[-1] is True for n in backward) == 10
     assert rel_max(out_n, out_r) < 1e-12
     assert all(rel_max(a, b) < 1e-11 for a, b in zip(grads_n, grads_r))
