@@ -19,12 +19,13 @@ from ffcv_ddpm.checks import BadValue, Rule, above, at_least, coerce, each, in_r
 from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
 from ffcv_ddpm.diffusion import PARAMS, DiffusionConfig
 from ffcv_ddpm.sampling import SAMPLE_COMPILE_MODES
-from ffcv_ddpm.unet import PRESETS, ModelConfig
+from ffcv_ddpm.unet import PRESETS, SDPA_KERNELS, ModelConfig
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# train.sdpa_backend: the scaled_dot_product_attention backends a step may use (ffcv_ddpm.step.set_sdpa_backend)
-SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+# train.sdpa_backend: torch's choice, or the one scaled_dot_product_attention kernel a step may use
+# (ffcv_ddpm.step.set_sdpa_backend, unet.pin_sdpa_kernel)
+SDPA_BACKENDS = ("auto", *SDPA_KERNELS)
 # Checkpoints are named by their step in 8 digits (ckpt-00800000.pt) and found again by that pattern; 125x the
 # DDPM paper's 800k steps.
 MAX_STEPS = 99_999_999
