@@ -218,6 +218,10 @@ def test_flops_count_the_reference_network():
     assert reference_config(residual) == base
     assert train_flops_per_image(residual)["executed_fwd_bwd"] == train_flops_per_image(parts)["executed_fwd_bwd"]
     assert published_style_flops_per_image(residual)["fwd_bwd"] == published_style_flops_per_image(base)["fwd_bwd"]
+    # norm_dbias needs norm_residual: off with it in the reference network (a dbias row's FLOPs were refused at
+    # 0930219).
+    dbias = dataclasses.replace(residual, norm_dbias=True)
+    assert reference_config(dbias) == base and train_flops_per_image(dbias)["fwd_bwd"] == ref["fwd_bwd"]
     # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
     row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
     padded = flops_of(row("model.pad_image_channels=8"), [])
