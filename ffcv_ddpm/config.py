@@ -48,6 +48,7 @@ class TrainConfig:
     channels_last: bool = True           # NHWC activations: what cuDNN's fastest convolution kernels want
     force_layout_opt: bool = False       # inductor: channels_last buffers around every conv even where its heuristic says no (NOTES.md)
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
+    cudnn_benchmark_limit: int = 10      # engines the search times per shape (torch's 10; 0: all, NOTES item 43)
     sdpa_backend: str = "auto"           # auto (torch's choice) | cudnn | flash | efficient | math: SDPA's only backend (NOTES item 39)
     deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
@@ -155,6 +156,7 @@ RULES = {
     "train.steps": in_range(1, MAX_STEPS),
     "train.lr": above(0),
     "train.warmup_steps": at_least(0),
+    "train.cudnn_benchmark_limit": at_least(0),
     "train.weight_decay": at_least(0),
     "train.betas": each(in_range(0, 1, high_open=True), length=2),
     "train.grad_clip": at_least(0),
@@ -228,6 +230,10 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
         raise BadValue("train.deterministic=True with train.cudnn_benchmark=True (the default): cuDNN's search picks "
                        "each convolution's algorithm by timing, so two runs can pick different ones; add "
                        "train.cudnn_benchmark=False")
+    if not cfg.train.cudnn_benchmark and cfg.train.cudnn_benchmark_limit != TrainConfig.cudnn_benchmark_limit:
+        raise BadValue(f"train.cudnn_benchmark_limit={cfg.train.cudnn_benchmark_limit} sets how many engines cuDNN's "
+                       "search times, and train.cudnn_benchmark=False turns the search off: drop the limit or "
+                       "add train.cudnn_benchmark=True")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")

@@ -178,6 +178,9 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     set_precision(cfg.train.precision, device)
     set_sdpa_backend(cfg.train.sdpa_backend, device)
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+    # Process-wide, like the choices it makes: cuDNN's search caches one engine per shape for the process, so a
+    # later build with another limit reuses the first one's picks (benchmarks compare limits in fresh processes).
+    torch.backends.cudnn.benchmark_limit = cfg.train.cudnn_benchmark_limit
     if cfg.train.deterministic:
         set_deterministic()
     torch.manual_seed(cfg.train.seed)

@@ -65,6 +65,24 @@ def test_deterministic_needs_cudnn_search_off():
     assert cfg.train.deterministic and not cfg.train.cudnn_benchmark
 
 
+def test_cudnn_benchmark_limit_needs_the_search_and_reaches_torch():
+    """The limit is how many engines cuDNN's search times (NOTES item 43); with the search off it would do nothing."""
+    import torch
+
+    from ffcv_ddpm.step import build
+
+    with pytest.raises(BadValue, match=r"train.cudnn_benchmark_limit=0 .* add train.cudnn_benchmark=True"):
+        load_config("tiny", ["train.cudnn_benchmark_limit=0", "train.cudnn_benchmark=False"])
+    before = torch.backends.cudnn.benchmark_limit
+    try:
+        for limit in (0, 3):
+            over = ["train.device=cpu", "train.compile=False", f"train.cudnn_benchmark_limit={limit}"]
+            build(load_config("tiny", over), torch.device("cpu"))
+            assert torch.backends.cudnn.benchmark_limit == limit
+    finally:
+        torch.backends.cudnn.benchmark_limit = before
+
+
 def test_depthwise_separable_needs_dense_conv_groups():
     with pytest.raises(BadValue, match="model.depthwise_separable=True with conv_groups=2: .* set conv_groups=1"):
         load_config("tiny", ["model.depthwise_separable=True", "model.conv_groups=2"])
