@@ -52,14 +52,16 @@ def run_rows(rows: list[tuple[str, tuple[str, ...]]], run, budget: float, clock=
     """Each row's `run(name, overrides)` entry, in order, while `budget` seconds last: a row starts only if the time
     left is at least the longest a row of its kind has taken so far (a new one: it compiles; a repeated one: its
     graphs come from the compile cache; before any repeat, half the longest new row); skipped rows are listed as
-    such. Each entry gets its name, overrides, round (1 for a setting's first row) and seconds."""
+    such. Each entry gets its name, overrides, round (its place among its setting's rows: a skipped second row is
+    round 2 though the first was skipped too) and seconds."""
     t0, longest, done = clock(), {True: 0.0, False: 0.0}, []
-    seen: dict[tuple[str, ...], int] = {}
+    rounds: dict[tuple[str, ...], int] = {}
+    ran: set[tuple[str, ...]] = set()  # settings compiled in this process: their next row loads from the cache
     for name, overrides in rows:
-        new = overrides not in seen
+        new = overrides not in ran
         need = longest[new] or longest[True] / 2
         left = budget - (clock() - t0)
-        round_ = seen.get(overrides, 0) + 1
+        round_ = rounds[overrides] = rounds.get(overrides, 0) + 1
         if left < need:
             done.append({"name": name, "overrides": list(overrides), "round": round_, "status": "skipped",
                          "error": f"{left:.0f} s of the budget left, such a row took up to {need:.0f} s"})
@@ -68,7 +70,7 @@ def run_rows(rows: list[tuple[str, tuple[str, ...]]], run, budget: float, clock=
         entry = {"name": name, "overrides": list(overrides), "round": round_, **run(name, overrides)}
         entry["seconds"] = clock() - start
         longest[new] = max(longest[new], entry["seconds"])
-        seen[overrides] = round_
+        ran.add(overrides)
         done.append(entry)
     return done
 
