@@ -289,6 +289,16 @@ def copy_rate(path: Path, d: dict) -> str:
             + (f", {d['footprint_gib']:g} GiB held" if d["footprint_gib"] else ""))
 
 
+def conv_sites(path: Path, d: dict) -> str:
+    """benchmarks.speed.conv_sites: cuDNN alone at the step's edge sites, with the forms that could replace them."""
+    rows = {(r["site"], r["case"]): r["ms"] for r in d["rows"]}
+    cat = [f"{case} {rows[('up0-cat384', case)]:.3f}" for case in ("dgrad", "dgrad as 256 + 128")
+           if ("up0-cat384", case) in rows]
+    search = f"{d['benchmark_limit']} engines" if d["benchmark_limit"] else "every engine"
+    return (f"{len(rows)} cases at batch {d['batch']}, cuDNN's search over {search}"
+            + (f"; 384-channel {', '.join(cat)} ms" if cat else ""))
+
+
 def conv_gn(path: Path, d: dict) -> str:
     """benchmarks.speed.conv_gn_bench: today's chains (cuDNN + the fused GroupNorm) against the fused convolution's,
     per step over the sites measured, and the convolution's rate alone in each."""
@@ -405,6 +415,7 @@ READERS = (
     Reader("conv + GroupNorm forward", lambda p, d: {"sites_total", "rows", "configs"} <= d.keys(), conv_gn),
     Reader("TMA convolutions", lambda p, d: {"triton", "sites", "batch"} <= d.keys(), conv_tma),
     Reader("copy rate by size", lambda p, d: {"rows", "iters", "footprint_gib"} <= d.keys(), copy_rate),
+    Reader("conv sites", lambda p, d: {"rows", "benchmark_limit", "batch"} <= d.keys(), conv_sites),
     Reader("cuDNN fusions", lambda p, d: "cudnn_frontend" in d and "sites" in d, cudnn_fusion),
 )
 

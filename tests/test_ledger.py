@@ -2,6 +2,7 @@
 says, and refusing a result it cannot read or a page that no longer matches the files."""
 
 import json
+from pathlib import Path
 
 from benchmarks import ledger
 
@@ -153,6 +154,16 @@ def test_a_numerics_draws_line_gives_the_verdict_medians_and_bound():
     assert ledger.numerics_draws(None, d) == (
         "undecided over 4 draws (the rule needs 6): median candidate deviation 6.74% against 1.5 x the median "
         "control's 5.94% = 8.91%")
+
+
+def test_a_conv_sites_line_names_the_search_and_the_384_channel_dgrads():
+    rows = [{"site": "up0-cat384", "case": "dgrad", "ms": 2.214}, {"site": "res128", "case": "fwd", "ms": 0.442},
+            {"site": "up0-cat384", "case": "dgrad as 256 + 128", "ms": 1.349}]
+    d = {"rows": rows, "batch": 1024, "benchmark_limit": 0}
+    assert ledger.conv_sites(Path("x.json"), d) == ("3 cases at batch 1024, cuDNN's search over every engine; "
+                                                     "384-channel dgrad 2.214, dgrad as 256 + 128 1.349 ms")
+    assert ledger.conv_sites(Path("x.json"), {**d, "rows": rows[1:2], "benchmark_limit": 10}) == (
+        "1 cases at batch 1024, cuDNN's search over 10 engines")
 
 
 def test_a_norm_bench_line_leaves_failed_plans_out_and_counts_them():
