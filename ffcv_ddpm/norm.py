@@ -334,10 +334,7 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
         return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
                                cmean, bits, ds, pair_hash, x_sums, dbias)
     dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits, pair_hash)
-    dx2 = dx.new_empty(0)
-    if x2 is not None:
-        dx, dx2 = dx.split([x.shape[1], x2.shape[1]], 1)
-        dx, dx2 = dx.contiguous(memory_format=_format(x)), dx2.contiguous(memory_format=_format(x2))
+    dx, dx2 = _split(dx, x, x2) if x2 is not None else (dx, dx.new_empty(0))
     dx = dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))
     return dx, da, db, de, dx2, bias_grad(dx) if dbias else dx.new_empty(0, dtype=torch.float32)
 
@@ -358,6 +355,14 @@ def bias_grad(dx: Tensor) -> Tensor:
 def _joined(x: Tensor, x2: Tensor | None) -> Tensor:
     """The concatenation the two parts stand for (the plain-torch path computes on it)."""
     return x if x2 is None else torch.cat((x, x2), 1).contiguous(memory_format=_format(x))
+
+
+def _split(t: Tensor, x: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
+    """The concatenation t's channels as the parts x and x2 hold them: two dense tensors in their layouts (what the
+    kernels write for dx and dx2). Copies: where a slice is dense already (one sample, NCHW) .contiguous() would
+    return it, a view of t, and a custom op's outputs may not alias each other."""
+    t1, t2 = t.split([x.shape[1], x2.shape[1]], 1)
+    return t1.clone(memory_format=_format(x)), t2.clone(memory_format=_format(x2))
 
 
 def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:

@@ -329,6 +329,17 @@ def test_a_residual_sum_folded_into_the_statistics(two, dtype):
         assert torch.allclose(on[5], N.bias_grad(off[0]), rtol=1e-5, atol=1e-5)
 
 
+def test_two_parts_of_one_sample_through_the_plain_torch_path():
+    """The op's plain-torch path (CPU tensors) splits dx into the two parts' gradients: with one NCHW sample each
+    slice is dense already, and the two were views of one tensor, which a custom op's outputs may not be (refused)."""
+    m = GroupNormAct(4, 12, "fused", parts=True).double()
+    x1, x2 = (torch.randn(1, c, 4, 4, dtype=torch.float64, requires_grad=True) for c in (5, 7))
+    m((x1, x2)).square().sum().backward()
+    r = torch.cat((x1, x2), 1).detach().requires_grad_()
+    torch_reference(r, m.weight.detach(), m.bias.detach(), 4).square().sum().backward()
+    assert rel(torch.cat((x1.grad, x2.grad), 1), r.grad) < 1e-10
+
+
 def test_parts_that_differ_in_more_than_channels_are_refused():
     needs_triton()
     x1, x2 = torch.randn(2, 8, 4, 4), torch.randn(2, 8, 4, 2)
