@@ -18,6 +18,8 @@ NCHW works. Each direction is three launches, so that the two passes over the da
   (model.norm_saved_means): it is HW * (channel mean - group mean) * rstd, so the reduction carries two sums.
   With model.norm_x_sums the reduction sums dy * x and x and turns them into xhat's per chunk, and dx is formed from
   x: xhat is never formed (NOTES item 38).
+- two parts (model.fused_parts): x read from two tensors, the up path's (h, skip), split at channel C1; with
+  model.conv_parts the output written and its gradient read as two tensors split there too.
 - a residual sum folded in (model.norm_residual): x's first part given as the addends of s = h + res (+ res2) (+ a
   bias per channel); `_stats` writes s while it reads them, the other kernels read s, and `_bwd_dx` adds the
   gradient s gets from its other readers to dx, so that s and its gradient are each written once.
@@ -207,28 +209,29 @@ def _load_sum(x_ptr, x2_ptr, res_ptr, res2_ptr, rb_ptr, s_ptr, n, rows, cols, m,
 
 
 @triton.jit
-def _store_dx(dx_ptr, dx2_ptr, dx, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO: tl.constexpr):
-    """dx into the input's layout: with TWO, channels from C1 on into the second part's gradient."""
+def _store_x(x_ptr, x2_ptr, x, n, rows, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO: tl.constexpr):
+    """_load_x's inverse: a [rows, cols] tile into x[n, cols, rows]. With TWO, channels from C1 on into the second
+    tensor: dx into the input's two parts, or (model.conv_parts) the output as two tensors."""
     if TWO:
-        tl.store(dx_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, dx.to(dx_ptr.dtype.element_ty),
+        tl.store(x_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, x.to(x_ptr.dtype.element_ty),
                  mask=m & (cols < C1)[None, :])
-        tl.store(dx2_ptr + n * s_2n + rows[:, None] * s_2hw + (cols - C1)[None, :] * s_2c,
-                 dx.to(dx2_ptr.dtype.element_ty), mask=m & (cols >= C1)[None, :])
+        tl.store(x2_ptr + n * s_2n + rows[:, None] * s_2hw + (cols - C1)[None, :] * s_2c,
+                 x.to(x2_ptr.dtype.element_ty), mask=m & (cols >= C1)[None, :])
     else:
-        tl.store(dx_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, dx.to(dx_ptr.dtype.element_ty),
-                 mask=m)
+        tl.store(x_ptr + n * s_xn + rows[:, None] * s_xhw + cols[None, :] * s_xc, x.to(x_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr, inv_keep, C, HW, CW,
-               s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw,
+def _grad_tile(dout_ptr, dout2_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v, a, b, seed, thr, inv_keep, C, HW,
+               CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, s_d2n, s_d2c, s_d2hw,
                SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WORD: tl.constexpr, FAST_TANH: tl.constexpr,
-               PAIR: tl.constexpr, XSUMS: tl.constexpr):
+               PAIR: tl.constexpr, XSUMS: tl.constexpr, DOUT_TWO: tl.constexpr):
     """(xhat, dy) of rows r of sample n (with XSUMS (x, dy), u and v from _y_coefs): x (from either part) and dout
-    read, _act_grad on them. The dropout mask: with BITS read from the forward's keep bits, else hashed again."""
+    read, _act_grad on them. With DOUT_TWO dout is two tensors split at C1 too (the forward's two outputs:
+    model.conv_parts). The dropout mask: with BITS read from the forward's keep bits, else hashed again."""
     x = _load_x(x_ptr, x2_ptr, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
-    dout = tl.load(dout_ptr + n * s_dn + r[:, None] * s_dhw + cols[None, :] * s_dc, mask=m, other=0.0).to(tl.float32)
+    dout = _load_x(dout_ptr, dout2_ptr, n, r, cols, m, s_dn, s_dc, s_dhw, C1, s_d2n, s_d2c, s_d2hw, DOUT_TWO)
     keep = None
     if DROPOUT:
         if BITS:
@@ -320,9 +323,11 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
 def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n,
                   s_2c, s_2hw, s_on, s_oc, s_ohw, thr, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                   SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
-                  WORD: tl.constexpr, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False):
+                  WORD: tl.constexpr, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, out2_ptr=None,
+                  s_o2n=0, s_o2c=0, s_o2hw=0, OUT_TWO: tl.constexpr = False):
     """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n; with BITS the dropout mask
-    also written as bits (_bits_at) for the backward."""
+    also written as bits (_bits_at) for the backward. OUT_TWO (model.conv_parts; with TWO): out written as two
+    tensors split at C1 as x is read, the next convolution's two inputs, so that no tensor of all C channels exists."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -340,7 +345,7 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, C
         if BITS:
             at, wm = _bits_at(bits_ptr, n, r, HW, CW, BLOCK_C, WORD)
             tl.store(at, _pack_keep(keep & (cols < C)[None, :], BLOCK_R, BLOCK_C, WORD), mask=wm)
-    tl.store(out_ptr + n * s_on + r[:, None] * s_ohw + cols[None, :] * s_oc, y.to(out_ptr.dtype.element_ty), mask=m)
+    _store_x(out_ptr, out2_ptr, y, n, r, cols, m, s_on, s_oc, s_ohw, C1, s_o2n, s_o2c, s_o2hw, OUT_TWO)
 
 
 @triton.jit
@@ -365,12 +370,14 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
                        CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                        STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr,
-                       FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, XSUMS: tl.constexpr = False):
+                       FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, XSUMS: tl.constexpr = False,
+                       dout2_ptr=None, s_d2n=0, s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
     with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
     _stats_kernel; BITS: the dropout mask read from the forward's bits. XSUMS: the tiles sum dy * x and x, one
     multiply-add an element fewer (xhat = x * u + v is never formed), and the chunk's sums are turned into xhat's
-    at the end: sum(dy * xhat) = u sum(dy * x) + v sum(dy), sum(xhat) = u sum(x) + v rows."""
+    at the end: sum(dy * xhat) = u sum(dy * x) + v sum(dy), sum(xhat) = u sum(x) + v rows. DOUT_TWO: dout read
+    from two tensors (_grad_tile)."""
     n = tl.program_id(0)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
@@ -384,9 +391,10 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
     for i in tl.range(0, CHUNK, BLOCK_R, num_stages=STAGES):
         r = k * CHUNK + i + tl.arange(0, BLOCK_R)
         m = (r < HW)[:, None] & (cols < C)[None, :]
-        xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, cu, cv, a, b, seed, thr, inv_keep,
-                              C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU, DROPOUT,
-                              TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR, XSUMS)
+        xhat, dy = _grad_tile(dout_ptr, dout2_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, cu, cv, a, b, seed, thr,
+                              inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, s_d2n,
+                              s_d2c, s_d2hw, SILU, DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR, XSUMS,
+                              DOUT_TWO)
         acc1 += dy
         acc2 += dy * xhat
         if SUM_XHAT:
@@ -456,13 +464,14 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                    HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                    BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
                    HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False,
-                   XSUMS: tl.constexpr = False, dbias_ptr=None, DBIAS: tl.constexpr = False):
+                   XSUMS: tl.constexpr = False, dbias_ptr=None, DBIAS: tl.constexpr = False, dout2_ptr=None, s_d2n=0,
+                   s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False):
     """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n (XSUMS: beta u x +
     (beta v + gamma), xhat never formed). With HAS_DS plus ds, the gradient the first part (x a residual sum,
     model.norm_residual) gets from its other readers: one write of the sum's whole gradient where a pass of its own
     would read dx and ds and write their sum. DBIAS (model.norm_dbias): dbias[n, tile, c] = the tile's sum of the
     first part's dx as stored (rounded to its dtype), the residual sum's bias gradient in partial sums, where a
-    reduction of its own would read dx again."""
+    reduction of its own would read dx again. DOUT_TWO: dout read from two tensors (_grad_tile)."""
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -477,14 +486,15 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
     if XSUMS:  # beta * xhat + gamma = beta u * x + (beta v + gamma)
         gamma = beta * v + gamma
         beta = beta * u
-    xhat, dy = _grad_tile(dout_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, cu, cv, a, b, _mix_seed(seed_ptr), thr,
-                          inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn, s_dc, s_dhw, SILU,
-                          DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD, FAST_TANH, PAIR, XSUMS)
+    xhat, dy = _grad_tile(dout_ptr, dout2_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, cu, cv, a, b,
+                          _mix_seed(seed_ptr), thr, inv_keep, C, HW, CW, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, s_dn,
+                          s_dc, s_dhw, s_d2n, s_d2c, s_d2hw, SILU, DROPOUT, TWO, BITS, BLOCK_R, BLOCK_C, WORD,
+                          FAST_TANH, PAIR, XSUMS, DOUT_TWO)
     dx = alpha[None, :] * dy + beta[None, :] * xhat + gamma[None, :]
     if HAS_DS:
         dx += tl.load(ds_ptr + n * s_gn + r[:, None] * s_ghw + cols[None, :] * s_gc, mask=m & (cols < C1)[None, :],
                       other=0.0).to(tl.float32)
-    _store_dx(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
+    _store_x(dx_ptr, dx2_ptr, dx, n, r, cols, m, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw, TWO)
     if DBIAS:
         first = m & (cols < C1)[None, :]
         part = tl.sum(tl.where(first, dx.to(dx_ptr.dtype.element_ty).to(tl.float32), 0.0), axis=0)

@@ -14,7 +14,8 @@
 
 All three have nn.GroupNorm's parameters and state_dict keys, so a checkpoint loads into any of them. Each takes a
 tensor or the parts of a channel concatenation (the up path's (h, skip) with model.concat_free) and returns the
-normalised concatenation; "scale-shift" never concatenates the input, the other two concatenate it first.
+normalised concatenation; "scale-shift" never concatenates the input, the other two concatenate it first ("fused"
+reads two parts where they lie with `parts`, and with `split_out` returns the output as two tensors too).
 """
 
 from __future__ import annotations
@@ -136,13 +137,14 @@ class GroupNormAct(nn.GroupNorm):
 
     `add` (N, C) is added to x before normalisation (the DDPM block's time embedding); `film` = (scale, shift), each
     (N, C), modulates the normalised output (the annotated block's FiLM); act is SiLU or nothing; dropout is active
-    in training mode only. Parameters and state_dict keys are nn.GroupNorm's.
+    in training mode only. Parameters and state_dict keys are nn.GroupNorm's. With `split_out` (model.conv_parts;
+    fused, with `parts`) a call on two parts returns the output as two tensors, the parts' channels each.
     """
 
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
                  parts: bool = False, saved_means: bool = False, mask_bits: bool = False, fast_silu: bool = False,
-                 pair_hash: bool = False, x_sums: bool = False, dbias: bool = False):
+                 pair_hash: bool = False, x_sums: bool = False, dbias: bool = False, split_out: bool = False):
         super().__init__(num_groups, num_channels, eps=eps)
         if impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
@@ -151,9 +153,13 @@ class GroupNormAct(nn.GroupNorm):
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
         for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits),
-                         ("fast_silu", fast_silu), ("pair_hash", pair_hash), ("x_sums", x_sums), ("dbias", dbias)):
+                         ("fast_silu", fast_silu), ("pair_hash", pair_hash), ("x_sums", x_sums), ("dbias", dbias),
+                         ("split_out", split_out)):
             if on and impl != "fused":
                 raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
+        if split_out and not parts:
+            raise ValueError("split_out=True writes the output of two parts read where they lie as two tensors: it "
+                             "needs parts=True; set split_out=False")
         if pair_hash and num_channels % 2:
             raise ValueError(f"pair_hash=True draws one hash for two channels: {num_channels} channels is odd; "
                              "set pair_hash=False")
@@ -169,16 +175,18 @@ class GroupNormAct(nn.GroupNorm):
         self.pair_hash = pair_hash  # fused, with dropout: one hash for two channels' masks (gn_kernels._keep_tile)
         self.x_sums = x_sums  # fused: the backward kernels sum over x, not xhat (gn_kernels._bwd_reduce_kernel)
         self.dbias = dbias  # fused, reading a Pending sum with a bias: its gradient from the dx kernel's tile sums
+        self.split_out = split_out  # fused, two parts: the output as two tensors (the next conv's two inputs)
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
         switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits", "fast_silu", "pair_hash",
-                                                   "x_sums", "dbias") if getattr(self, k))
+                                                   "x_sums", "dbias", "split_out") if getattr(self, k))
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
     def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
-                film: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor.
+                film: tuple[Tensor, Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor,
+        or with `split_out` and two parts two, (out, out2) with the parts' channels and layouts (model.conv_parts).
         "scale-shift" normalises the parts as they are, "fused" two parts with `parts` (model.fused_parts); the
         others concatenate them first. A Pending residual sum (model.norm_residual), as x or as the first part, is
         computed by "fused" while it takes the statistics, by the others first; either way its value() is set."""
@@ -200,7 +208,7 @@ class GroupNormAct(nn.GroupNorm):
         return F.dropout(y, self.p, self.training) if self.p else y
 
     def _fused(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None,
-               film: tuple[Tensor, Tensor] | None) -> Tensor:
+               film: tuple[Tensor, Tensor] | None) -> Tensor | tuple[Tensor, Tensor]:
         x, x2 = (x, None) if isinstance(x, (Tensor, Pending)) else (x[0], resolved(x[1]))
         fold = x if isinstance(x, Pending) and x.computed is None else None  # a sum this call computes
         x, res, res2, rbias = fold.terms if fold else (resolved(x), None, None, None)
@@ -216,15 +224,16 @@ class GroupNormAct(nn.GroupNorm):
         # reads the forward's bits: mask_bits).
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
-        out, *_, s = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
-                                                        None if add is None else add.to(dt).contiguous(),
-                                                        seed, self.num_groups, self.eps, self.silu_mode, p,
-                                                        *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
-                                                        res, res2, rbias, self.pair_hash, self.x_sums,
-                                                        self.dbias)
+        split = self.split_out and x2 is not None
+        out, *_, s, out2 = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
+                                                              None if add is None else add.to(dt).contiguous(),
+                                                              seed, self.num_groups, self.eps, self.silu_mode, p,
+                                                              *plan_args(self.plan), x2, self.saved_means,
+                                                              self.mask_bits, res, res2, rbias, self.pair_hash,
+                                                              self.x_sums, self.dbias, split)
         if fold:
             fold.set(s)
-        return out
+        return (out, out2) if split else out
 
     @property
     def silu_mode(self) -> int:
@@ -292,47 +301,56 @@ def _on_triton(x: Tensor) -> bool:
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
                    saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None,
-                   pair_hash: bool, x_sums: bool, dbias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, mean, rstd, cmean, bits, s): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the plain-torch
-    path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second part of a
-    channel concatenation [x, x2] that is never materialised (model.fused_parts). cmean, bits: what the backward
-    takes instead of a third sum and of the mask's hash (model.norm_saved_means, model.norm_mask_bits;
+                   pair_hash: bool, x_sums: bool, dbias: bool, split_out: bool
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, mean, rstd, cmean, bits, s, out2): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the
+    plain-torch path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second
+    part of a channel concatenation [x, x2] that is never materialised (model.fused_parts). cmean, bits: what the
+    backward takes instead of a third sum and of the mask's hash (model.norm_saved_means, model.norm_mask_bits;
     _extra_outputs), empty where off or without an add / dropout.
     res (res2, rbias): the first part is the residual sum s = x + res (+ res2) (+ rbias per channel), returned as s
     (model.norm_residual; else s is empty). pair_hash: the dropout mask one hash for two channels (keep_mask).
-    x_sums, dbias: the backward's only (model.norm_x_sums, model.norm_dbias), carried to it."""
+    x_sums, dbias: the backward's only (model.norm_x_sums, model.norm_dbias), carried to it. split_out (with x2,
+    model.conv_parts): out is the output's first C1 channels in x's layout and out2 the rest in x2's, else out2 is
+    empty."""
+    if split_out and x2 is None:
+        raise ValueError("fused GroupNorm: split_out writes the output of two parts as two tensors; x2 is None")
     if _on_triton(x):
         return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
-                              mask_bits, res, res2, rbias, pair_hash)
+                              mask_bits, res, res2, rbias, pair_hash, split_out)
     s = residual_sum(x, res, res2, rbias).contiguous(memory_format=_format(x)) if res is not None else None
-    return (*reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p, saved_means,
-                               mask_bits, pair_hash), x.new_empty(0) if s is None else s)
+    out, *rest = reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p,
+                                   saved_means, mask_bits, pair_hash)
+    out, out2 = _split(out, x, x2) if split_out else (out, x.new_empty(0))
+    return out, *rest, x.new_empty(0) if s is None else s, out2
 
 
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
-      rbias, pair_hash, x_sums, dbias):
+      rbias, pair_hash, x_sums, dbias, split_out):
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
-    out = _output_like(x, x2)
-    n, c = out.shape[:2]
+    out, out2 = _outputs_like(x, x2, split_out)
+    n, c = x.shape[0], x.shape[1] + (x2.shape[1] if x2 is not None else 0)
     return (out, stats, stats.clone(),
-            *_extra_outputs(x, n, c, out[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
-            torch.empty_like(x) if res is not None else x.new_empty(0))
+            *_extra_outputs(x, n, c, x[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
+            torch.empty_like(x) if res is not None else x.new_empty(0), out2)
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
 def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor,
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: int, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
-                            bits: Tensor | None, ds: Tensor | None, pair_hash: bool, x_sums: bool, dbias: bool
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            bits: Tensor | None, ds: Tensor | None, pair_hash: bool, x_sums: bool, dbias: bool,
+                            dout2: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2, dbias): de is empty when there was no add, dx2 when there is no second part, dbias
     without `dbias` (else dx summed over samples and pixels, fp32: a residual sum's bias gradient). cmean, bits: the
     forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
-    to dx. x_sums: the kernels' sums over x (the plain-torch path computes one way)."""
+    to dx. x_sums: the kernels' sums over x (the plain-torch path computes one way). dout2: with a forward that split
+    its output (split_out), out2's gradient, dout then out's; None: dout is the whole output's."""
     if _on_triton(x):
         return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
-                               cmean, bits, ds, pair_hash, x_sums, dbias)
+                               cmean, bits, ds, pair_hash, x_sums, dbias, dout2)
+    dout = dout if dout2 is None else torch.cat((dout, dout2), 1)
     dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits, pair_hash)
     dx, dx2 = _split(dx, x, x2) if x2 is not None else (dx, dx.new_empty(0))
     dx = dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))
@@ -341,7 +359,7 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
 
 @group_norm_act_backward.register_fake
 def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds,
-      pair_hash, x_sums, dbias):
+      pair_hash, x_sums, dbias, dout2):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0),
             x.new_empty(x.shape[1] if dbias else 0, dtype=torch.float32))
@@ -359,37 +377,42 @@ def _joined(x: Tensor, x2: Tensor | None) -> Tensor:
 
 def _split(t: Tensor, x: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
     """The concatenation t's channels as the parts x and x2 hold them: two dense tensors in their layouts (what the
-    kernels write for dx and dx2). Copies: where a slice is dense already (one sample, NCHW) .contiguous() would
-    return it, a view of t, and a custom op's outputs may not alias each other."""
+    kernels write: dx and dx2, or split_out's out and out2). Copies: where a slice is dense already (one sample,
+    NCHW) .contiguous() would return it, a view of t, and a custom op's outputs may not alias each other."""
     t1, t2 = t.split([x.shape[1], x2.shape[1]], 1)
     return t1.clone(memory_format=_format(x)), t2.clone(memory_format=_format(x2))
 
 
-def _output_like(x: Tensor, x2: Tensor | None) -> Tensor:
-    """An empty output of the concatenation's shape, in x's layout."""
+def _outputs_like(x: Tensor, x2: Tensor | None, split_out: bool) -> tuple[Tensor, Tensor]:
+    """Empty (out, out2): out of the concatenation's shape in x's layout and out2 empty, or with split_out one like
+    each part."""
+    if split_out:
+        return torch.empty_like(x), torch.empty_like(x2)
     if x2 is None:
-        return torch.empty_like(x)
+        return torch.empty_like(x), x.new_empty(0)
     shape = (x.shape[0], x.shape[1] + x2.shape[1], *x.shape[2:])
-    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_format(x))
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_format(x)), x.new_empty(0)
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias = inputs
-    _, mean, rstd, cmean, bits, s = output
+    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias, split_out = (
+        inputs)
+    _, mean, rstd, cmean, bits, s, _ = output
     # With a residual sum the kernels after the statistics read s, not x: the backward too.
     ctx.save_for_backward(s if res is not None else x, a, b, e, seed, mean, rstd, x2,
                           cmean if cmean.numel() else None, bits if bits.numel() else None)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
     ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
-    ctx.pair_hash, ctx.x_sums, ctx.dbias = pair_hash, x_sums, dbias and rbias is not None
+    ctx.pair_hash, ctx.x_sums, ctx.dbias, ctx.split_out = pair_hash, x_sums, dbias and rbias is not None, split_out
 
 
-def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
+def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
     x, a, b, e, seed, mean, rstd, x2, cmean, bits = ctx.saved_tensors
     has_res, has_res2, rbias_dtype = ctx.residual
     ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
     dx, da, db, de, dx2, dbias = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean,
-                                                         bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias)
+                                                         bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias,
+                                                         dout2 if ctx.split_out else None)
     # The sum's terms share its gradient; its bias, the sum of it over samples and pixels (with ctx.dbias summed by
     # the dx kernel as it writes dx).
     if rbias_dtype is not None:
@@ -398,7 +421,7 @@ def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds):
         dbias = None
     return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
             dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias,
-            None, None, None)  # pair_hash, x_sums, dbias
+            None, None, None, None)  # pair_hash, x_sums, dbias, split_out
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -492,12 +515,13 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
 
 
 def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None, saved_means=False,
-                   mask_bits=False, res=None, res2=None, rbias=None, pair_hash=False):
+                   mask_bits=False, res=None, res2=None, rbias=None, pair_hash=False, split_out=False):
     """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
-    second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits, s): cmean the
+    second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits, s, out2): cmean the
     per-channel means of x + e with saved_means and an add, bits the dropout mask with mask_bits and p > 0 (their
     layout: mask_words), each empty otherwise. res (and res2, rbias): the first part is the residual sum
-    s = x + res (+ res2) (+ rbias per channel), written while the statistics are taken and returned (else empty)."""
+    s = x + res (+ res2) (+ rbias per channel), written while the statistics are taken and returned (else empty).
+    split_out (with x2): the output written as two tensors, out like x and out2 like x2 (else out2 is empty)."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -505,7 +529,7 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     x2_, c1, x2s, two = _second_part(x, x2)
     pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
-    out = _output_like(x, x2)
+    out, out2 = _outputs_like(x, x2, split_out)
     if out.stride() != x.stride() and not two:
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
     addends = _residual_addends(x, res, res2)
@@ -515,6 +539,9 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
     xs = (*_nchw_strides(x), c1, *x2s)  # the input's strides, then where and how the second part is read
     os = _nchw_strides(out)
+    split = {}  # the apply kernel's second output (split_out: the channels from C1 on), none by its defaults
+    if split_out:
+        split = dict(zip(("s_o2n", "s_o2c", "s_o2hw"), _nchw_strides(out2)), out2_ptr=out2, OUT_TWO=True)
     k = pl["K"]
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
@@ -532,8 +559,8 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
         x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os,
         *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=int(silu), DROPOUT=p > 0,
         TWO=two, BITS=bits.numel() > 0, WORD=pl["WORD"], FAST_TANH=_fast_tanh(silu), PAIR=_pair(pair_hash, p, c),
-        num_warps=warps)
-    return out, mean, rstd, cmean, bits, s_out
+        num_warps=warps, **split)
+    return out, mean, rstd, cmean, bits, s_out, out2
 
 
 def _fast_tanh(silu: int) -> bool:
@@ -564,14 +591,15 @@ def _residual_args(x: Tensor, addends: tuple[Tensor, ...], rbias: Tensor | None,
 
 
 def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages=0, x2=None,
-                    cmean=None, bits=None, ds=None, pair_hash=False, x_sums=False, dbias=False):
+                    cmean=None, bits=None, ds=None, pair_hash=False, x_sums=False, dbias=False, dout2=None):
     """The op's backward through the Triton kernels, launched with the forward's plan (tile, chunk, warps, stages):
     (dx, da, db, de, dx2, dbias), dx2 empty without a second part, dbias the sum of the first part's dx over
     samples and pixels (fp32) with `dbias` (model.norm_dbias: from the dx kernel's per-tile sums), else empty.
     cmean, bits: what triton_forward kept with saved_means and mask_bits (None: the backward sums xhat itself, hashes
     the mask again). ds: a gradient of x (the first part) from elsewhere, added to dx (a residual sum's other readers:
     model.norm_residual). x_sums: the reduction and dx kernels compute over x, not xhat (model.norm_x_sums: one
-    multiply-add an element fewer, the same sums)."""
+    multiply-add an element fewer, the same sums). dout2: the gradient of a split output's out2 (split_out), dout
+    then out's: the kernels read the two where they lie."""
     import triton
 
     from ffcv_ddpm import gn_kernels as K
@@ -595,6 +623,12 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     common = (c, hw, mask_words(c), groups, pl["CPG"])
     flags = dict(HAS_ADD=e is not None, SILU=int(silu), DROPOUT=p > 0, TWO=two, BITS=use_bits, WORD=pl["WORD"],
                  FAST_TANH=_fast_tanh(silu), PAIR=_pair(pair_hash, p, c), XSUMS=x_sums, num_warps=warps)
+    if dout2 is not None:  # out2's gradient: the channels from C1 on
+        if not two or dout.shape != x.shape or dout2.shape != x2.shape:
+            raise ValueError(f"fused GroupNorm backward: the split output's gradients {tuple(dout.shape)} and "
+                             f"{tuple(dout2.shape)} are not the parts' {tuple(x.shape)} and "
+                             f"{tuple(x2.shape) if two else None}")
+        flags.update(zip(("s_d2n", "s_d2c", "s_d2hw"), _nchw_strides(dout2)), dout2_ptr=dout2, DOUT_TWO=True)
     dx2_ = dx2 if two else dx  # never written when TWO is off
     k = pl["K"]
     part = x.new_empty((n, k, 3, c), dtype=torch.float32)

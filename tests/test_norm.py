@@ -140,9 +140,10 @@ def check_kernels(case, plan, pair_hash=False, x_sums=False):
     a, b = (torch.randn(n, c, generator=g).to(dev) for _ in range(2))
     e = torch.randn(n, c, generator=g).to(dev) if add else None
     seed = torch.tensor([1234], device=dev)
-    out, mean, rstd, cmean, bits, s = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan,
-                                                       pair_hash=pair_hash)
-    assert cmean.numel() == bits.numel() == s.numel() == 0  # only when asked for (test_saved_means_..., _residual_...)
+    out, mean, rstd, cmean, bits, s, out2 = N.triton_forward(x, a, b, e, seed, groups, 1e-5, silu, p, *plan,
+                                                             pair_hash=pair_hash)
+    # only when asked for (test_saved_means_..., _residual_..., _split_output_...)
+    assert cmean.numel() == bits.numel() == s.numel() == out2.numel() == 0
     xd = x.double()
     leaves = [xd, a.double(), b.double()] + ([e.double()] if add else [])
 
@@ -391,6 +392,62 @@ def test_x_sums_with_two_parts_and_a_residual_gradient():
         assert rel(u, v) < 1e-5, name
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton-kernels", "op-on-cpu"])
+def test_split_output_is_the_whole_outputs_parts(kernels, monkeypatch):
+    """model.conv_parts: GroupNormAct(split_out=True) on two parts returns the output as two tensors, the parts'
+    channels in the parts' layouts, and its backward reads their two gradients where they lie: the one output's
+    numbers, forward and the gradients of both parts, the weight, the bias and the add (the one output's gradient
+    given as its two channel slices), through the Triton kernels (interpreted without a GPU) and through the op's
+    plain-torch path. 40 channels split at 24 in groups of 10 (one straddles the split), an odd batch, dropout; the
+    plan (128, 256, 2) makes tiles of two rows and chunks of four: 18 tiles and 9 chunks a sample."""
+    if kernels:
+        needs_triton()
+        monkeypatch.setattr(N, "_on_triton", lambda x: True)
+    dev = "cuda" if kernels and torch.cuda.is_available() else "cpu"
+    # The same arithmetic on the same numbers: exact (a GPU's code for two reads may round differently, as
+    # test_two_parts_compute_what_their_concatenation_does says: fp32 rounding there)
+    same = torch.equal if dev == "cpu" else lambda u, v: torch.allclose(u, v, rtol=1e-6, atol=1e-6)
+    g = torch.Generator().manual_seed(8)
+    n, c1, c2, groups, p = 3, 24, 16, 4, 0.2
+    x1 = spread_input((n, c1, 5, 7), g, torch.float32).to(dev).contiguous(memory_format=torch.channels_last)
+    x2 = spread_input((n, c2, 5, 7), g, torch.float32).to(dev)  # NCHW: each output in its own part's layout
+    temb, dout = torch.randn(n, c1 + c2, generator=g).to(dev), torch.randn(n, c1 + c2, 5, 7, generator=g).to(dev)
+    results = []
+    for split in (False, True):
+        m = GroupNormAct(groups, c1 + c2, "fused", dropout=p, plan=(128, 256, 2), parts=True, split_out=split)
+        m = m.to(dev).train()
+        with torch.no_grad():
+            m.weight.copy_(torch.linspace(0.5, 1.5, c1 + c2))
+            m.bias.copy_(torch.linspace(-1, 1, c1 + c2))
+        leaves = [t.clone().requires_grad_() for t in (x1, x2, temb)]
+        torch.manual_seed(0)  # the same dropout mask
+        out = m((leaves[0], leaves[1]), add=leaves[2])
+        douts = (dout[:, :c1], dout[:, c1:]) if split else dout  # the slices as they are: strided reads
+        results.append((out, torch.autograd.grad(out, [*leaves, m.weight, m.bias], douts)))
+    (whole, want), ((out1, out2), got) = results
+    assert out1.stride() == x1.stride() and out2.stride() == x2.stride()
+    assert same(out1, whole[:, :c1]) and same(out2, whole[:, c1:])
+    assert 0.7 < (whole != 0).double().mean() < 0.9
+    for name, u, v in zip(("dx1", "dx2", "dtemb", "dweight", "dbias"), got, want):
+        assert same(u, v), name
+
+
+def test_split_output_needs_two_parts_read_by_the_fused_kernels():
+    """split_out goes with parts (and so with the fused kernels); one tensor in, one out; the op refuses it without a
+    second part."""
+    with pytest.raises(ValueError, match="split_out=True is a switch of the fused kernels"):
+        GroupNormAct(4, 16, "scale-shift", split_out=True)
+    with pytest.raises(ValueError, match="split_out=True .* needs parts=True; set split_out=False"):
+        GroupNormAct(4, 16, "fused", split_out=True)
+    m = GroupNormAct(4, 16, "fused", parts=True, split_out=True)
+    assert "parts=True, split_out=True" in repr(m)
+    x = torch.randn(2, 16, 3, 3)
+    assert torch.equal(m(x), GroupNormAct(4, 16, "fused")(x))
+    with pytest.raises(ValueError, match="split_out writes the output of two parts as two tensors; x2 is None"):
+        N.group_norm_act(x, torch.ones(2, 16), torch.zeros(2, 16), None, torch.tensor([0]), 4, 1e-5, 1, 0.0,
+                         *N.plan_args(N.DEFAULT_PLAN), None, False, False, None, None, None, False, False, False, True)
+
+
 def test_pair_hash_refuses_an_odd_channel_count():
     with pytest.raises(ValueError, match="15 channels is odd; set pair_hash=False"):
         GroupNormAct(5, 15, "fused", dropout=0.1, pair_hash=True)
@@ -609,13 +666,13 @@ def test_the_plan_is_an_argument_of_the_compiled_op():
     calls = [node for graph in backend.graphs for node in graph.graph.nodes
              if node.op == "call_function" and "group_norm_act" in str(node.target)]
     # the plan, then no second part, the switches off, no residual sum, the per-element hash, the sums over xhat,
-    # the bias gradient (of a residual sum: none here) in torch
-    assert len(calls) == 1 and calls[0].args[-13:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
-                                                       False, False, False)
+    # the bias gradient (of a residual sum: none here) in torch, one output
+    assert len(calls) == 1 and calls[0].args[-14:] == (2048, 65536, 8, 0, None, False, False, None, None, None,
+                                                       False, False, False, False)
     torch._dynamo.reset()
     staged, backend = GroupNormAct(2, 8, "fused", plan=(2048, 65536, 8, 3)), EagerAndRecordGraphs()
     torch.compile(staged, backend=backend, fullgraph=True)(x)
-    assert [node.args[-13:-6] for graph in backend.graphs for node in graph.graph.nodes
+    assert [node.args[-14:-7] for graph in backend.graphs for node in graph.graph.nodes
             if node.op == "call_function" and "group_norm_act" in str(node.target)] == [
         (2048, 65536, 8, 3, None, False, False)]
     ref = GroupNormAct(2, 8, "fused")
@@ -642,12 +699,13 @@ def test_the_switches_compile_into_the_op_and_its_backward():
     y.square().sum().backward()
     fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     bw = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
-    assert len(fw) == 1 and fw[0].args[-8:] == (True, True, None, None, None, True, True, False) and len(bw) == 1
+    assert len(fw) == 1 and fw[0].args[-9:] == (True, True, None, None, None, True, True, False, False) and len(bw) == 1
     cmean, bits = (fw[0].meta["val"][i] for i in (3, 4))
     assert cmean.shape == (2, 40) and bits.shape == (2 * 9, 2) and bits.dtype == torch.int32
-    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-6:-4])  # the forward's means and bits
-    # pair_hash: the backward draws the forward's mask; x_sums; the bias gradient in torch (no residual sum here)
-    assert bw[0].args[-3:] == (True, True, False)
+    assert all(isinstance(arg, torch.fx.Node) for arg in bw[0].args[-7:-5])  # the forward's means and bits
+    # pair_hash: the backward draws the forward's mask; x_sums; the bias gradient in torch (no residual sum here); one
+    # output's gradient
+    assert bw[0].args[-4:] == (True, True, False, None)
     r, rt = x.detach().clone().requires_grad_(), temb.detach().clone().requires_grad_()
     torch.manual_seed(0)
     want = m(r, add=rt)
@@ -676,3 +734,27 @@ def test_two_parts_compile_as_one_call_of_the_op():
     want = ref((r1, r2))
     want.square().sum().backward()
     assert torch.allclose(y, want) and torch.allclose(x1.grad, r1.grad) and torch.allclose(x2.grad, r2.grad)
+
+
+def test_a_split_output_compiles_as_one_call_of_the_op():
+    """torch.compile (fullgraph, AOT autograd's eager backend) of a fused GroupNormAct with split_out on two parts
+    (model.conv_parts): one forward call returning the parts' outputs (the fake implementation's shapes and layouts),
+    one backward call taking both gradients, the numbers of the eager call."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    m = GroupNormAct(4, 12, "fused", parts=True, split_out=True)
+    backend = AotEagerAndRecordGraphs()
+    x1 = torch.randn(2, 5, 4, 4).contiguous(memory_format=torch.channels_last).requires_grad_()
+    x2 = torch.randn(2, 7, 4, 4).requires_grad_()
+    y1, y2 = torch.compile(m, backend=backend, fullgraph=True)((x1, x2))
+    (y1.square().sum() + y2.mul(3).square().sum()).backward()
+    fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
+    bw = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
+    assert len(fw) == 1 and fw[0].args[-1] is True and len(bw) == 1 and isinstance(bw[0].args[-1], torch.fx.Node)
+    assert y1.shape == x1.shape and y1.stride() == x1.stride() and y2.shape == x2.shape and y2.stride() == x2.stride()
+    r1, r2 = (t.detach().clone().requires_grad_() for t in (x1, x2))
+    w1, w2 = m((r1, r2))
+    (w1.square().sum() + w2.mul(3).square().sum()).backward()
+    assert torch.allclose(y1, w1) and torch.allclose(y2, w2)
+    assert torch.allclose(x1.grad, r1.grad) and torch.allclose(x2.grad, r2.grad)

@@ -35,9 +35,10 @@ from ffcv_ddpm.checks import Parser, fail
 # item 37) SILU is 2 and FAST_TANH on: SiLU and its derivative through tanh.approx.f32, inline PTX; with
 # model.norm_pair_hash PAIR on: one hash for two channels' dropout masks; with model.norm_x_sums XSUMS on: the
 # backward kernels' sums over x (NOTES item 38); with model.norm_dbias DBIAS on: the residual sum's bias gradient
-# from the dx kernel's tile sums (NOTES item 41).
+# from the dx kernel's tile sums (NOTES item 41); with model.conv_parts OUT_TWO on (and DOUT_TWO with it): the up
+# blocks' first GroupNorm writes its output, and reads its gradient, as two tensors (NOTES item 44).
 FLAGS = ("SILU", "HAS_ADD", "DROPOUT", "TWO", "SUM_XHAT", "BITS", "RES", "RBIAS", "HAS_DS", "FAST_TANH", "PAIR",
-         "XSUMS", "DBIAS")
+         "XSUMS", "DBIAS", "OUT_TWO")
 VARIANTS = {
     "res block norm1": (True, False, False, False),
     "res block norm2 (add, dropout)": (True, True, True, False),
@@ -58,20 +59,23 @@ VARIANTS = {
                                                                   True, False, True, True),
     "up block norm1, residual sum, fast SiLU + x sums + dbias": (2, False, False, True, False, False, 2, True, True,
                                                                  True, False, True, True),
+    "up block norm1, residual sum, fast SiLU + x sums, two outputs": (2, False, False, True, False, False, 2, True,
+                                                                      True, True, False, True, False, True),
 }
-# The residual sum's pointers (norm.py passes None, a constant, where a variant reads none of them).
+# The optional pointers: the residual sum's, the bias gradient's, the second output's and its gradient's (norm.py
+# passes None, a constant, where a variant reads none of them).
 RESIDUAL_POINTERS = {"res_ptr": 1, "s_ptr": 1, "res2_ptr": 2, "rb_ptr": "RBIAS", "ds_ptr": "HAS_DS",
-                     "dbias_ptr": "DBIAS"}
+                     "dbias_ptr": "DBIAS", "out2_ptr": "OUT_TWO", "dout2_ptr": "DOUT_TWO"}
 KERNELS = ("_stats_kernel", "_finalize_kernel", "_apply_kernel", "_bwd_reduce_kernel", "_bwd_finalize_kernel",
            "_bwd_dx_kernel")
 # The layout the launches see: channels_last bf16 (unit channel stride, Triton specialises an int argument equal to
 # 1 as a constant) and 16-divisible sizes and strides, as at the DDPM sites. C1 (the first part's channels: 128 or
 # 256) among them: built as not divisible, the up blocks' two-part variants lost their vector loads and pipelining
 # here, where the H100 trace of profile-best-0c88903 shows them with both (its reduction 125 registers, 36 KB).
-UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc"}
+UNIT_STRIDES = {"s_xc", "s_2c", "s_dc", "s_oc", "s_ac", "s_ec", "s_gc", "s_o2c", "s_d2c"}
 NOT_DIVISIBLE = {"K", "CPG", "CW", "G", "thr", "eps", "inv_keep"}
 BF16_POINTERS = {"x_ptr", "x2_ptr", "dout_ptr", "dx_ptr", "dx2_ptr", "out_ptr", "res_ptr", "res2_ptr", "s_ptr",
-                 "ds_ptr"}
+                 "ds_ptr", "out2_ptr", "dout2_ptr"}
 # An SM's limits by compute capability: registers, shared memory (bytes, 1 KB of it reserved per program), threads,
 # programs (CUDA's occupancy tables: 8.0 is the A100, 9.0 the H100 and H200).
 SM = {80: dict(registers=65536, shared=167936, threads=2048, programs=32),
@@ -146,8 +150,9 @@ def rows(plan: tuple[int, ...], site: tuple[int, int, int, int], arch: int, grou
         builds: dict[tuple, list[str]] = {}  # the flags this kernel reads -> the variants that launch it with them
         for variant, flags in VARIANTS.items():
             flags = {**dict(SUM_XHAT=flags[1], BITS=False, RES=0, RBIAS=False, HAS_DS=False, FAST_TANH=False,
-                            PAIR=False, XSUMS=False, DBIAS=False),
+                            PAIR=False, XSUMS=False, DBIAS=False, OUT_TWO=False),
                      **dict(zip(FLAGS, flags))}
+            flags["DOUT_TWO"] = flags["OUT_TWO"]  # the backward kernels read the gradients of the forward's outputs
             # the finalize kernels keep and read the means where the reduction does not sum xhat
             flags["SAVE_MEANS"] = flags["FROM_MEANS"] = flags["HAS_ADD"] and not flags["SUM_XHAT"]
             unused = tuple((k, None) for k, on in RESIDUAL_POINTERS.items() if k in params and not (
