@@ -74,6 +74,11 @@ class ModelConfig:
     # 2.7 GiB less peak memory on an H100, within the spread on an H200 (NOTES items 24, 26). Not in
     # REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
+    # With fused_parts: that GroupNorm writes its output as two tensors too, and the block's first conv runs as two
+    # over them (its weight's two slices, summed), so that no 384-channel activation or gradient exists at 32x32:
+    # cuDNN's dgrad of the 384 -> 128 conv took 2.21 ms alone where the two parts' took 1.35 together, the forward
+    # the same either way (H200, NOTES item 44; results/h200/conv-sites-f1fd892/). Built, not yet measured: off.
+    conv_parts: bool = False
     # norm_impl=fused, the GroupNorms with an add ("ddpm" res blocks' norm2): the backward's per-channel sum of xhat
     # from the per-channel means the forward saves, instead of a third sum in its reduction (168 -> fewer registers
     # a thread at the 22 add sites; NOTES item 31). Exact up to fp32 summation order.
@@ -189,6 +194,13 @@ class ModelConfig:
         if self.fused_parts and not self.concat_free:
             raise ValueError("fused_parts=True is the fused GroupNorm's read of the up path's (h, skip) parts: it "
                              "needs concat_free=True; set fused_parts=False")
+        if self.conv_parts and not self.fused_parts:
+            raise ValueError("conv_parts=True convolves the two parts the fused GroupNorm reads with fused_parts: it "
+                             "needs fused_parts=True (and concat_free=True); set conv_parts=False")
+        if self.conv_parts and (self.weight_standardize or self.depthwise_separable or self.conv_groups != 1):
+            raise ValueError("conv_parts=True is built for res blocks with plain dense 3x3 convs "
+                             "(weight_standardize=False, depthwise_separable=False, conv_groups=1); set "
+                             "conv_parts=False")
         if self.pad_image_channels and self.pad_image_channels < self.in_channels:
             raise ValueError(f"pad_image_channels={self.pad_image_channels} is below in_channels={self.in_channels}; "
                              "use 0 (no padding) or at least in_channels")
@@ -197,8 +209,8 @@ class ModelConfig:
 UPSAMPLES = ("nearest", "expand", "transposed")
 # ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
 # of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
-FUSED_SWITCHES = ("fused_parts", "norm_saved_means", "norm_mask_bits", "norm_residual", "norm_fast_silu",
-                  "norm_pair_hash", "norm_x_sums", "norm_dbias")
+FUSED_SWITCHES = ("fused_parts", "conv_parts", "norm_saved_means", "norm_mask_bits", "norm_residual",
+                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias")
 FUSED_OFF = tuple(f"model.{name}=False" for name in FUSED_SWITCHES)
 
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
@@ -210,10 +222,12 @@ REFERENCE_COMPUTATION = {"concat_free": False, "upsample": "nearest", "pad_image
 
 def reference_config(cfg: ModelConfig) -> ModelConfig:
     """The same network with every computation switch at its reference value (fused_parts reads concat_free's parts:
-    it goes off with concat_free, else the reference network would be refused; norm_residual's blocks return their
-    sums uncomputed, which torchinfo's count of the published table cannot follow; norm_dbias needs norm_residual:
-    it goes off with it, else a norm_dbias row's FLOP count is refused, as on an H200 at 0930219)."""
-    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, norm_residual=False, norm_dbias=False)
+    it goes off with concat_free, else the reference network would be refused, and conv_parts with it; norm_residual's
+    blocks return their sums uncomputed, which torchinfo's count of the published table cannot follow; norm_dbias
+    needs norm_residual: it goes off with it, else a norm_dbias row's FLOP count is refused, as on an H200 at
+    0930219)."""
+    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, conv_parts=False, norm_residual=False,
+                   norm_dbias=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -317,11 +331,12 @@ def channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
 
 
-def conv_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """conv(torch.cat(parts, 1)) as a sum of convolutions over the parts with slices of its weight: no concatenated
-    input, whose gradient's channel slices cuDNN's backward would copy into dense tensors."""
+def conv_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], bias: bool = True) -> torch.Tensor:
+    """conv(torch.cat(parts, 1)) as a sum of convolutions over the parts with slices of its weight (without conv's
+    bias: bias=False): no concatenated input, whose gradient's channel slices cuDNN's backward would copy into dense
+    tensors."""
     out = None
-    for y in convs_over_parts(conv, parts, bias=True):
+    for y in convs_over_parts(conv, parts, bias):
         out = y if out is None else out + y
     return out
 
@@ -486,7 +501,7 @@ class DDPMResBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
         super().__init__()
         self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, parts=cfg.fused_parts,  # GroupNorm + SiLU
-                                  **cfg.act_norm())
+                                  split_out=cfg.conv_parts, **cfg.act_norm())
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout
@@ -500,16 +515,21 @@ class DDPMResBlock(nn.Module):
                 temb: torch.Tensor) -> torch.Tensor | Pending:
         """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path); a
         Pending sum (model.norm_residual) as the input or its first part is computed by norm1."""
-        h = self.norm1(x)  # the normalised concatenation
+        h = self.norm1(x)  # the normalised concatenation; with model.conv_parts and two parts, its two parts
         x = resolved(x)  # the input's value, computed by norm1 where it was a Pending sum
         add = self.temb(F.silu(temb))  # the (B, cout) time embedding, added to conv1's output before norm2
         c = self.conv1
-        if self.bias_in_norm and not c._forward_pre_hooks:  # a pre-hook (torch's pruning) makes the weight: call c
+        parts = isinstance(h, tuple)  # conv1 as two convolutions, over the parts with its weight's slices
+        if c._forward_pre_hooks:  # a pre-hook (torch's pruning) makes the weight: call c, on one tensor
+            h = c(torch.cat(h, 1) if parts else h)
+        elif self.bias_in_norm:
             # conv1's output is read only by norm2, which adds a per-(sample, channel) vector anyway: the bias goes
             # there. Inductor cannot fuse a bias add into the fused GroupNorm op, so it would cost a pass of its own.
-            h, add = F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups), add + c.bias
+            h = (conv_over_parts(c, h, bias=False) if parts
+                 else F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups))
+            add = add + c.bias
         else:
-            h = c(h)
+            h = conv_over_parts(c, h) if parts else c(h)
         h = self.norm2(h, add=add)
         if self.pending and not self.conv2._forward_pre_hooks:  # (a pre-hook makes the weight: call the module)
             # The biases ride in the sum, which the next fused GroupNorm computes.

@@ -222,6 +222,10 @@ def test_flops_count_the_reference_network():
     # 0930219).
     dbias = dataclasses.replace(residual, norm_dbias=True)
     assert reference_config(dbias) == base and train_flops_per_image(dbias)["fwd_bwd"] == ref["fwd_bwd"]
+    # conv_parts needs fused_parts: off with it; its two convolutions over the parts execute the one's FLOPs.
+    conv = dataclasses.replace(parts, conv_parts=True)
+    assert reference_config(conv) == base
+    assert train_flops_per_image(conv)["executed_fwd_bwd"] == train_flops_per_image(parts)["executed_fwd_bwd"]
     # The benchmark's path: a row's FLOPs (hence its MFU) from its own overrides are the reference row's.
     row = lambda *o: Row("r", "ddpm-cifar10", o, 1024)  # noqa: E731
     padded = flops_of(row("model.pad_image_channels=8"), [])
@@ -371,6 +375,65 @@ def test_fused_parts_computes_the_reference_network(kernels, monkeypatch):
         load_config("ddpm-cifar10", ["model.concat_free=False"])
 
 
+# STRADDLE at 8x8 with the fused kernels reading the up blocks' parts: the base of model.conv_parts' tests.
+PARTS = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, base_channels=8,
+                            norm_groups=4, channel_mult=(1, 2), image_size=8, attn_resolutions=(4,))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
+@pytest.mark.parametrize("bias_in_norm", [False, True], ids=["bias-in-conv", "bias-in-norm"])
+def test_conv_parts_computes_the_reference_network(kernels, bias_in_norm, monkeypatch):
+    """model.conv_parts: the up blocks' first fused GroupNorm writes (h, skip)'s outputs as two tensors and conv1
+    runs as two convolutions over them (its weight's slices; its bias in the sum, or with conv_bias_in_norm in
+    norm2's add): the network's function and gradients with the switch off, through the op's plain-torch path and
+    its Triton kernels (interpreted without a GPU), a group straddling the parts. Each up block's conv1 is two
+    convolutions without a bias of their own where it was one (with its bias) or one without; a pruned conv1 (a
+    pre-hook makes its weight) is called as a module on the parts concatenated. Refused without fused_parts, without
+    the fused kernels, and with convolutions other than plain dense ones."""
+    cfg = dataclasses.replace(PARTS, conv_bias_in_norm=bias_in_norm)
+    dtype = next(fused_switch_matches(cfg, dict(conv_parts=True), kernels, monkeypatch, 8).parameters()).dtype
+    x, t = torch.randn(1, 3, 8, 8, dtype=dtype), torch.tensor([5])
+    ref, new = (build_model(dataclasses.replace(cfg, conv_parts=on)).to(dtype) for on in (False, True))
+    counts = []
+    for model in (ref, new):
+        with ConvBiases() as rec:
+            model(x, t)
+        counts.append(rec.no_bias)
+    up = [m.block for m in new.up if hasattr(m, "block")]
+    assert up and counts[1] == counts[0] + len(up)
+    from torch.nn.utils import prune
+
+    prune.l1_unstructured(up[0].conv1, "weight", amount=0.5)
+    with ConvBiases() as rec:
+        new(x, t)
+    assert rec.no_bias == counts[1] - (2 if bias_in_norm else 1)  # conv1 one convolution again, with its bias
+    with pytest.raises(BadValue, match=r"conv_parts=True convolves the two parts .* needs fused_parts=True \(and "
+                                       r"concat_free=True\); set conv_parts=False"):
+        load_config("ddpm-cifar10", ["model.fused_parts=False", "model.conv_parts=True"])
+    with pytest.raises(BadValue, match=r"switches conv_parts are on, but norm_impl='scale-shift' runs no fused "
+                                       r"kernels: turn them off with it \(model.conv_parts=False\)"):
+        load_config("ddpm-cifar10", [*FUSED_OFF, "model.conv_parts=True", "model.norm_impl=scale-shift"])
+    with pytest.raises(BadValue, match=r"conv_parts=True is built for res blocks with plain dense 3x3 convs"):
+        load_config("ddpm-cifar10", ["model.conv_parts=True", "model.conv_groups=2"])
+
+
+def test_conv_parts_loads_a_checkpoint_saved_without_it(tmp_path):
+    """model.conv_parts changes how the network computes, not its parameters: a state_dict saved with the switch off
+    loads (strict) into the network with it on and gives the same outputs; ddpm-cifar10's keys and shapes too."""
+    torch.manual_seed(0)
+    off = build_model(PARTS).double().eval()
+    torch.save(off.state_dict(), tmp_path / "model.pt")
+    on = build_model(dataclasses.replace(PARTS, conv_parts=True)).double().eval()
+    on.load_state_dict(torch.load(tmp_path / "model.pt"))
+    x, t = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.tensor([3, 700])
+    with torch.no_grad():
+        assert rel_max(on(x, t), off(x, t)) < 1e-12
+    with torch.device("meta"):
+        ref = build_model(PRESETS["ddpm-cifar10"]).state_dict()
+        new = build_model(dataclasses.replace(PRESETS["ddpm-cifar10"], conv_parts=True)).state_dict()
+    assert {k: v.shape for k, v in new.items()} == {k: v.shape for k, v in ref.items()}
+
+
 @pytest.mark.parametrize("kernels", [False, True], ids=["op-on-cpu", "triton-kernels"])
 def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     """model.norm_saved_means, model.norm_mask_bits (the fused GroupNorm's backward from the forward's means and mask
@@ -378,7 +441,8 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     with SiLU; exact in math, so the interpreter's exact tanh matches), model.norm_x_sums (the backward's sums over x
     at every GroupNorm with SiLU), model.norm_dbias (a residual sum's bias gradient from the dx kernel) and
     model.norm_residual (each residual sum computed by the
-    fused GroupNorm that reads it next, the up path's as the first of its two parts) give the network's function and
+    fused GroupNorm that reads it next, the up path's as the first of its two parts) and model.conv_parts (the up
+    blocks' first GroupNorm writing two parts, conv1 over them) give the network's function and
     gradients, with the same dropout masks: through the op's plain-torch path and through its Triton kernels
     (interpreted without a GPU; 8x8 images keep that fast). Every sum is computed once, and in torch only where no
     GroupNorm reads it (the down- and upsampling convolutions). Refused without the fused kernels."""
@@ -388,7 +452,7 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
                               base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.3)
     switch = dict(norm_saved_means=True, norm_mask_bits=True, norm_residual=True, norm_fast_silu=True,
-                  norm_x_sums=True, norm_dbias=True)
+                  norm_x_sums=True, norm_dbias=True, conv_parts=True)
     made, in_torch = [], []
     value = norm.Pending.value
     monkeypatch.setattr(norm.Pending, "value", lambda p: (p.computed is None and in_torch.append(p), value(p))[1])
@@ -400,6 +464,7 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
     acts = [m for m in new.modules() if isinstance(m, norm.GroupNormAct)]
     assert all(m.silu_mode == (2 if m.silu else 0) for m in acts) and {m.silu for m in acts} == {True, False}
     assert all(m.x_sums for m in acts if m.silu) and all(m.dbias for m in acts)
+    assert all(m.norm1.split_out for m in new.modules() if isinstance(m, DDPMResBlock))
     resamplers = [m for m in new.modules() if isinstance(m, (Downsample, Upsample))]
     assert len(in_torch) == len(resamplers) and len(made) > 2 * len(in_torch)
     assert all(p.computed is not None for p in made)
@@ -425,15 +490,16 @@ def test_norm_switches_compute_the_reference_network(kernels, monkeypatch):
 
 def test_norm_residual_compiles_in_one_graph():
     """torch.compile (fullgraph, AOT autograd's eager backend: the graphs inductor would get) of the network with
-    model.norm_residual (and norm_dbias): the Pending sums trace without a graph break, the fused GroupNorm calls that
-    read one carry its terms (10 of the 21 here) and their backward calls return the bias's gradient, and the forward
-    and gradients are the eager reference network's."""
+    model.norm_residual (and norm_dbias, conv_parts): the Pending sums trace without a graph break, the fused GroupNorm
+    calls that read one carry its terms (10 of the 21 here) and their backward calls return the bias's gradient, the
+    up blocks' first ones (4) return two outputs and their backward calls take two gradients, and the forward and
+    gradients are the eager reference network's."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
     cfg = dataclasses.replace(STRADDLE, norm_impl="fused", concat_free=True, fused_parts=True, image_size=8,
                               base_channels=8, norm_groups=4, channel_mult=(1, 2), attn_resolutions=(4,), dropout=0.0)
-    ref, new = pair(cfg, dict(norm_residual=True, norm_dbias=True), channels_last=True)
+    ref, new = pair(cfg, dict(norm_residual=True, norm_dbias=True, conv_parts=True), channels_last=True)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     t = torch.tensor([3, 700])
     backend = AotEagerAndRecordGraphs()
@@ -441,9 +507,11 @@ def test_norm_residual_compiles_in_one_graph():
     out_n, grads_n = run(torch.compile(new, backend=backend, fullgraph=True), x, t)
     calls = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     folded = [n for n in calls if n.args[16] is not None]  # res: the sum's terms go in
-    assert len(calls) == 21 and len(folded) == 10
-    # model.norm_dbias: the backward calls of the sums with a bias return its gradient (the fake's (C,) output)
+    assert len(calls) == 21 and len(folded) == 10 and sum(n.args[-1] is True for n in calls) == 4  # split_out
+    # model.norm_dbias: the backward calls of the sums with a bias return its gradient (the fake's (C,) output);
+    # model.conv_parts: those of the split outputs take out2's gradient (dout2)
     backward = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
-    assert len(backward) == 21 and sum(n.args[-2] is True for n in backward) == 10  # (then out2's gradient: none)
+    assert len(backward) == 21 and sum(n.args[-2] is True for n in backward) == 10
+    assert sum(n.args[-1] is not None for n in backward) == 4
     assert rel_max(out_n, out_r) < 1e-12
     assert all(rel_max(a, b) < 1e-11 for a, b in zip(grads_n, grads_r))
