@@ -74,10 +74,13 @@ class ModelConfig:
     # 2.7 GiB less peak memory on an H100, within the spread on an H200 (NOTES items 24, 26). Not in
     # REFERENCE_COMPUTATION's set (it goes with concat_free: reference_config turns it off too).
     fused_parts: bool = False
-    # With fused_parts: that GroupNorm writes its output as two tensors too, and the block's first conv runs as two
-    # over them (its weight's two slices, summed), so that no 384-channel activation or gradient exists at 32x32:
-    # cuDNN's dgrad of the 384 -> 128 conv took 2.21 ms alone where the two parts' took 1.35 together, the forward
-    # the same either way (H200, NOTES item 44; results/h200/conv-sites-f1fd892/). Built, not yet measured: off.
+    # With fused_parts, at the up blocks whose two parts differ in width (256 + 128 at 32x32 and 16x16): that GroupNorm
+    # writes its output as two tensors too, and the block's first conv runs as two over them (its weight's two
+    # slices, summed), so that no 384-channel activation or gradient exists: cuDNN's dgrad of the 384 -> 128 conv
+    # took 2.21 ms alone where the two parts' took 1.35 together, the forward the same either way (H200, NOTES items
+    # 44-45; results/h200/conv-sites-f1fd892/). The equal-width concatenations' dgrads already run at cuDNN's usual rate
+    # in the step (745-782 TFLOP/s, profile-1f28a9b), where the split would only add the sum's passes. Built, not
+    # yet measured: off.
     conv_parts: bool = False
     # norm_impl=fused, the GroupNorms with an add ("ddpm" res blocks' norm2): the backward's per-channel sum of xhat
     # from the per-channel means the forward saves, instead of a third sum in its reduction (168 -> fewer registers
@@ -498,10 +501,11 @@ def res_conv3x3(cfg: ModelConfig, cin: int, cout: int) -> nn.Module:
 class DDPMResBlock(nn.Module):
     """Ho et al.: GN-SiLU-conv, + projected time embedding, GN-SiLU-dropout-conv, 1x1 shortcut on width change."""
 
-    def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int):
+    def __init__(self, cfg: ModelConfig, cin: int, cout: int, temb_dim: int, uneven_parts: bool = False):
         super().__init__()
+        # uneven_parts: an up block whose (h, skip) differ in width, where model.conv_parts splits conv1
         self.norm1 = GroupNormAct(cfg.norm_groups, cin, cfg.norm_impl, parts=cfg.fused_parts,  # GroupNorm + SiLU
-                                  split_out=cfg.conv_parts, **cfg.act_norm())
+                                  split_out=cfg.conv_parts and uneven_parts, **cfg.act_norm())
         self.conv1 = res_conv3x3(cfg, cin, cout)
         self.temb = nn.Linear(temb_dim, cout)
         self.norm2 = GroupNormAct(cfg.norm_groups, cout, cfg.norm_impl, dropout=cfg.dropout,  # + SiLU + dropout
@@ -610,7 +614,7 @@ class DDPMUNet(nn.Module):
         self.concat_free = cfg.concat_free  # up-path blocks take (h, skip) unconcatenated
         self.time = TimeEmbedding(ch, temb_dim, nn.SiLU, cfg.num_classes)
         self.stem = ImageConv2d(cfg.in_channels, ch, cfg.stem_kernel, "in", cfg.pad_image_channels)
-        block = lambda cin, cout: DDPMResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
+        block = lambda cin, cout, uneven=False: DDPMResBlock(cfg, cin, cout, temb_dim, uneven)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
                                        cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan(),
                                        cfg.norm_residual, cfg.norm_dbias)
@@ -634,8 +638,9 @@ class DDPMUNet(nn.Module):
         self.up = nn.ModuleList()
         for level, mult in reversed(list(enumerate(cfg.channel_mult))):
             for _ in range(cfg.num_res_blocks + 1):
-                cin = cur + skips.pop()
-                self.up.append(Stage(block(cin, ch * mult), attn(ch * mult) if res in cfg.attn_resolutions else None))
+                skip = skips.pop()
+                self.up.append(Stage(block(cur + skip, ch * mult, cur != skip),
+                                     attn(ch * mult) if res in cfg.attn_resolutions else None))
                 cur = ch * mult
             if level != 0:
                 self.up.append(Upsample(cur, cur, cfg.upsample))

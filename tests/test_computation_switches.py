@@ -400,7 +400,14 @@ def test_conv_parts_computes_the_reference_network(kernels, bias_in_norm, monkey
             model(x, t)
         counts.append(rec.no_bias)
     up = [m.block for m in new.up if hasattr(m, "block")]
-    assert up and counts[1] == counts[0] + len(up)
+    split = [b for b in up if b.norm1.split_out]  # the blocks whose parts differ in width, no others
+    with torch.device("meta"):  # ddpm-cifar10's: the two 256 + 128 concatenations (32x32 and 16x16)
+        blocks = [m.block for m in build_model(dataclasses.replace(PRESETS["ddpm-cifar10"], conv_parts=True)).up
+                  if hasattr(m, "block")]
+    assert [(b.conv1.in_channels, b.conv1.out_channels) for b in blocks if b.norm1.split_out] == [(384, 256),
+                                                                                                 (384, 128)]
+    assert 0 < len(split) < len(up) and counts[1] == counts[0] + len(split)
+    up = split
     from torch.nn.utils import prune
 
     prune.l1_unstructured(up[0].conv1, "weight", amount=0.5)
