@@ -266,10 +266,16 @@ def run(args, argv: list[str], stop) -> Path:
         }
     result["parts"].append(part)
 
+    plotted = [-1]  # the rows the plot on disk shows: a phase that measured none draws the same plot again
+
     def save(with_plot: bool = True) -> None:
-        # The plot takes ~0.3-2 s to draw (4 panels of ~30 lines): after every phase, not every row, so that it does
-        # not eat the sampling budget (sde_report re-renders it from the JSON of a run cut short).
+        # The plot takes ~0.3-2 s to draw (4 panels of ~30 lines; 4 s on a 2-core CPU): after every phase, not every
+        # row, so that it does not eat the sampling budget (sde_report re-renders it from the JSON of a run cut
+        # short), and only when rows were measured since it was drawn (part 2's trainings measure none).
+        with_plot = with_plot and len(result["rows"]) != plotted[0]
         render(result, out, with_plot)
+        if with_plot:
+            plotted[0] = len(result["rows"])
         stop.kept["report"] = (f"the report {out} ({sum(r['status'] == 'ok' for r in result['rows'])} rows "
                                "measured)")
 
