@@ -272,9 +272,7 @@ def _shrink_block(block: nn.Module, keep: torch.Tensor) -> None:
     small_linear.weight.copy_(linear.weight[rows])
     small_linear.bias.copy_(linear.bias[rows])
     small_norm = GroupNormAct(norm.num_groups * len(keep) // width, len(keep), norm.impl, silu=norm.silu,
-                              dropout=norm.p, eps=norm.eps, plan=norm.plan, saved_means=norm.saved_means,
-                              mask_bits=norm.mask_bits, fast_silu=norm.fast_silu,
-                              pair_hash=norm.pair_hash, x_sums=norm.x_sums, dbias=norm.dbias).to(norm.weight)
+                              dropout=norm.p, eps=norm.eps, plan=norm.plan, **norm.switches()).to(norm.weight)
     small_norm.weight.copy_(norm.weight[keep])
     small_norm.bias.copy_(norm.bias[keep])
     if isinstance(block, DDPMResBlock):

@@ -141,6 +141,9 @@ class GroupNormAct(nn.GroupNorm):
     fused, with `parts`) a call on two parts returns the output as two tensors, the parts' channels each.
     """
 
+    # The fused kernels' switches: constructor arguments and attributes of the same names.
+    SWITCHES = ("parts", "saved_means", "mask_bits", "fast_silu", "pair_hash", "x_sums", "dbias", "split_out")
+
     def __init__(self, num_groups: int, num_channels: int, impl: str = "torch", silu: bool = True,
                  dropout: float = 0.0, eps: float = 1e-5, plan: tuple[int, ...] | None = None,
                  parts: bool = False, saved_means: bool = False, mask_bits: bool = False, fast_silu: bool = False,
@@ -152,17 +155,6 @@ class GroupNormAct(nn.GroupNorm):
             raise ValueError(f"plan={plan} is the fused kernels' plan; norm_impl={impl!r} has none: pass plan=None")
         if plan is not None and (problem := plan_problem(*plan)):
             raise ValueError(f"plan={plan}: {problem}")
-        for name, on in (("parts", parts), ("saved_means", saved_means), ("mask_bits", mask_bits),
-                         ("fast_silu", fast_silu), ("pair_hash", pair_hash), ("x_sums", x_sums), ("dbias", dbias),
-                         ("split_out", split_out)):
-            if on and impl != "fused":
-                raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
-        if split_out and not parts:
-            raise ValueError("split_out=True writes the output of two parts read where they lie as two tensors: it "
-                             "needs parts=True; set split_out=False")
-        if pair_hash and num_channels % 2:
-            raise ValueError(f"pair_hash=True draws one hash for two channels: {num_channels} channels is odd; "
-                             "set pair_hash=False")
         self.impl = impl  # "torch" | "scale-shift" | "fused"
         self.silu = silu  # SiLU after the normalisation (False: the attention block's plain GroupNorm)
         self.p = dropout  # dropout probability after the activation
@@ -176,11 +168,23 @@ class GroupNormAct(nn.GroupNorm):
         self.x_sums = x_sums  # fused: the backward kernels sum over x, not xhat (gn_kernels._bwd_reduce_kernel)
         self.dbias = dbias  # fused, reading a Pending sum with a bias: its gradient from the dx kernel's tile sums
         self.split_out = split_out  # fused, two parts: the output as two tensors (the next conv's two inputs)
+        for name, on in self.switches().items():
+            if on and impl != "fused":
+                raise ValueError(f"{name}=True is a switch of the fused kernels; norm_impl={impl!r} has none")
+        if split_out and not parts:
+            raise ValueError("split_out=True writes the output of two parts read where they lie as two tensors: it "
+                             "needs parts=True; set split_out=False")
+        if pair_hash and num_channels % 2:
+            raise ValueError(f"pair_hash=True draws one hash for two channels: {num_channels} channels is odd; "
+                             "set pair_hash=False")
+
+    def switches(self) -> dict[str, bool]:
+        """{switch: on} of SWITCHES: what a GroupNormAct built like this one takes (ffcv_ddpm.compress)."""
+        return {name: getattr(self, name) for name in self.SWITCHES}
 
     def extra_repr(self) -> str:
         plan = f", plan={self.plan}" if self.plan else ""
-        switches = "".join(f", {k}=True" for k in ("parts", "saved_means", "mask_bits", "fast_silu", "pair_hash",
-                                                   "x_sums", "dbias", "split_out") if getattr(self, k))
+        switches = "".join(f", {k}=True" for k, on in self.switches().items() if on)
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
     def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
