@@ -79,8 +79,8 @@ class ModelConfig:
     # slices, summed), so that no 384-channel activation or gradient exists: cuDNN's dgrad of the 384 -> 128 conv
     # took 2.21 ms alone where the two parts' took 1.35 together, the forward the same either way (H200, NOTES items
     # 44-45; results/h200/conv-sites-f1fd892/). The equal-width concatenations' dgrads already run at cuDNN's usual rate
-    # in the step (745-782 TFLOP/s, profile-1f28a9b), where the split would only add the sum's passes. Built, not
-    # yet measured: off.
+    # in the step (745-782 TFLOP/s, profile-1f28a9b), where the split would only add the sum's passes. Measured on an
+    # H200 (conv-parts-7017e9e): -0.1 ms over three rounds, the convolutions' 0.5 ms given back by the passes: off.
     conv_parts: bool = False
     # norm_impl=fused, the GroupNorms with an add ("ddpm" res blocks' norm2): the backward's per-channel sum of xhat
     # from the per-channel means the forward saves, instead of a third sum in its reduction (168 -> fewer registers
