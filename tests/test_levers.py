@@ -15,11 +15,9 @@ def test_rows_are_rounds_of_the_defaults_and_each_variant():
         "b:model.norm_mask_bits=True,train.seed=3")
     assert ddp.parse_variant("g:train.ddp_grad_dtype=bf16,data.loader=gpu") == (
         "g", ["train.ddp_grad_dtype=bf16", "data.loader=gpu"])
-    rows = levers.plan_rows(list(levers.DEFAULT_VARIANTS))
-    names = ["defaults", "all", "residual", "saved-means", "mask-bits"]
-    assert [name for name, _ in rows] == names * 2 and rows[0][1] == ()
-    # "all" is every lever that runs alone
-    assert set(dict(rows)["all"]) == {o for name, over in rows[2:5] for o in over}
+    rows = levers.plan_rows([("a", ("x=1",)), ("b", ("x=2",))])
+    assert rows == [("defaults", ()), ("a", ("x=1",)), ("b", ("x=2",))] * 2
+    assert levers.plan_rows([], rounds=3) == [("defaults", ())] * 3  # no --variant: the defaults alone
 
 
 def test_a_row_starts_only_with_the_time_its_kind_took():
@@ -43,7 +41,24 @@ def test_a_row_starts_only_with_the_time_its_kind_took():
     assert [(r["name"], r["round"], r["status"]) for r in done] == [
         ("defaults", 1, "ok"), ("a", 1, "ok"), ("b", 1, "skipped"), ("defaults", 2, "ok"), ("a", 2, "skipped"),
         ("b", 2, "skipped")]  # b's second row, its first skipped too (one H200 printed "round 1" twice at 1d6950d)
-    assert done[2]["error"] == "50 s of the budget left, such a row took up to 100 s"
+    assert done[2]["error"] == "50 s of the budget left, such a row is priced at 100 s"
+
+
+def test_the_first_row_is_priced_without_the_process_one_time_costs():
+    """The first row 140 s, 94 of them to its first step (a cold machine): a new row is priced at 140 - 47 = 93 s, so
+    110 s left run one (it takes 80); before, its price was the first row's 140 s and every variant was skipped (one
+    H200 at 8521720). A later new row's time counts whole."""
+    now = [0.0]
+
+    def run(name, overrides):
+        first = not now[0]
+        now[0] += 140.0 if first else 80.0
+        return {"status": "ok", "raw": {"first_step_s": 94.0 if first else 30.0}}
+
+    rows = levers.plan_rows([("a", ("x=1",)), ("b", ("x=2",))], rounds=1)
+    done = levers.run_rows(rows, run, budget=250, clock=lambda: now[0])
+    assert [r["status"] for r in done] == ["ok", "ok", "skipped"]
+    assert done[2]["error"] == "30 s of the budget left, such a row is priced at 93 s"
 
 
 @pytest.mark.parametrize("argv,message", [
