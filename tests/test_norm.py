@@ -378,13 +378,14 @@ def test_x_sums_with_two_parts_and_a_residual_gradient():
     """The up blocks' reads of two parts and the residual sum's ds added in dx, with the sums over x: what the sums
     over xhat give, to fp32 rounding."""
     needs_triton()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU machine the kernels take CUDA tensors only
     g = torch.Generator().manual_seed(3)
     n, c1, c2, h, w, groups, p = 2, 9, 7, 3, 5, 4, 0.2
-    x, x2, dout = (spread_input((n, k, h, w), g, torch.float32).add(5).contiguous(memory_format=torch.channels_last)
-                   for k in (c1, c2, c1 + c2))
-    ds = torch.randn(n, c1, h, w, generator=g).contiguous(memory_format=torch.channels_last)
-    a, b, e = (torch.randn(n, c1 + c2, generator=g) for _ in range(3))
-    seed = torch.tensor([5])
+    x, x2, dout = (spread_input((n, k, h, w), g, torch.float32).add(5).to(dev)
+                   .contiguous(memory_format=torch.channels_last) for k in (c1, c2, c1 + c2))
+    ds = torch.randn(n, c1, h, w, generator=g).to(dev).contiguous(memory_format=torch.channels_last)
+    a, b, e = (torch.randn(n, c1 + c2, generator=g).to(dev) for _ in range(3))
+    seed = torch.tensor([5], device=dev)
     fwd = N.triton_forward(x, a, b, e, seed, groups, 1e-5, True, p, *N.DEFAULT_PLAN, x2)
     want, got = (N.triton_backward(dout, x, a, b, e, seed, *fwd[1:3], groups, True, p, *N.DEFAULT_PLAN, x2, None,
                                    None, ds, x_sums=on) for on in (False, True))
