@@ -24,7 +24,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality compress ledger clean
+.PHONY: setup test test-quick dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality compress ledger clean
 
 setup: $(SETUP)
 
@@ -36,6 +36,11 @@ $(STAMP): requirements.txt setup/install.sh pyproject.toml
 # with pytest 9.2: xdist 3.8 renames item._nodeid, which pytest no longer reads.)
 test: $(SETUP)
 	$(PY) -m pytest -q -n auto --dist worksteal tests
+
+# The same without the tests tests/durations.txt records at 5 s or more (tests/conftest.py's --quick): a contributor's
+# edit-and-run loop. make test, what CI runs, runs every test.
+test-quick: $(SETUP)
+	$(PY) -m pytest -q -n auto --dist worksteal --quick tests
 
 dataset: $(SETUP)
 	$(PY) -m tools.make_dataset --source $(SOURCE) --out "$(or $(OUT),$(DATA))" --jpeg-quality $(JPEG_QUALITY) \

@@ -53,8 +53,30 @@ def pytest_configure(config):
                                        "on a GPU machine, where the command takes its CUDA path)")
 
 
+# --quick (make test-quick): the suite without its costliest tests, for a contributor's edit-and-run loop; make test
+# (what CI runs) runs them all. A test is left out when tests/durations.txt records at least QUICK_LIMIT seconds for it.
+QUICK_LIMIT = 5.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help=f"leave out the tests tests/durations.txt records at {QUICK_LIMIT:g} s or more (make test runs "
+                          "every test)")
+
+
+def quick_selection(items: list, costs: dict[str, float], limit: float = QUICK_LIMIT) -> tuple[list, list]:
+    """(kept, left out): the items whose recorded cost (durations.txt, by node id under tests/) is under `limit`, and
+    the others, each in collected order. Tests not recorded are cheap."""
+    slow = [item for item in items if costs.get(item.nodeid.removeprefix("tests/"), 0.0) >= limit]
+    left_out = {id(item) for item in slow}
+    return [item for item in items if id(item) not in left_out], slow
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+    if config.getoption("quick"):
+        items[:], slow = quick_selection(items, recorded_costs())
+        config.hook.pytest_deselected(items=slow)  # pytest's summary counts them: "N deselected"
     if GPU_TESTS and torch.cuda.is_available():
         skip = pytest.mark.skip(reason="checks the CPU path; FFCV_DDPM_TEST_GPU=1 runs the CUDA one")
         for item in items:
