@@ -78,7 +78,8 @@ def module_commands(command: str) -> list[tuple[str, list[str]]]:
         found = []
         for line in re.sub(r"\\\n\s*", " ", done.stdout).splitlines():
             found += [(m, a) for m, a in module_commands(line) if m in ENTRY_POINTS]  # not `-m pytest`
-        assert found or targets[:1] in (["test"], ["test-quick"], ["clean"]), f"{command}: make -n ran none of our commands"
+        assert found or targets[:1] in (["test"], ["test-quick"], ["clean"]), \
+            f"{command}: make -n ran none of our commands"
         return found
     found = []
     for i, w in enumerate(words[:-1]):
