@@ -60,8 +60,8 @@ QUICK_LIMIT = 5.0
 
 def pytest_addoption(parser):
     parser.addoption("--quick", action="store_true",
-                     help=f"leave out the tests tests/durations.txt records at {QUICK_LIMIT:g} s or more (make test runs "
-                          "every test)")
+                     help=f"leave out the tests tests/durations.txt records at {QUICK_LIMIT:g} s or more "
+                          "(make test runs every test)")
 
 
 def quick_selection(items: list, costs: dict[str, float], limit: float = QUICK_LIMIT) -> tuple[list, list]:
