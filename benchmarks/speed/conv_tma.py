@@ -10,10 +10,12 @@ tensor memory accelerator: a 4-D descriptor over the NHWC input, one box of [sam
 shift is the box's start, -1 included: TMA fills the padding with zeros), read as the GEMM's [pixels, BK] operand,
 and the weights as [Cout, 9 * Cin] boxes. That is what CUTLASS's sm90 convolutions do in tiled mode.
 
-Two kernels: "box", plain Triton, whose compiler pipelines the loads (item 34: 0.8x cuDNN where correct, its faster
+Three kernels: "box", plain Triton, whose compiler pipelines the loads (item 34: 0.8x cuDNN where correct, its faster
 schedules wrong: the reshaped box goes through registers); "gluon" (ffcv_ddpm.conv_gluon), the same boxes in Gluon,
 Triton's lower-level language, with the ring of buffers, its barriers and the wgmma waits written out, both
-operands read from shared memory. Per site (stride 1, channels a multiple of 64: 17 of the 22 distinct sites, 98%
+operands read from shared memory; "cutlass" (benchmarks.speed.conv_cutlass, NOTES 46), CUTLASS 3's sm90 implicit
+GEMM built with nvcc: TMA's im2col mode (a tile of any 128 output pixels, across samples), a producer warp group
+and a consumer one, one instantiation per tile and cluster shape. Per site (stride 1, channels a multiple of 64: 17 of the 22 distinct sites, 98%
 of the step's 3x3 FLOPs), the best correct tile shape of each kernel, the convolution alone, against F.conv2d with
 cuDNN's search, as CUDA-graph replays (clocks.graph_ms), each config checked against fp32 torch over three
 calls; then the Gluon kernel with the site's epilogue (its bias, residual and the next GroupNorm's statistics), and
@@ -37,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from benchmarks.common import commit_text, md_table, write_json, write_text
+from benchmarks.speed import conv_cutlass
 from ffcv_ddpm import conv_gluon as CG
 from ffcv_ddpm.checks import fail
 
@@ -72,6 +75,8 @@ def configs_for(h: int, w: int) -> dict[str, list]:
 
 
 def run(kind: str, x: Tensor, w: Tensor, tiles) -> Tensor:
+    if kind == "cutlass":
+        return conv_cutlass.conv3x3(x, w, tiles)
     return conv3x3(x, w, tiles) if kind == "box" else CG.conv3x3(x, w, tiles)[0]
 
 
@@ -178,12 +183,12 @@ def rel_error(out: Tensor, ref: Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
-KINDS = ("box", "gluon")
+KINDS = ("box", "gluon", "cutlass")
 
 
 def render(result: dict) -> str:
     kinds = result.get("kinds", ["box"])
-    lines = [f"# TMA-fed 3x3 convolutions (Triton, Gluon) against cuDNN ({result.get('device_name')})", "",
+    lines = [f"# TMA-fed 3x3 convolutions (Triton, Gluon, CUTLASS) against cuDNN ({result.get('device_name')})", "",
              f"`{result['command']}`", "",
              f"commit {commit_text(result['environment'])}, torch {result['environment'].get('torch')}, Triton "
              f"{result.get('triton')}; batch {result['batch']}, bf16, channels_last, stride 1, fp32 accumulation; ms a "
@@ -242,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--prologue", action=argparse.BooleanOptionalAction, default=True,
                    help="time the prologue rows too (default); --no-prologue: the epilogue's only")
+    p.add_argument("--epilogue", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the Gluon kernel's epilogue (and prologue) rows (default); --no-epilogue: the plain "
+                        "convolutions only")
     args, overrides = p.parse_with_overrides(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:
@@ -265,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python -m benchmarks.speed.conv_tma " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "device_name": torch.cuda.get_device_name(), "batch": batch,
               "triton": triton.__version__, "kinds": kinds, "sites": []}
+    cutlass_configs = conv_cutlass.configs() if "cutlass" in kinds else []
+    if cutlass_configs:
+        result["cutlass"] = {"version": conv_cutlass.CUTLASS_VERSION, "library": conv_cutlass.library_path().name}
     args.out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.time()
@@ -280,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                  "cudnn_ms": graph_ms(lambda: F.conv2d(x, w, padding=1), args.iters, warmup=2), "rows": []}
         result["sites"].append(entry)
         ref = F.conv2d(x.float(), w.float(), padding=1)
-        for kind, configs in configs_for(spec.h, spec.h).items():
+        site_configs = configs_for(spec.h, spec.h)
+        if "cutlass" in kinds:
+            site_configs["cutlass"] = cutlass_configs
+        for kind, configs in site_configs.items():
             for tiles in configs:
                 if kind not in kinds or not tiles.fits(spec.h, spec.h, spec.cin, spec.cout):
                     continue
@@ -297,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             good = [r for r in entry["rows"] if r["kind"] == k and "ms" in r and r["rel_err"] <= 2e-2]
             if good:
                 entry["best"][k] = min(good, key=lambda r: r["ms"])
-        if (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
+        if args.epilogue and (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
             fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
             # the passes priced at the rate a copy of the site's output streams (the rate depends on the size)
             entry["copy_gbs"] = copy_gb_per_s(2 * batch * spec.out_h ** 2 * spec.cout, iters=args.iters)

@@ -1,0 +1,172 @@
+"""CUTLASS 3's sm90 implicit-GEMM 3x3 convolution, built with nvcc and called from torch (issue 47 item 2, NOTES 46).
+
+    python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop.so (fetching the headers)
+    python -m benchmarks.speed.conv_tma --out DIR --kinds cutlass,gluon    # CUDA: each config against cuDNN per site
+
+The kernels are cutlass/conv_fprop.cu: the forward convolution alone (bf16 NHWC in and out, fp32 accumulation), one
+instantiation per tile and cluster shape, exported as C functions that take torch's pointers and stream. The headers
+come from the `nvidia-cutlass` wheel (CUTLASS_VERSION; `pip download` needs the network once): its
+`cutlass_library/source/include/{cute,cutlass}` and `tools/util/include/cutlass/util`, unpacked into
+.cutlass/inc, and the library lands in .cutlass/build. The GPU machine has nvcc but no network: build here (sm_90a, ~2 min on two cores) and carry
+.cutlass/build to it (docs/gpu-runs.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = Path(__file__).resolve().parent / "cutlass" / "conv_fprop.cu"
+HOME = ROOT / ".cutlass"  # git-ignored: the wheel, the unpacked headers, the built library
+CUTLASS_VERSION = "4.2.0.0"
+WHEEL_GLOB = f"nvidia_cutlass-{CUTLASS_VERSION}-*.whl"
+# The wheel's folders that hold the headers, and where they land under <home>/inc.
+WHEEL_PARTS = {"cutlass_library/source/include/cute/": "cute/",
+               "cutlass_library/source/include/cutlass/": "cutlass/",
+               "cutlass_library/source/tools/util/include/cutlass/util/": "cutlass/util/"}
+ERR_LEN = 512
+
+
+class CutlassConfig(NamedTuple):
+    """One compiled instantiation: its index in the library, tile MxNxK and cluster, pipeline stages, shared memory
+    a block, blocks an SM (what conv_tma's rows record as the config's "tiles")."""
+    index: int
+    name: str
+    stages: int
+    smem: int
+    blocks_per_sm: int
+
+    def fits(self, h: int, w: int, cin: int, cout: int) -> bool:
+        return cin % 8 == 0 and cout % 8 == 0  # 16-byte TMA rows; im2col tiles span samples, so any image size
+
+
+def unpack_headers(wheel: Path, inc: Path) -> Path:
+    """CUTLASS's headers out of its wheel into `inc` (written beside, then renamed: an interrupted unpack leaves no
+    half a tree under the name the build reads)."""
+    tmp = inc.with_name(inc.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as z:
+        found = set()
+        for name in z.namelist():
+            for prefix, dest in WHEEL_PARTS.items():
+                if name.startswith(prefix) and not name.endswith("/"):
+                    found.add(prefix)
+                    target = tmp / dest / name[len(prefix):]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(z.read(name))
+    if missing := [p for p in WHEEL_PARTS if p not in found]:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"{wheel}: no {', '.join(missing)} in it: expected nvidia-cutlass {CUTLASS_VERSION}'s wheel")
+    shutil.rmtree(inc, ignore_errors=True)
+    tmp.rename(inc)
+    return inc
+
+
+def headers(home: Path = HOME) -> Path:
+    """<home>/inc with CUTLASS's headers: unpacked from the wheel in <home>, downloaded there first if absent."""
+    inc = home / "inc"
+    if (inc / "cute" / "tensor.hpp").is_file() and (inc / "cutlass" / "util" / "packed_stride.hpp").is_file():
+        return inc
+    wheels = sorted(home.glob(WHEEL_GLOB))
+    if not wheels:
+        home.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(home),
+               f"nvidia-cutlass=={CUTLASS_VERSION}"]
+        if subprocess.run(cmd).returncode != 0 or not (wheels := sorted(home.glob(WHEEL_GLOB))):
+            raise RuntimeError(f"could not fetch CUTLASS's headers ({' '.join(cmd)}); on a machine without the network "
+                               f"put {WHEEL_GLOB} in {home}, or a built library in {home / 'build'}")
+    return unpack_headers(wheels[-1], inc)
+
+
+def nvcc_command(inc: Path, out: Path) -> list[str]:
+    # sm_90a: wgmma and the TMA im2col loads exist only in the arch-specific target
+    return ["nvcc", "-std=c++17", "-O3", "-DNDEBUG", "--expt-relaxed-constexpr",
+            "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC", "-shared", "-I", str(inc),
+            str(SOURCE), "-o", str(out)]
+
+
+def library_path(home: Path = HOME) -> Path:
+    """Named by its source's hash: a library built from another version of conv_fprop.cu is never loaded (file
+    times do not survive the copy to the GPU machine)."""
+    return home / "build" / f"libconv_fprop-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}.so"
+
+
+def build(home: Path = HOME) -> Path:
+    """The library, compiled if it is missing (to a temporary name, then renamed)."""
+    out = library_path(home)
+    if out.is_file():
+        return out
+    if shutil.which("nvcc") is None:
+        raise RuntimeError(f"no nvcc on PATH to build {out.name} (or carry a built {out} here)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    try:
+        subprocess.run(nvcc_command(headers(home), tmp), check=True)
+        tmp.rename(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+_LIB: ctypes.CDLL | None = None
+
+
+def library() -> ctypes.CDLL:
+    """The built library, loaded once (built first where nvcc is here and it is missing)."""
+    global _LIB
+    if _LIB is None:
+        lib = ctypes.CDLL(str(build()))
+        lib.cutconv_name.restype = ctypes.c_char_p
+        lib.cutconv_fprop.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      *[ctypes.c_int] * 5, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        _LIB = lib
+    return _LIB
+
+
+def configs() -> list[CutlassConfig]:
+    """Every compiled config (blocks an SM asks the CUDA runtime: needs a GPU)."""
+    lib = library()
+    return [CutlassConfig(i, lib.cutconv_name(i).decode(), lib.cutconv_stages(i), lib.cutconv_smem(i),
+                          lib.cutconv_occupancy(i)) for i in range(lib.cutconv_count())]
+
+
+def conv3x3(x: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
+    """F.conv2d(x, w, padding=1) for bf16 CUDA tensors in channels_last (weights KRSC: [Cout, Cin, 3, 3] in
+    channels_last memory), no bias, on torch's current stream."""
+    n, c, h, wd = x.shape
+    k = w.shape[0]
+    cl = torch.channels_last
+    if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.bfloat16):
+        raise ValueError(f"conv3x3: expected bf16 CUDA tensors, got x {x.dtype} on {x.device}, w {w.dtype} on "
+                         f"{w.device}")
+    if tuple(w.shape) != (k, c, 3, 3) or not (x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
+        raise ValueError(f"conv3x3: expected x [N, C, H, W] and w [K, C, 3, 3] both channels_last, got x "
+                         f"{tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
+    y = torch.empty(n, k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
+    err = ctypes.create_string_buffer(ERR_LEN)
+    rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(), n, h, wd, c, k,
+                                 torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
+    if rc:
+        raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
+    return y
+
+
+def main() -> int:
+    path = build()
+    print(f"conv_cutlass: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
