@@ -28,6 +28,7 @@ conv_tma.json and .md are rewritten after every site. On CPU tensors the box ker
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from typing import NamedTuple
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--prologue", action=argparse.BooleanOptionalAction, default=True,
                    help="time the prologue rows too (default); --no-prologue: the epilogue's only")
+    p.add_argument("--cutlass-match", default="", metavar="REGEX",
+                   help="only the CUTLASS configs whose name matches (re.search; default: every config)")
     p.add_argument("--epilogue", action=argparse.BooleanOptionalAction, default=True,
                    help="time the Gluon kernel's epilogue (and prologue) rows (default); --no-epilogue: the plain "
                         "convolutions only")
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python -m benchmarks.speed.conv_tma " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(), "device_name": torch.cuda.get_device_name(), "batch": batch,
               "triton": triton.__version__, "kinds": kinds, "sites": []}
-    cutlass_configs = conv_cutlass.configs() if "cutlass" in kinds else []
+    cutlass_configs = ([c for c in conv_cutlass.configs() if re.search(args.cutlass_match, c.name)]
+                       if "cutlass" in kinds else [])
     if cutlass_configs:
         result["cutlass"] = {"version": conv_cutlass.CUTLASS_VERSION, "library": conv_cutlass.library_path().name}
     args.out.mkdir(parents=True, exist_ok=True)
