@@ -3,8 +3,10 @@
     python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop.so (fetching the headers)
     python -m benchmarks.speed.conv_tma --out DIR --kinds cutlass,gluon    # CUDA: each config against cuDNN per site
 
-The kernels are cutlass/conv_fprop.cu: the forward convolution alone (bf16 NHWC in and out, fp32 accumulation), one
-instantiation per tile and cluster shape, exported as C functions that take torch's pointers and stream. The headers
+The kernels are cutlass/conv_fprop.cu: the forward convolution (bf16 NHWC in and out, fp32 accumulation), alone or
+with the epilogue the next GroupNorm needs (the residual added, per-128-pixel sums and sums of squares of the output
+per channel), one instantiation per kernel, tile and cluster shape, exported as C functions that take torch's
+pointers and stream. The headers
 come from the `nvidia-cutlass` wheel (CUTLASS_VERSION; `pip download` needs the network once): its
 `cutlass_library/source/include/{cute,cutlass}` and `tools/util/include/cutlass/util`, unpacked into
 .cutlass/inc, and the library lands in .cutlass/build. The GPU machine has nvcc but no network: build here (sm_90a, ~2 min on two cores) and carry
@@ -38,14 +40,21 @@ WHEEL_PARTS = {"cutlass_library/source/include/cute/": "cute/",
 ERR_LEN = 512
 
 
+EPI_RESIDUAL, EPI_STATS = 1, 2  # conv_fprop.cu's epilogue flags
+TILE_M = 128  # the M tile of the configs with sums: a partial sum per 128 output pixels
+PLAIN_OF_SUMS = "pingpong 128x128x64"  # the plain config whose tiles and kernel the configs with sums share
+
+
 class CutlassConfig(NamedTuple):
     """One compiled instantiation: its index in the library, tile MxNxK and cluster, pipeline stages, shared memory
-    a block, blocks an SM (what conv_tma's rows record as the config's "tiles")."""
+    a block, blocks an SM, and its epilogue's extras (EPI_* flags; 0: the plain convolution). What conv_tma's rows
+    record as the config's "tiles"."""
     index: int
     name: str
     stages: int
     smem: int
     blocks_per_sm: int
+    epilogue: int = 0
 
     def fits(self, h: int, w: int, cin: int, cout: int) -> bool:
         return cin % 8 == 0 and cout % 8 == 0  # 16-byte TMA rows; im2col tiles span samples, so any image size
@@ -128,8 +137,8 @@ def library() -> ctypes.CDLL:
     if _LIB is None:
         lib = ctypes.CDLL(str(build()))
         lib.cutconv_name.restype = ctypes.c_char_p
-        lib.cutconv_fprop.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      *[ctypes.c_int] * 5, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        lib.cutconv_fprop.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 5, ctypes.c_void_p,
+                                      ctypes.c_char_p, ctypes.c_int]
         _LIB = lib
     return _LIB
 
@@ -138,32 +147,71 @@ def configs() -> list[CutlassConfig]:
     """Every compiled config (blocks an SM asks the CUDA runtime: needs a GPU)."""
     lib = library()
     return [CutlassConfig(i, lib.cutconv_name(i).decode(), lib.cutconv_stages(i), lib.cutconv_smem(i),
-                          lib.cutconv_occupancy(i)) for i in range(lib.cutconv_count())]
+                          lib.cutconv_occupancy(i), lib.cutconv_epilogue(i)) for i in range(lib.cutconv_count())]
 
 
 def conv3x3(x: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
     """F.conv2d(x, w, padding=1) for bf16 CUDA tensors in channels_last (weights KRSC: [Cout, Cin, 3, 3] in
-    channels_last memory), no bias, on torch's current stream."""
+    channels_last memory), no bias, on torch's current stream, by a config without an epilogue."""
+    return _call(x, w, config, None, False)[0]
+
+
+def conv3x3_sums(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out, sums): out = bf16(F.conv2d(x, w, padding=1) + res), sums fp32 [2, N*H*W / 128, Cout]: the sum and the
+    sum of squares of out's bf16 values over each 128 consecutive output pixels (NHWC order), per channel, by a config
+    whose epilogue has them (EPI_STATS; EPI_RESIDUAL exactly when res is given)."""
+    return _call(x, w, config, res, True)
+
+
+def tile_sums(out: Tensor, rows: int = TILE_M) -> Tensor:
+    """conv3x3_sums' sums in torch, from its out."""
+    flat = out.permute(0, 2, 3, 1).reshape(-1, rows, out.shape[1]).float()
+    return torch.stack([flat.sum(1), (flat * flat).sum(1)])
+
+
+def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, stats: bool):
     n, c, h, wd = x.shape
     k = w.shape[0]
     cl = torch.channels_last
+    want = (EPI_STATS if stats else 0) | (EPI_RESIDUAL if res is not None else 0)
+    if config.epilogue != want:
+        raise ValueError(f"conv3x3: CUTLASS config {config.name!r} has epilogue flags {config.epilogue}, the call "
+                         f"asks for {want} (residual {res is not None}, sums {stats})")
     if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.bfloat16):
         raise ValueError(f"conv3x3: expected bf16 CUDA tensors, got x {x.dtype} on {x.device}, w {w.dtype} on "
                          f"{w.device}")
     if tuple(w.shape) != (k, c, 3, 3) or not (x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
         raise ValueError(f"conv3x3: expected x [N, C, H, W] and w [K, C, 3, 3] both channels_last, got x "
                          f"{tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
+    if res is not None and (res.shape != (n, k, h, wd) or res.dtype != x.dtype
+                            or not res.is_contiguous(memory_format=cl)):
+        raise ValueError(f"conv3x3: the residual must be bf16 [{n}, {k}, {h}, {wd}] channels_last, got "
+                         f"{res.dtype} {tuple(res.shape)} {res.stride()}")
+    if stats and (n * h * wd % TILE_M or k % 128):
+        raise ValueError(f"conv3x3: sums need N*H*W a multiple of {TILE_M} and Cout of 128 (got {n * h * wd}, {k})")
     y = torch.empty(n, k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
+    sums = torch.empty(2, n * h * wd // TILE_M, k, device=x.device, dtype=torch.float32) if stats else None
     err = ctypes.create_string_buffer(ERR_LEN)
-    rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(), n, h, wd, c, k,
-                                 torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
+    rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(),
+                                 res.data_ptr() if res is not None else None,
+                                 sums[0].data_ptr() if stats else None, sums[1].data_ptr() if stats else None,
+                                 n, h, wd, c, k, torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
     if rc:
         raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
-    return y
+    return y, sums
 
 
-def main() -> int:
-    path = build()
+def main(argv: list[str] | None = None) -> int:
+    from ffcv_ddpm.checks import Parser, fail
+
+    p = Parser(prog="python -m benchmarks.speed.conv_cutlass", doc=__doc__,
+               epilog="Builds the library (no KEY=VALUE overrides): nvcc, and the headers from the network once.")
+    p.add_argument("--home", type=Path, default=HOME, help="where the wheel, the headers and the build live")
+    args = p.parse_args(argv)
+    try:
+        path = build(args.home)
+    except (RuntimeError, ValueError, subprocess.CalledProcessError) as e:
+        return fail("conv_cutlass", str(e))
     print(f"conv_cutlass: {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return 0
 

@@ -180,6 +180,35 @@ def fused_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iter
             "passes_ms": passes_removed(spec, batch, prologue) / copy_gbs / 1e6}
 
 
+def cutlass_epilogue_row(spec, batch: int, x: Tensor, w: Tensor, configs: list, randn, iters: int, copy_gbs: float,
+                        plain: dict) -> dict:
+    """CUTLASS's ping-pong kernel with the epilogue the next GroupNorm needs (the residual where the site has one,
+    per-128-pixel channel sums and sums of squares of the output), checked against torch, its time over the plain
+    ping-pong kernel with the same tile at this site (`plain`, a row of it), against the passes it removes. No bias:
+    today's fused GroupNorm adds it, and the sums of x + b follow from x's exactly."""
+    from benchmarks.speed.clocks import graph_ms
+
+    want = conv_cutlass.EPI_STATS | (conv_cutlass.EPI_RESIDUAL if spec.residual else 0)
+    fitting = [c for c in configs if c.epilogue == want]
+    if not fitting:
+        return {"error": f"no CUTLASS config with epilogue flags {want}"}
+    res = randn(batch, spec.cout, spec.h, spec.h).to(memory_format=torch.channels_last) if spec.residual else None
+    config = fitting[0]
+    row = {"tiles": list(config), "res": spec.residual, "stats": True}
+    try:
+        out, sums = conv_cutlass.conv3x3_sums(x, w, config, res)
+        want_out = F.conv2d(x.float(), w.float(), padding=1) + (res.float() if res is not None else 0)
+        row["rel_err"] = rel_error(out, want_out)
+        row["stats_err"] = max(rel_error(sums[i], conv_cutlass.tile_sums(out)[i]) for i in (0, 1))
+        row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_sums(x, w, config, res), iters, warmup=2)
+    except Exception as e:  # noqa: BLE001 - an epilogue that cannot build is a row with its error
+        return {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if row["rel_err"] > 2e-2 or row["stats_err"] > 2e-2:
+        return {**row, "error": f"wrong ({row['rel_err']}, {row['stats_err']})"}
+    return {**row, "plain_ms": plain["ms"], "extra_ms": row["ms"] - plain["ms"],
+            "passes_ms": passes_removed(spec, batch) / copy_gbs / 1e6}
+
+
 def rel_error(out: Tensor, ref: Tensor) -> float:
     return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
@@ -196,7 +225,8 @@ def render(result: dict) -> str:
              "call (TFLOP/s), CUDA-graph replays; each kernel's fastest tile shape a site among those whose worst "
              "error over three calls is <= 2e-2 (the json has every config, wrong ones included).", ""]
     rows, tot = [], {k: [0.0, 0.0] for k in kinds}  # kind: [cuDNN ms, kernel ms] over the sites it ran
-    sums = {"epilogue": [0.0, 0.0], "fused": [0.0, 0.0]}  # a step: ms over the plain Gluon kernel, passes removed
+    # a step: ms over the plain kernel (Gluon's, or CUTLASS's ping-pong with the same tile), passes removed
+    sums = {"epilogue": [0.0, 0.0], "fused": [0.0, 0.0], "cutlass_epilogue": [0.0, 0.0]}
 
     def fused_cell(s: dict, key: str) -> str:
         row = s.get(key)
@@ -206,7 +236,8 @@ def render(result: dict) -> str:
             return "error: " + row["error"][:100].replace("|", "/")
         sums[key][0] += s["count"] * row["extra_ms"]
         sums[key][1] += s["count"] * row["passes_ms"]
-        return f"{row['ms']:.3f} {tuple(row['tiles'])}: {row['extra_ms']:+.3f} for {row['passes_ms']:.3f}"
+        tiles = "" if key == "cutlass_epilogue" else f" {tuple(row['tiles'])}"  # one config: its name is the header's
+        return f"{row['ms']:.3f}{tiles}: {row['extra_ms']:+.3f} for {row['passes_ms']:.3f}"
 
     for s in result["sites"]:
         cells = [s["name"], str(s["count"]), f"{s['cudnn_ms']:.3f} ({s['flop'] / s['cudnn_ms'] / 1e9:.0f})"]
@@ -219,10 +250,11 @@ def render(result: dict) -> str:
             tot[k][1] += s["count"] * best["ms"]
             cells.append(f"{best['ms']:.3f} ({s['flop'] / best['ms'] / 1e9:.0f}), {s['cudnn_ms'] / best['ms']:.2f}x, "
                          f"{tuple(best['tiles'])}")
-        rows.append(cells + [fused_cell(s, "epilogue"), fused_cell(s, "fused")])
+        rows.append(cells + [fused_cell(s, "epilogue"), fused_cell(s, "fused"), fused_cell(s, "cutlass_epilogue")])
     lines += md_table(["site", "a step", "cuDNN ms (TFLOP/s)",
                        *(f"{k} ms (TFLOP/s), rate vs cuDNN, tiles" for k in kinds),
-                       "gluon + epilogue ms, tiles: extra for passes ms", "+ prologue too"], rows)
+                       "gluon + epilogue ms, tiles: extra for passes ms", "+ prologue too",
+                       "CUTLASS ping-pong + residual + sums ms: extra for passes ms"], rows)
     lines.append("")
     for k, (c, t) in tot.items():
         if t:
@@ -230,7 +262,9 @@ def render(result: dict) -> str:
                          "cuDNN's rate).")
     what = {"epilogue": "the epilogue (bias, residual, statistics) in the Gluon kernel, every site with one",
             "fused": "the prologue (the input's GroupNorm apply + SiLU, dropout from bits) and the epilogue, every "
-                     "site with one input"}
+                     "site with one input",
+            "cutlass_epilogue": "CUTLASS's ping-pong kernel with the residual and the per-128-pixel channel sums and "
+                                "sums of squares (no bias), every site whose output a GroupNorm's statistics read"}
     site_rates = [s["copy_gbs"] for s in result["sites"] if "copy_gbs" in s]  # files before a55667d: one, 128 MB
     rates = (f"the copy rate of each site's output size ({min(site_rates):.0f}-{max(site_rates):.0f} GB/s)"
              if site_rates else f"the copy rate ({result.get('copy_gbs', 0):.0f} GB/s)")
@@ -297,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = F.conv2d(x.float(), w.float(), padding=1)
         site_configs = configs_for(spec.h, spec.h)
         if "cutlass" in kinds:
-            site_configs["cutlass"] = cutlass_configs
+            site_configs["cutlass"] = [c for c in cutlass_configs if not c.epilogue]
         for kind, configs in site_configs.items():
             for tiles in configs:
                 if kind not in kinds or not tiles.fits(spec.h, spec.h, spec.cin, spec.cout):
@@ -315,6 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             good = [r for r in entry["rows"] if r["kind"] == k and "ms" in r and r["rel_err"] <= 2e-2]
             if good:
                 entry["best"][k] = min(good, key=lambda r: r["ms"])
+        plain_pp = [r for r in entry["rows"] if r["kind"] == "cutlass" and "ms" in r and r["rel_err"] <= 2e-2
+                    and r["tiles"][1] == conv_cutlass.PLAIN_OF_SUMS]
+        if args.epilogue and spec.stats and plain_pp and any(c.epilogue for c in cutlass_configs):
+            entry["copy_gbs"] = copy_gb_per_s(2 * batch * spec.out_h ** 2 * spec.cout, iters=args.iters)
+            entry["cutlass_epilogue"] = cutlass_epilogue_row(spec, batch, x, w, cutlass_configs, randn, args.iters,
+                                                             entry["copy_gbs"], plain_pp[0])
         if args.epilogue and (best := entry["best"].get("gluon")) and (spec.residual or spec.stats):
             fitting = [t for t in configs_for(spec.h, spec.h)["gluon"] if t.fits(spec.h, spec.h, spec.cin, spec.cout)]
             # the passes priced at the rate a copy of the site's output streams (the rate depends on the size)

@@ -1,5 +1,6 @@
-// CUTLASS 3's sm90 implicit-GEMM convolution (forward), nothing fused, as a C library that Python calls with torch's
-// pointers and stream (benchmarks/speed/conv_cutlass.py builds and loads it; NOTES 46 step 1).
+// CUTLASS 3's sm90 implicit-GEMM convolution (forward) as a C library that Python calls with torch's pointers and
+// stream (benchmarks/speed/conv_cutlass.py builds and loads it; NOTES 46-47): plain, and with the epilogue the next
+// GroupNorm needs (the residual added, per-tile channel sums of the output).
 //
 // The GEMM: M = the output pixels (N*P*Q, im2col TMA loads of the NHWC input: the padding is TMA's zero fill, a tile
 // may span samples), N = the output channels, K = 9 taps x Cin (weights KRSC, TMA tiled loads). One producer warp
@@ -20,10 +21,57 @@
 #include <cutlass/conv/dispatch_policy.hpp>
 #include <cutlass/conv/kernel/conv_universal.hpp>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
 using namespace cute;
+
+// What a call passes: NHWC bf16 x [n, h, w, c], KRSC bf16 weights [k, 3, 3, c], the output y [n, h, w, k]; res (like
+// y), sum and sumsq (fp32 [n h w / 128, k]) only for the configs whose epilogue has them (else null).
+struct Operands {
+  const void* x;
+  const void* wt;
+  void* y;
+  const void* res;
+  float* sum;
+  float* sumsq;
+  int n, h, w, c, k;
+};
+
+// Checks, then launches one kernel on `stream`: 0, or an error code with what went wrong in err.
+template <class Adapter, class Kernel>
+int launch(typename Adapter::Arguments const& args, cudaStream_t stream, char* err, int errlen) {
+  if (Adapter::can_implement(args) != cutlass::Status::kSuccess) {
+    snprintf(err, errlen, "CUTLASS cannot implement this problem with this config");
+    return 1;
+  }
+  if (size_t bytes = Adapter::get_workspace_size(args)) {
+    snprintf(err, errlen, "this config asks for a workspace (%zu bytes); none is passed", bytes);
+    return 2;
+  }
+  // The shared-memory attribute, set once and outside any CUDA-graph capture (a config's first call is never
+  // captured: the benchmark checks its answer before timing it).
+  static int blocks_per_sm = Adapter::maximum_active_blocks();
+  if (blocks_per_sm <= 0) {
+    snprintf(err, errlen, "no block fits an SM (%d bytes of shared memory)", int(Kernel::SharedStorageSize));
+    return 3;
+  }
+  auto params = Kernel::to_underlying_arguments(args, nullptr);
+  if (Adapter::run(params, stream) != cutlass::Status::kSuccess) {
+    snprintf(err, errlen, "launch failed: %s", cudaGetErrorString(cudaGetLastError()));
+    return 4;
+  }
+  return 0;
+}
+
+int plain_only(const Operands& o, char* err, int errlen) {
+  if (o.res || o.sum || o.sumsq) {
+    snprintf(err, errlen, "this config has no epilogue: no residual or sums");
+    return 6;
+  }
+  return 0;
+}
 
 // Stages 0: as many as the shared memory holds beside the epilogue's; else that many (fewer: two blocks an SM, one's
 // epilogue beside the other's main loop). Epilogue: CUTLASS's choice for these types (registers straight to global
@@ -59,41 +107,19 @@ struct Fprop {
   static int stages() { return Mainloop::DispatchPolicy::Stages; }
   static int smem_bytes() { return Kernel::SharedStorageSize; }
 
-  // 0 when launched; else a CUTLASS status or CUDA error, said in err.
-  static int run(const void* x, const void* w, void* y, int n, int h, int wd, int c, int k, cudaStream_t stream,
-                 char* err, int errlen) {
-    Problem problem(cutlass::conv::Mode::kCrossCorrelation, {n, h, wd, c}, {k, 3, 3, c}, {1, 1}, {1, 1}, {1, 1},
-                    {1, 1}, 1);
+  static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
+    if (int rc = plain_only(o, err, errlen)) return rc;
+    Problem problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c}, {o.k, 3, 3, o.c}, {1, 1}, {1, 1},
+                    {1, 1}, {1, 1}, 1);
     typename Kernel::StrideD stride_d;
     cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{}, [&](auto i) {
       cute::get<0, i>(stride_d) = problem.stride_C[Problem::RankT - 2 - i];
     });
     typename Conv::Arguments args{
         problem,
-        {static_cast<const Element*>(x), static_cast<const Element*>(w)},
-        {{1.0f, 0.0f}, nullptr, typename Kernel::StrideC{}, static_cast<Element*>(y), stride_d}};
-    if (Conv::can_implement(args) != cutlass::Status::kSuccess) {
-      snprintf(err, errlen, "CUTLASS cannot implement n=%d h=%d w=%d c=%d k=%d with this config", n, h, wd, c, k);
-      return 1;
-    }
-    if (Conv::get_workspace_size(args) != 0) {
-      snprintf(err, errlen, "this config asks for a workspace (%zu bytes); none is passed",
-               Conv::get_workspace_size(args));
-      return 2;
-    }
-    // The shared-memory attribute once, outside any CUDA-graph capture (the first call is never captured: the
-    // benchmark checks each config's answer before timing it).
-    static int blocks_per_sm = Conv::maximum_active_blocks();
-    if (blocks_per_sm <= 0) {
-      snprintf(err, errlen, "no block fits an SM (%d bytes of shared memory)", smem_bytes());
-      return 3;
-    }
-    auto params = Kernel::to_underlying_arguments(args, nullptr);
-    if (Conv::run(params, stream) != cutlass::Status::kSuccess) {
-      snprintf(err, errlen, "launch failed: %s", cudaGetErrorString(cudaGetLastError()));
-      return 4;
-    }
-    return 0;
+        {static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)},
+        {{1.0f, 0.0f}, nullptr, typename Kernel::StrideC{}, static_cast<Element*>(o.y), stride_d}};
+    return launch<Conv, Kernel>(args, stream, err, errlen);
   }
   static int occupancy() { return Conv::maximum_active_blocks(); }
 };
@@ -175,61 +201,127 @@ struct PingpongFprop {
   static int smem_bytes() { return Kernel::SharedStorageSize; }
   static int occupancy() { return Gemm::maximum_active_blocks(); }
 
-  static int run(const void* x, const void* w, void* y, int n, int h, int wd, int c, int k, cudaStream_t stream,
-                 char* err, int errlen) {
-    typename Mainloop::ConvProblem problem(cutlass::conv::Mode::kCrossCorrelation, {n, h, wd, c}, {k, 3, 3, c},
-                                           {1, 1}, {1, 1}, {1, 1}, {1, 1}, 1);
-    auto mnkl = Mainloop::problem_mnkl(problem);
-    auto stride_d = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(n * h * wd, k, 1));
+  static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
+    if (int rc = plain_only(o, err, errlen)) return rc;
+    typename Mainloop::ConvProblem problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c},
+                                           {o.k, 3, 3, o.c}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, 1);
+    auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
     static int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
-        mnkl,
-        {{static_cast<const Element*>(x), static_cast<const Element*>(w)}, problem},
-        {{1.0f, 0.0f}, nullptr, typename Kernel::StrideC{}, static_cast<Element*>(y), stride_d},
+        Mainloop::problem_mnkl(problem),
+        {{static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)}, problem},
+        {{1.0f, 0.0f}, nullptr, typename Kernel::StrideC{}, static_cast<Element*>(o.y), stride},
         {0, sm_count}};
-    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) {
-      snprintf(err, errlen, "CUTLASS cannot implement n=%d h=%d w=%d c=%d k=%d with this config", n, h, wd, c, k);
-      return 1;
-    }
-    if (Gemm::get_workspace_size(args) != 0) {
-      snprintf(err, errlen, "this config asks for a workspace (%zu bytes); none is passed",
-               Gemm::get_workspace_size(args));
-      return 2;
-    }
-    static int blocks_per_sm = Gemm::maximum_active_blocks();  // sets the shared-memory attribute, once
-    if (blocks_per_sm <= 0) {
-      snprintf(err, errlen, "no block fits an SM (%d bytes of shared memory)", smem_bytes());
-      return 3;
-    }
-    auto params = Kernel::to_underlying_arguments(args, nullptr);
-    if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
-      snprintf(err, errlen, "launch failed: %s", cudaGetErrorString(cudaGetLastError()));
-      return 4;
-    }
-    return 0;
+    return launch<Gemm, Kernel>(args, stream, err, errlen);
   }
 };
 
-// name, run, stages, shared memory, blocks an SM
+// Ping-pong with the epilogue the next GroupNorm needs (NOTES 46 step 2), as a visitor tree on the accumulator:
+//   out = bf16(acc [+ residual])                     stored: what the next GroupNorm reads
+//   sum[t, c] = sum over tile t's rows of out[., c], sumsq[t, c] likewise of out^2 (fp32, of the bf16 values)
+// t = the M tile (128 output pixels: within one sample at 32x32 and 16x16, so per-(sample, tile, channel) partial
+// sums that the next GroupNorm's finalize combines; any per-(sample, channel) bias it adds later shifts them exactly:
+// sum(x + b) = sum(x) + n b, sum((x + b)^2) = sumsq + 2 b sum + n b^2). The residual is the epilogue's source C.
+template <class T>
+struct Square {
+  CUTLASS_HOST_DEVICE T operator()(T const& x) const { return x * x; }
+};
+
+template <class TileShape, bool Residual>
+struct StatsCallbacks {
+  using Element = cutlass::bfloat16_t;
+  static constexpr auto RN = cutlass::FloatRoundStyle::round_to_nearest;
+  using Out = cute::conditional_t<
+      Residual,
+      cutlass::epilogue::fusion::Sm90EVT<
+          cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, Element, float, RN>,
+          cutlass::epilogue::fusion::Sm90AccFetch, cutlass::epilogue::fusion::Sm90SrcFetch<Element>>,
+      cutlass::epilogue::fusion::Sm90EVT<
+          cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, RN>,
+          cutlass::epilogue::fusion::Sm90AccFetch>>;
+  // per-tile partials (FinalReduction = false): a compact (M tiles, N) fp32 tensor
+  using TileSum = cutlass::epilogue::fusion::Sm90RowReduction<
+      cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float, float, RN, cute::Stride<_0, _1, _0>, 4,
+      true, false>;
+  using Fetch = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
+  using Sum = cutlass::epilogue::fusion::Sm90EVT<TileSum, Fetch>;
+  using SumSq = cutlass::epilogue::fusion::Sm90EVT<
+      TileSum, cutlass::epilogue::fusion::Sm90EVT<
+                   cutlass::epilogue::fusion::Sm90Compute<Square, float, float, RN>, Fetch>>;
+  // Out evaluated once; its value is stored (the output tree: the fetch itself) and reduced twice
+  using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sum, SumSq>;
+};
+
+template <class TileShape, class ClusterShape, bool Residual>
+struct PingpongStatsFprop {
+  using Plain = PingpongFprop<TileShape, ClusterShape>;
+  using Element = typename Plain::Element;
+  using RowMajor = cutlass::layout::RowMajor;
+  using ElementC = cute::conditional_t<Residual, Element, void>;
+  static constexpr int Align = Plain::Base::Align;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor, Align, Element, RowMajor,
+      Align, cutlass::epilogue::TmaWarpSpecialized,
+      typename StatsCallbacks<TileShape, Residual>::Callbacks>::CollectiveOp;
+  using Mainloop = typename Plain::Mainloop;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
+  using Gemm = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
+
+  static int stages() { return Mainloop::DispatchPolicy::Stages; }
+  static int smem_bytes() { return Kernel::SharedStorageSize; }
+  static int occupancy() { return Gemm::maximum_active_blocks(); }
+
+  static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
+    if (Residual != (o.res != nullptr) || !o.sum || !o.sumsq) {
+      snprintf(err, errlen, "this config needs %s residual and both sums", Residual ? "a" : "no");
+      return 6;
+    }
+    typename Mainloop::ConvProblem problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c},
+                                           {o.k, 3, 3, o.c}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, 1);
+    auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
+    static int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
+    typename Epilogue::FusionCallbacks::Arguments thread{
+        {},                                 // Out
+        {{}, {o.sum, 0.0f, {}}},            // Sum
+        {{{}, {}}, {o.sumsq, 0.0f, {}}},    // SumSq
+        {}};                                // the output tree
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        Mainloop::problem_mnkl(problem),
+        {{static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)}, problem},
+        {thread, static_cast<const ElementC*>(o.res), stride, static_cast<Element*>(o.y), stride},
+        {0, sm_count}};
+    return launch<Gemm, Kernel>(args, stream, err, errlen);
+  }
+};
+
+// name, run, stages, shared memory, blocks an SM, the epilogue's extras (EPI_RESIDUAL | EPI_STATS)
+enum { EPI_RESIDUAL = 1, EPI_STATS = 2 };
 struct Config {
   const char* name;
-  int (*run)(const void*, const void*, void*, int, int, int, int, int, cudaStream_t, char*, int);
+  int (*run)(const Operands&, cudaStream_t, char*, int);
   int (*stages)();
   int (*smem)();
   int (*occupancy)();
+  int epilogue;
 };
 
 #define FPROP(M, N, K, CM, CN, ...) Fprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_##CM, _##CN, _1>, ##__VA_ARGS__>
 #define CONFIG(name, ...)                                                                                          \
   {name, FPROP(__VA_ARGS__)::run, FPROP(__VA_ARGS__)::stages, FPROP(__VA_ARGS__)::smem_bytes,                   \
-   FPROP(__VA_ARGS__)::occupancy}
+   FPROP(__VA_ARGS__)::occupancy, 0}
 using TmaEpilogue = cutlass::epilogue::TmaWarpSpecialized;
 #define PINGPONG(M, N, K, CM, CN, ...) \
   PingpongFprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_##CM, _##CN, _1>, ##__VA_ARGS__>
 #define PCONFIG(name, ...)                                                                                         \
   {name, PINGPONG(__VA_ARGS__)::run, PINGPONG(__VA_ARGS__)::stages, PINGPONG(__VA_ARGS__)::smem_bytes,          \
-   PINGPONG(__VA_ARGS__)::occupancy}
+   PINGPONG(__VA_ARGS__)::occupancy, 0}
+#define STATS(M, N, K, RES) PingpongStatsFprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_1, _1, _1>, RES>
+#define SCONFIG(name, M, N, K, RES)                                                                                \
+  {name, STATS(M, N, K, RES)::run, STATS(M, N, K, RES)::stages, STATS(M, N, K, RES)::smem_bytes,                 \
+   STATS(M, N, K, RES)::occupancy, EPI_STATS | (RES ? EPI_RESIDUAL : 0)}
 
 // The K tile is a tuple (Shape<_64>): it tiles the filter's (C, S, R) mode, C first, as CUTLASS's conv examples do.
 // A consumer warp group holds its whole tile's fp32 accumulator: 128 x 128 or 64 x 256 is 128 registers a thread,
@@ -247,6 +339,8 @@ static const Config kConfigs[] = {
     PCONFIG("pingpong 64x256x64", 64, 256, 64, 1, 1),
     PCONFIG("pingpong 128x64x64", 128, 64, 64, 1, 1),
     PCONFIG("pingpong 64x128x64", 64, 128, 64, 1, 1),
+    SCONFIG("pingpong 128x128x64 + sums", 128, 128, 64, false),
+    SCONFIG("pingpong 128x128x64 + residual + sums", 128, 128, 64, true),
 };
 
 extern "C" {
@@ -255,12 +349,13 @@ const char* cutconv_name(int i) { return kConfigs[i].name; }
 int cutconv_stages(int i) { return kConfigs[i].stages(); }
 int cutconv_smem(int i) { return kConfigs[i].smem(); }
 int cutconv_occupancy(int i) { return kConfigs[i].occupancy(); }
-int cutconv_fprop(int i, const void* x, const void* w, void* y, int n, int h, int wd, int c, int k, void* stream,
-                  char* err, int errlen) {
+int cutconv_epilogue(int i) { return kConfigs[i].epilogue; }
+int cutconv_fprop(int i, const void* x, const void* w, void* y, const void* res, float* sum, float* sumsq, int n,
+                  int h, int wd, int c, int k, void* stream, char* err, int errlen) {
   if (i < 0 || i >= cutconv_count()) {
     snprintf(err, errlen, "config %d: there are %d", i, cutconv_count());
     return 5;
   }
-  return kConfigs[i].run(x, w, y, n, h, wd, c, k, static_cast<cudaStream_t>(stream), err, errlen);
+  return kConfigs[i].run({x, w, y, res, sum, sumsq, n, h, wd, c, k}, static_cast<cudaStream_t>(stream), err, errlen);
 }
 }

@@ -1,0 +1,102 @@
+"""benchmarks.speed.conv_cutlass on the CPU: the headers out of CUTLASS's wheel, the library named by its source, the
+calls' checks and the sums' reference, and conv_tma's table with the CUTLASS epilogue's column. The kernels
+themselves run on an H100/H200 only (results/h200/conv-cutlass-*)."""
+
+import subprocess
+import zipfile
+
+import pytest
+import torch
+
+from benchmarks.speed import conv_cutlass as CC
+from benchmarks.speed import conv_tma as CT
+
+
+def fake_wheel(path, parts=CC.WHEEL_PARTS):
+    with zipfile.ZipFile(path, "w") as z:
+        for prefix in parts:
+            z.writestr(prefix + "a/header.hpp", f"// {prefix}\n")
+        z.writestr("cutlass_library/__init__.py", "")
+    return path
+
+
+def test_the_headers_come_out_of_the_wheel_into_inc(tmp_path):
+    inc = CC.unpack_headers(fake_wheel(tmp_path / "w.whl"), tmp_path / "inc")
+    assert (inc / "cute" / "a" / "header.hpp").read_text() == "// cutlass_library/source/include/cute/\n"
+    assert (inc / "cutlass" / "util" / "a" / "header.hpp").is_file()
+    assert not (inc / "cutlass_library").exists() and not (tmp_path / "inc.partial").exists()
+
+
+def test_a_wheel_without_the_headers_is_one_error_and_leaves_no_tree(tmp_path):
+    wheel = fake_wheel(tmp_path / "w.whl", list(CC.WHEEL_PARTS)[:1])
+    with pytest.raises(ValueError, match="tools/util/include"):
+        CC.unpack_headers(wheel, tmp_path / "inc")
+    assert not (tmp_path / "inc").exists() and not (tmp_path / "inc.partial").exists()
+
+
+def test_without_the_network_or_a_wheel_it_says_what_to_put_where(tmp_path, monkeypatch):
+    monkeypatch.setattr(CC.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1))
+    with pytest.raises(RuntimeError, match="could not fetch CUTLASS's headers.*nvidia_cutlass-4.2.0.0"):
+        CC.headers(tmp_path)
+
+
+def test_the_library_is_named_by_its_source(tmp_path, monkeypatch):
+    src = tmp_path / "conv_fprop.cu"
+    src.write_text("// one version\n")
+    monkeypatch.setattr(CC, "SOURCE", src)
+    first = CC.library_path(tmp_path)
+    src.write_text("// another\n")
+    assert CC.library_path(tmp_path) != first and first.parent == tmp_path / "build"
+
+
+def test_a_built_library_is_used_without_nvcc_and_a_missing_one_needs_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(CC.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no nvcc"):
+        CC.build(tmp_path)
+    built = CC.library_path(tmp_path)
+    built.parent.mkdir(parents=True)
+    built.write_bytes(b"\x7fELF")
+    assert CC.build(tmp_path) == built
+
+
+def test_the_cli_fails_in_one_line_without_nvcc(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(CC.shutil, "which", lambda name: None)
+    assert CC.main(["--home", str(tmp_path)]) == 2
+    assert "no nvcc" in capsys.readouterr().err
+
+
+PLAIN = CC.CutlassConfig(0, "pingpong 128x128x64", 6, 205824, 1)
+SUMS = CC.CutlassConfig(1, "pingpong 128x128x64 + residual + sums", 6, 205824, 1, CC.EPI_STATS | CC.EPI_RESIDUAL)
+
+
+def test_a_call_that_does_not_match_the_configs_epilogue_is_refused_before_any_launch():
+    x = torch.randn(2, 64, 8, 8).bfloat16().to(memory_format=torch.channels_last)
+    w = torch.randn(128, 64, 3, 3).bfloat16().to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="epilogue flags 3, the call asks for 0"):
+        CC.conv3x3(x, w, SUMS)
+    with pytest.raises(ValueError, match="epilogue flags 0, the call asks for 2"):
+        CC.conv3x3_sums(x, w, PLAIN)
+    with pytest.raises(ValueError, match="expected bf16 CUDA tensors"):
+        CC.conv3x3(x, w, PLAIN)
+
+
+def test_the_sums_reference_is_per_128_pixels_in_nhwc_order():
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 128, 16, 16, generator=g).bfloat16().to(memory_format=torch.channels_last)
+    sums = CC.tile_sums(out)
+    assert sums.shape == (2, 4, 128)
+    # tile 3 = the second half of sample 1's rows (pixels 128..255 of its 256, rows 8..15)
+    block = out[1, :, 8:, :].float()
+    assert torch.allclose(sums[0, 3], block.sum((1, 2)), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(sums[1, 3], (block * block).sum((1, 2)), rtol=1e-5, atol=1e-3)
+
+
+def test_the_table_has_the_cutlass_epilogues_column_and_its_total():
+    site = {"name": "128->128 32x32/s1", "count": 5, "flop": 2.0e12, "cudnn_ms": 0.41,
+            "best": {"cutlass": {"ms": 0.40, "tiles": list(PLAIN)}},
+            "cutlass_epilogue": {"ms": 0.45, "tiles": list(SUMS), "extra_ms": 0.05, "passes_ms": 0.2}}
+    result = {"command": "python -m benchmarks.speed.conv_tma --out OUT --kinds cutlass", "environment": {},
+              "device_name": "H200", "batch": 1024, "kinds": ["cutlass"], "sites": [site]}
+    md = CT.render(result)
+    assert "CUTLASS ping-pong + residual + sums ms" in md and "| 0.450: +0.050 for 0.200 |" in md
+    assert "+0.25 ms a step over the plain kernel, for 1.00 ms of passes removed" in md
