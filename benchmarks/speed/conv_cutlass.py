@@ -42,7 +42,6 @@ ERR_LEN = 512
 
 EPI_RESIDUAL, EPI_STATS = 1, 2  # conv_fprop.cu's epilogue flags
 TILE_M = 128  # the M tile of the configs with sums: a partial sum per 128 output pixels
-PLAIN_OF_SUMS = "pingpong 128x128x64"  # the plain config whose tiles and kernel the configs with sums share
 
 
 class CutlassConfig(NamedTuple):

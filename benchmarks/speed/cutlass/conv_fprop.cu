@@ -182,16 +182,37 @@ struct AsGemmMainloop : Conv {
   }
 };
 
-template <class TileShape, class ClusterShape, int Stages = 0>
+// The conv mainloop with another TiledMma: the builder makes one consumer warp group's, the cooperative kernel wants
+// two that split the tile's M (its conv builder would, but its dispatch policy refuses the persistent schedules).
+template <class Collective, class TiledMma>
+struct WithTiledMma;
+template <class P, class T, class EA, class EB, class TM, class TA, class TB, class TiledMma>
+struct WithTiledMma<cutlass::conv::collective::CollectiveConv<P, T, EA, EB, TM, TA, TB>, TiledMma> {
+  using type = cutlass::conv::collective::CollectiveConv<P, T, EA, EB, TiledMma, TA, TB>;
+};
+
+// Persistent: ping-pong (two consumer warp groups alternate whole tiles, one's epilogue beside the other's main
+// loop), or cooperative (Coop: the two split each tile's rows, 64 a warp group at M = 128, half the accumulator a
+// thread, and run the epilogue together while the producer loads the next tile).
+template <class TileShape, class ClusterShape, int Stages = 0, bool Coop = false>
 struct PingpongFprop {
   using Base = Fprop<TileShape, ClusterShape, Stages, cutlass::epilogue::TmaWarpSpecialized>;
   using Element = typename Base::Element;
   using RowMajor = cutlass::layout::RowMajor;
+  using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                               cutlass::epilogue::TmaWarpSpecialized>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, Base::Align, Element, RowMajor,
-      Base::Align, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  using Mainloop = AsGemmMainloop<typename Base::Mainloop, cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+      Base::Align, EpilogueSchedule>::CollectiveOp;
+  using CoopMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShape, cute::GMMA::Major::K, cute::GMMA::Major::K>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  using Mainloop = cute::conditional_t<
+      Coop,
+      AsGemmMainloop<typename WithTiledMma<typename Base::Mainloop, CoopMma>::type,
+                     cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
+      AsGemmMainloop<typename Base::Mainloop, cutlass::gemm::KernelTmaWarpSpecializedPingpong>>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
   // CUTLASS's conv adapter launches any 3.x kernel; its GEMM adapter would pull in the 2.x GemmUniversal, whose
   // specialization then matches the non-persistent conv kernel too.
@@ -228,6 +249,127 @@ struct Square {
   CUTLASS_HOST_DEVICE T operator()(T const& x) const { return x * x; }
 };
 
+// The sums as a visitor node of our own. CUTLASS's Sm90RowReduction keeps each thread's partial row for the whole
+// tile, which ends up in local memory (f0b3d0a: a 752-byte stack frame, the epilogue 2-3x the main loop;
+// results/h200/conv-cutlass-epilogue-f0b3d0a). Here a thread keeps only one column block's values (the subtiles of
+// one epi_n share their columns, and the epilogue visits them in a row), folds them over the lanes that hold the
+// same columns (wgmma's accumulator layout: lanes l, l^4, l^8, l^16) and adds the warp's sums into shared memory,
+// which the tile's last subtile writes out: one fp32 partial per tile and column.
+template <class CtaTileShapeMNK>
+struct TileColumnSums {
+  static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
+  struct SharedStorage {
+    float sums[2][TileN];
+  };
+  struct Arguments {
+    float* ptr_sum = nullptr;
+    float* ptr_sumsq = nullptr;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) {
+    return true;
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
+    return 0;
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_HOST_DEVICE TileColumnSums() {}
+  CUTLASS_HOST_DEVICE TileColumnSums(Params const& params, SharedStorage const& shared)
+      : params(params), shared(const_cast<SharedStorage*>(&shared)) {}
+  Params params;
+  SharedStorage* shared = nullptr;
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
+    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
+  }
+
+  template <class CoordTensor, class TileCoord, class ProblemShape, int Elems>
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> the (m, n) in the tile of each of this thread's values
+    TileCoord tile;
+    ProblemShape problem;
+    int thread_idx, threads;
+    Params const& params;
+    SharedStorage* shared;
+    float part[2][Elems];
+
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor t, TileCoord c, ProblemShape p, int idx, int n,
+                                          Params const& prm, SharedStorage* s)
+        : tCcD(t), tile(c), problem(p), thread_idx(idx), threads(n), params(prm), shared(s) {}
+
+    template <class ElementAccumulator, class ElementInput, int FragmentSize>
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
+        float v = static_cast<float>(frg_input[i]);
+        int k = epi_v * FragmentSize + i;
+        part[0][k] = epi_m == 0 ? v : part[0][k] + v;
+        part[1][k] = epi_m == 0 ? v * v : part[1][k] + v * v;
+      }
+      return frg_input;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&&, SyncFn const& sync_fn, int epi_m, int epi_n, bool is_last_iteration,
+                               VTensor) {
+      if (epi_m == 0 && epi_n == 0) {  // the tile's first subtile: clear the sums (the last tile's are written out)
+        for (int c = thread_idx; c < 2 * TileN; c += threads) shared->sums[c / TileN][c % TileN] = 0.0f;
+        sync_fn();
+      }
+      if (epi_m != cute::size<3>(tCcD) - 1) return;  // the column block continues in the next subtile
+      int lane = thread_idx % 32;
+      auto coords = tCcD(_, _, _, epi_m, epi_n);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < Elems; ++k) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int s = 0; s < 2; ++s) {
+          float x = part[s][k];
+          x += __shfl_xor_sync(0xffffffff, x, 4);
+          x += __shfl_xor_sync(0xffffffff, x, 8);
+          x += __shfl_xor_sync(0xffffffff, x, 16);
+          if (lane < 4) atomicAdd(&shared->sums[s][get<1>(coords(k))], x);
+        }
+      }
+      if (is_last_iteration) {
+        sync_fn();
+        int n = get<1>(problem);
+        size_t row = size_t(get<0>(tile)) * n + size_t(get<1>(tile)) * TileN;
+        for (int c = thread_idx; c < TileN; c += threads) {
+          params.ptr_sum[row + c] = shared->sums[0][c];
+          params.ptr_sumsq[row + c] = shared->sums[1][c];
+        }
+        sync_fn();  // read out before the next tile clears them
+      }
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    constexpr int Elems = decltype(cute::size(args.tCcD(_, _, _, 0, 0)))::value;
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.tile_coord_mnkl),
+                                  decltype(args.problem_shape_mnkl), Elems>(
+        args.tCcD, args.tile_coord_mnkl, args.problem_shape_mnkl, args.thread_idx,
+        int(cute::size(args.tiled_mma)), params, shared);
+  }
+};
+
 template <class TileShape, bool Residual>
 struct StatsCallbacks {
   using Element = cutlass::bfloat16_t;
@@ -240,22 +382,15 @@ struct StatsCallbacks {
       cutlass::epilogue::fusion::Sm90EVT<
           cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, RN>,
           cutlass::epilogue::fusion::Sm90AccFetch>>;
-  // per-tile partials (FinalReduction = false): a compact (M tiles, N) fp32 tensor
-  using TileSum = cutlass::epilogue::fusion::Sm90RowReduction<
-      cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float, float, RN, cute::Stride<_0, _1, _0>, 4,
-      true, false>;
   using Fetch = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
-  using Sum = cutlass::epilogue::fusion::Sm90EVT<TileSum, Fetch>;
-  using SumSq = cutlass::epilogue::fusion::Sm90EVT<
-      TileSum, cutlass::epilogue::fusion::Sm90EVT<
-                   cutlass::epilogue::fusion::Sm90Compute<Square, float, float, RN>, Fetch>>;
-  // Out evaluated once; its value is stored (the output tree: the fetch itself) and reduced twice
-  using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sum, SumSq>;
+  using Sums = cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape>, Fetch>;
+  // Out evaluated once; its value is stored (the output tree: the fetch itself) and summed
+  using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sums>;
 };
 
-template <class TileShape, class ClusterShape, bool Residual>
+template <class TileShape, class ClusterShape, bool Residual, bool Coop = false>
 struct PingpongStatsFprop {
-  using Plain = PingpongFprop<TileShape, ClusterShape>;
+  using Plain = PingpongFprop<TileShape, ClusterShape, 0, Coop>;
   using Element = typename Plain::Element;
   using RowMajor = cutlass::layout::RowMajor;
   using ElementC = cute::conditional_t<Residual, Element, void>;
@@ -263,8 +398,7 @@ struct PingpongStatsFprop {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor, Align, Element, RowMajor,
-      Align, cutlass::epilogue::TmaWarpSpecialized,
-      typename StatsCallbacks<TileShape, Residual>::Callbacks>::CollectiveOp;
+      Align, typename Plain::EpilogueSchedule, typename StatsCallbacks<TileShape, Residual>::Callbacks>::CollectiveOp;
   using Mainloop = typename Plain::Mainloop;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
   using Gemm = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
@@ -284,9 +418,8 @@ struct PingpongStatsFprop {
     static int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     typename Epilogue::FusionCallbacks::Arguments thread{
         {},                                 // Out
-        {{}, {o.sum, 0.0f, {}}},            // Sum
-        {{{}, {}}, {o.sumsq, 0.0f, {}}},    // SumSq
-        {}};                                // the output tree
+        {{}, {o.sum, o.sumsq}},  // Sums
+        {}};                     // the output tree
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         Mainloop::problem_mnkl(problem),
@@ -318,10 +451,13 @@ using TmaEpilogue = cutlass::epilogue::TmaWarpSpecialized;
 #define PCONFIG(name, ...)                                                                                         \
   {name, PINGPONG(__VA_ARGS__)::run, PINGPONG(__VA_ARGS__)::stages, PINGPONG(__VA_ARGS__)::smem_bytes,          \
    PINGPONG(__VA_ARGS__)::occupancy, 0}
-#define STATS(M, N, K, RES) PingpongStatsFprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_1, _1, _1>, RES>
-#define SCONFIG(name, M, N, K, RES)                                                                                \
-  {name, STATS(M, N, K, RES)::run, STATS(M, N, K, RES)::stages, STATS(M, N, K, RES)::smem_bytes,                 \
-   STATS(M, N, K, RES)::occupancy, EPI_STATS | (RES ? EPI_RESIDUAL : 0)}
+#define COOP(M, N, K) PingpongFprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_1, _1, _1>, 0, true>
+#define CCONFIG(name, M, N, K) \
+  {name, COOP(M, N, K)::run, COOP(M, N, K)::stages, COOP(M, N, K)::smem_bytes, COOP(M, N, K)::occupancy, 0}
+#define STATS(M, N, K, RES, CO) PingpongStatsFprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_1, _1, _1>, RES, CO>
+#define SCONFIG(name, M, N, K, RES, CO)                                                                            \
+  {name, STATS(M, N, K, RES, CO)::run, STATS(M, N, K, RES, CO)::stages, STATS(M, N, K, RES, CO)::smem_bytes,     \
+   STATS(M, N, K, RES, CO)::occupancy, EPI_STATS | (RES ? EPI_RESIDUAL : 0)}
 
 // The K tile is a tuple (Shape<_64>): it tiles the filter's (C, S, R) mode, C first, as CUTLASS's conv examples do.
 // A consumer warp group holds its whole tile's fp32 accumulator: 128 x 128 or 64 x 256 is 128 registers a thread,
@@ -339,8 +475,12 @@ static const Config kConfigs[] = {
     PCONFIG("pingpong 64x256x64", 64, 256, 64, 1, 1),
     PCONFIG("pingpong 128x64x64", 128, 64, 64, 1, 1),
     PCONFIG("pingpong 64x128x64", 64, 128, 64, 1, 1),
-    SCONFIG("pingpong 128x128x64 + sums", 128, 128, 64, false),
-    SCONFIG("pingpong 128x128x64 + residual + sums", 128, 128, 64, true),
+    SCONFIG("pingpong 128x128x64 + sums", 128, 128, 64, false, false),
+    SCONFIG("pingpong 128x128x64 + residual + sums", 128, 128, 64, true, false),
+    CCONFIG("cooperative 128x128x64", 128, 128, 64),
+    CCONFIG("cooperative 256x128x64", 256, 128, 64),
+    SCONFIG("cooperative 128x128x64 + sums", 128, 128, 64, false, true),
+    SCONFIG("cooperative 128x128x64 + residual + sums", 128, 128, 64, true, true),
 };
 
 extern "C" {
