@@ -251,15 +251,17 @@ struct Square {
 
 // The sums as a visitor node of our own. CUTLASS's Sm90RowReduction keeps each thread's partial row for the whole
 // tile, which ends up in local memory (f0b3d0a: a 752-byte stack frame, the epilogue 2-3x the main loop;
-// results/h200/conv-cutlass-epilogue-f0b3d0a). Here a thread keeps only one column block's values (the subtiles of
-// one epi_n share their columns, and the epilogue visits them in a row), folds them over the lanes that hold the
-// same columns (wgmma's accumulator layout: lanes l, l^4, l^8, l^16) and adds the warp's sums into shared memory,
-// which the tile's last subtile writes out: one fp32 partial per tile and column.
-template <class CtaTileShapeMNK>
+// results/h200/conv-cutlass-epilogue-f0b3d0a). Here a thread keeps one column block's values only (the subtiles of
+// one epi_n share their columns and the epilogue visits them one after another), adds up those in one column (their
+// offsets from the thread's first value are static: the sums are grouped at compile time), folds each column's sums
+// over the lanes that hold it (wgmma's accumulator layout: lanes l, l^4, l^8, l^16) and lanes 0-3 store the warp's
+// sums in shared memory, a slot per (warp, column): no atomics, every slot written each tile. The tile's last
+// subtile adds the warps' slots and writes one fp32 partial per tile and column.
+template <class CtaTileShapeMNK, int MaxWarps = 4>
 struct TileColumnSums {
   static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
   struct SharedStorage {
-    float sums[2][TileN];
+    float sums[2][MaxWarps][TileN];
   };
   struct Arguments {
     float* ptr_sum = nullptr;
@@ -299,9 +301,10 @@ struct TileColumnSums {
     return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
   }
 
-  template <class CoordTensor, class TileCoord, class ProblemShape, int Elems>
+  template <class RelCoords, class TileCoords, class TileCoord, class ProblemShape, int Elems>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CoordTensor tCcD;  // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> the (m, n) in the tile of each of this thread's values
+    RelCoords rel;     // (CPY, CPY_M, CPY_N, EPI_M, EPI_N) -> (m, n) from the thread's first value: static
+    TileCoords tcoord; // the same -> (m, n) in the tile
     TileCoord tile;
     ProblemShape problem;
     int thread_idx, threads;
@@ -309,9 +312,9 @@ struct TileColumnSums {
     SharedStorage* shared;
     float part[2][Elems];
 
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor t, TileCoord c, ProblemShape p, int idx, int n,
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RelCoords r, TileCoords t, TileCoord c, ProblemShape p, int idx, int n,
                                           Params const& prm, SharedStorage* s)
-        : tCcD(t), tile(c), problem(p), thread_idx(idx), threads(n), params(prm), shared(s) {}
+        : rel(r), tcoord(t), tile(c), problem(p), thread_idx(idx), threads(n), params(prm), shared(s) {}
 
     template <class ElementAccumulator, class ElementInput, int FragmentSize>
     CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int,
@@ -329,48 +332,70 @@ struct TileColumnSums {
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const& sync_fn, int epi_m, int epi_n, bool is_last_iteration,
                                VTensor) {
-      if (epi_m == 0 && epi_n == 0) {  // the tile's first subtile: clear the sums (the last tile's are written out)
-        for (int c = thread_idx; c < 2 * TileN; c += threads) shared->sums[c / TileN][c % TileN] = 0.0f;
-        sync_fn();
-      }
-      if (epi_m != cute::size<3>(tCcD) - 1) return;  // the column block continues in the next subtile
-      int lane = thread_idx % 32;
-      auto coords = tCcD(_, _, _, epi_m, epi_n);
+      if (epi_m != cute::size<3>(rel) - 1) return;  // the column block continues in the next subtile
+      int lane = thread_idx % 32, warp = thread_idx / 32;
+      auto rel_mn = rel(_, _, _, epi_m, epi_n);
+      auto tile_mn = tcoord(_, _, _, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < Elems; ++k) {
+        int col = get<1>(rel_mn(k));
+        bool first = true;  // the first value of its column: every comparison here folds at compile time
         CUTLASS_PRAGMA_UNROLL
-        for (int s = 0; s < 2; ++s) {
-          float x = part[s][k];
-          x += __shfl_xor_sync(0xffffffff, x, 4);
-          x += __shfl_xor_sync(0xffffffff, x, 8);
-          x += __shfl_xor_sync(0xffffffff, x, 16);
-          if (lane < 4) atomicAdd(&shared->sums[s][get<1>(coords(k))], x);
+        for (int j = 0; j < k; ++j) first = first && get<1>(rel_mn(j)) != col;
+        if (!first) continue;
+        float a = 0.0f, b = 0.0f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = k; j < Elems; ++j) {
+          if (get<1>(rel_mn(j)) == col) {
+            a += part[0][j];
+            b += part[1][j];
+          }
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int mask = 4; mask < 32; mask *= 2) {
+          a += __shfl_xor_sync(0xffffffff, a, mask);
+          b += __shfl_xor_sync(0xffffffff, b, mask);
+        }
+        if (lane < 4) {
+          int c = get<1>(tile_mn(k));
+          shared->sums[0][warp][c] = a;
+          shared->sums[1][warp][c] = b;
         }
       }
       if (is_last_iteration) {
         sync_fn();
-        int n = get<1>(problem);
+        int n = get<1>(problem), warps = threads / 32;
         size_t row = size_t(get<0>(tile)) * n + size_t(get<1>(tile)) * TileN;
         for (int c = thread_idx; c < TileN; c += threads) {
-          params.ptr_sum[row + c] = shared->sums[0][c];
-          params.ptr_sumsq[row + c] = shared->sums[1][c];
+          float a = 0.0f, b = 0.0f;
+          for (int w = 0; w < warps; ++w) {
+            a += shared->sums[0][w][c];
+            b += shared->sums[1][w][c];
+          }
+          params.ptr_sum[row + c] = a;
+          params.ptr_sumsq[row + c] = b;
         }
-        sync_fn();  // read out before the next tile clears them
+        sync_fn();  // read before the next tile writes its slots
       }
     }
   };
 
   template <bool ReferenceSrc, class... Args>
   CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    // args.tCcD counts from the thread's first value (static; the epilogue compares it with a residue taken from
+    // there); the tile coordinates come from partitioning the tile's identity the same way.
+    auto tCcT = cutlass::epilogue::fusion::sm90_partition_for_epilogue<ReferenceSrc>(
+        make_identity_tensor(take<0, 2>(args.tile_shape_mnk)), args.epi_tile, args.tiled_copy, args.thread_idx);
     constexpr int Elems = decltype(cute::size(args.tCcD(_, _, _, 0, 0)))::value;
-    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.tile_coord_mnkl),
+    static_assert(decltype(cute::size(args.tiled_mma))::value <= 32 * MaxWarps, "more warps than sum slots");
+    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(tCcT), decltype(args.tile_coord_mnkl),
                                   decltype(args.problem_shape_mnkl), Elems>(
-        args.tCcD, args.tile_coord_mnkl, args.problem_shape_mnkl, args.thread_idx,
+        args.tCcD, tCcT, args.tile_coord_mnkl, args.problem_shape_mnkl, args.thread_idx,
         int(cute::size(args.tiled_mma)), params, shared);
   }
 };
 
-template <class TileShape, bool Residual>
+template <class TileShape, bool Residual, int Warps>
 struct StatsCallbacks {
   using Element = cutlass::bfloat16_t;
   static constexpr auto RN = cutlass::FloatRoundStyle::round_to_nearest;
@@ -383,7 +408,7 @@ struct StatsCallbacks {
           cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, RN>,
           cutlass::epilogue::fusion::Sm90AccFetch>>;
   using Fetch = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
-  using Sums = cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape>, Fetch>;
+  using Sums = cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps>, Fetch>;
   // Out evaluated once; its value is stored (the output tree: the fetch itself) and summed
   using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sums>;
 };
@@ -398,7 +423,7 @@ struct PingpongStatsFprop {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor, Align, Element, RowMajor,
-      Align, typename Plain::EpilogueSchedule, typename StatsCallbacks<TileShape, Residual>::Callbacks>::CollectiveOp;
+      Align, typename Plain::EpilogueSchedule, typename StatsCallbacks<TileShape, Residual, Coop ? 8 : 4>::Callbacks>::CollectiveOp;
   using Mainloop = typename Plain::Mainloop;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
   using Gemm = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
@@ -480,7 +505,6 @@ static const Config kConfigs[] = {
     CCONFIG("cooperative 128x128x64", 128, 128, 64),
     CCONFIG("cooperative 256x128x64", 256, 128, 64),
     SCONFIG("cooperative 128x128x64 + sums", 128, 128, 64, false, true),
-    SCONFIG("cooperative 128x128x64 + residual + sums", 128, 128, 64, true, true),
 };
 
 extern "C" {
