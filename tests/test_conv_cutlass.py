@@ -101,3 +101,35 @@ def test_the_table_has_the_cutlass_epilogues_column_and_its_total():
     assert "CUTLASS + residual + sums ms" in md
     assert "| 0.450 'pingpong 128x128x64 + residual + sums': +0.050 for 0.200 |" in md
     assert "+0.25 ms a step over the plain kernel, for 1.00 ms of passes removed" in md
+
+
+@pytest.mark.parametrize("add", [None, "channel", "sample"])
+def test_group_stats_from_the_tile_sums_are_the_group_norms(add):
+    """The next GroupNorm's (mean, rstd) from the kernel's tile sums, with the bias it adds folded in exactly."""
+    g = torch.Generator().manual_seed(1)
+    n, c, h, groups = 3, 256, 16, 32
+    out = (torch.randn(n, c, h, h, generator=g) * 2 + 1).bfloat16().to(memory_format=torch.channels_last)
+    b = {None: None, "channel": torch.randn(c, generator=g), "sample": torch.randn(n, c, generator=g)}[add]
+    mean, rstd = CC.group_stats(CC.tile_sums(out), n, h * h, groups, b)
+    x = out.float() + (0 if b is None else b.view(-1, c, 1, 1) if b.dim() == 2 else b.view(1, c, 1, 1))
+    xg = x.reshape(n, groups, -1)
+    assert torch.allclose(mean, xg.mean(-1), atol=1e-4)
+    assert torch.allclose(rstd, torch.rsqrt(xg.var(-1, unbiased=False) + 1e-5), rtol=1e-4)
+
+
+def test_group_stats_refuse_tiles_that_span_samples():
+    with pytest.raises(ValueError, match="64 pixels a sample is not a whole number of 128-pixel tiles"):
+        CC.group_stats(torch.zeros(2, 1, 128), 2, 64, 32)
+
+
+def test_the_table_sums_the_chains_where_they_ran():
+    chain = {"today_ms": 0.70, "fused_ms": 0.50, "saved_ms": 0.20, "mean_err": 1e-6, "rstd_err": 2e-6}
+    site = {"name": "128->128 32x32/s1", "count": 5, "flop": 2.0e12, "cudnn_ms": 0.41, "best": {},
+            "cutlass_epilogue": {"ms": 0.45, "tiles": list(SUMS), "extra_ms": 0.05, "passes_ms": 0.2,
+                                 "chain": chain}}
+    result = {"command": "c", "environment": {}, "device_name": "H200", "batch": 1024, "kinds": ["cutlass"],
+              "sites": [site]}
+    md = CT.render(result)
+    assert "; chain 0.700 -> 0.500 |" in md
+    assert "today's (cuDNN, the compiled add, the fused GroupNorm's statistics and finalize) 3.50 ms" in md
+    assert "2.50 ms (-1.00); (mean, rstd) within 2.0e-06" in md

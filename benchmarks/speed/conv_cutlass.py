@@ -168,6 +168,24 @@ def tile_sums(out: Tensor, rows: int = TILE_M) -> Tensor:
     return torch.stack([flat.sum(1), (flat * flat).sum(1)])
 
 
+def group_stats(sums: Tensor, n: int, hw: int, groups: int, add: Tensor | None = None,
+                eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """(mean, rstd) fp32 (N, groups) of the GroupNorm of out + add, from conv3x3_sums' sums of out; add: None, fp32
+    (C,) or (N, C) (a bias the GroupNorm adds: sum(x + b) = sum(x) + hw b, sum((x + b)^2) = sumsq + 2 b sum + hw b^2).
+    The tiles must not span samples (hw a multiple of TILE_M)."""
+    if hw % TILE_M:
+        raise ValueError(f"group_stats: {hw} pixels a sample is not a whole number of {TILE_M}-pixel tiles")
+    c = sums.shape[-1]
+    s1, s2 = sums.view(2, n, hw // TILE_M, c).sum(2)
+    if add is not None:
+        b = add.float().expand(n, c)
+        s1, s2 = s1 + hw * b, s2 + 2 * b * s1 + hw * b * b
+    count = hw * (c // groups)
+    mean = s1.view(n, groups, -1).sum(-1) / count
+    var = (s2.view(n, groups, -1).sum(-1) / count - mean * mean).clamp_min(0)
+    return mean, torch.rsqrt(var + eps)
+
+
 def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, stats: bool):
     n, c, h, wd = x.shape
     k = w.shape[0]

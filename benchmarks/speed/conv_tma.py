@@ -200,8 +200,44 @@ def cutlass_epilogue_row(spec, batch: int, x: Tensor, w: Tensor, config, randn, 
         return {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     if row["rel_err"] > 2e-2 or row["stats_err"] > 2e-2:
         return {**row, "error": f"wrong ({row['rel_err']}, {row['stats_err']})"}
-    return {**row, "plain_ms": plain["ms"], "extra_ms": row["ms"] - plain["ms"],
-            "passes_ms": passes_removed(spec, batch) / copy_gbs / 1e6}
+    row.update(plain_ms=plain["ms"], extra_ms=row["ms"] - plain["ms"],
+               passes_ms=passes_removed(spec, batch) / copy_gbs / 1e6)
+    if spec.out_h ** 2 % conv_cutlass.TILE_M == 0:  # tiles within a sample: the next GroupNorm's statistics
+        try:
+            row["chain"] = chain_row(spec, batch, config, iters)
+        except Exception as e:  # noqa: BLE001 - the plain figures stand without it
+            row["chain"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return row
+
+
+def chain_row(spec, batch: int, config, iters: int) -> dict:
+    """The site's chain as today's step runs it, from the convolution to the next GroupNorm's statistics (cuDNN's
+    convolution, the bias and residual added by one compiled kernel, the fused GroupNorm's statistics and finalize
+    kernels: conv_gn_bench's pieces), against the CUTLASS kernel with the residual and the sums and the GroupNorm's
+    (mean, rstd) from those sums (conv_cutlass.group_stats, a handful of small torch ops; the conv bias is the
+    GroupNorm's add there, as a per-sample one is in both). Each as one CUDA graph; (mean, rstd) compared."""
+    from benchmarks.speed.clocks import graph_ms
+    from benchmarks.speed.conv_gn_bench import Bench, gn_coef
+
+    b = Bench(spec, batch, "cuda", torch.bfloat16)
+    x, groups, hw = b.whole, spec.groups, spec.out_h ** 2
+    chan = b.bias if spec.bias == "channel" else None
+    add = b.bias if spec.bias else None
+
+    def today():
+        y = F.conv2d(x, b.w, None, 1, 1)
+        if b.pointwise is not None:
+            y = b.pointwise(y, chan, b.res)
+        return gn_coef(y, groups, b.a2, b.b2, add if spec.bias == "sample" else None)[1:]
+
+    def fused():
+        _, sums = conv_cutlass.conv3x3_sums(x, b.w, config, b.res)
+        return conv_cutlass.group_stats(sums, batch, hw, groups, add)
+
+    (m0, r0), (m1, r1) = today(), fused()
+    out = {"mean_err": rel_error(m1, m0), "rstd_err": rel_error(r1, r0)}
+    out.update(today_ms=graph_ms(today, iters, warmup=2), fused_ms=graph_ms(fused, iters, warmup=2))
+    return {**out, "saved_ms": out["today_ms"] - out["fused_ms"]}
 
 
 def rel_error(out: Tensor, ref: Tensor) -> float:
@@ -222,6 +258,7 @@ def render(result: dict) -> str:
     rows, tot = [], {k: [0.0, 0.0] for k in kinds}  # kind: [cuDNN ms, kernel ms] over the sites it ran
     # a step: ms over the plain kernel (Gluon's, or CUTLASS's ping-pong with the same tile), passes removed
     sums = {"epilogue": [0.0, 0.0], "fused": [0.0, 0.0], "cutlass_epilogue": [0.0, 0.0]}
+    chains = [0.0, 0.0, 0.0]  # a step: today's chain ms, the fused chain's, the worst (mean, rstd) error
 
     def fused_cell(s: dict, key: str) -> str:
         row = s.get(key)
@@ -232,7 +269,14 @@ def render(result: dict) -> str:
         sums[key][0] += s["count"] * row["extra_ms"]
         sums[key][1] += s["count"] * row["passes_ms"]
         tiles = f" {row['tiles'][1]!r}" if key == "cutlass_epilogue" else f" {tuple(row['tiles'])}"
-        return f"{row['ms']:.3f}{tiles}: {row['extra_ms']:+.3f} for {row['passes_ms']:.3f}"
+        chain = row.get("chain") or {}
+        if "saved_ms" in chain:
+            chains[0] += s["count"] * chain["today_ms"]
+            chains[1] += s["count"] * chain["fused_ms"]
+            chains[2] = max(chains[2], chain["mean_err"], chain["rstd_err"])
+        chain_text = (f"; chain {chain['today_ms']:.3f} -> {chain['fused_ms']:.3f}" if "saved_ms" in chain else
+                      f"; chain error: {chain['error'][:60]}" if "error" in chain else "")
+        return f"{row['ms']:.3f}{tiles}: {row['extra_ms']:+.3f} for {row['passes_ms']:.3f}{chain_text}"
 
     for s in result["sites"]:
         cells = [s["name"], str(s["count"]), f"{s['cudnn_ms']:.3f} ({s['flop'] / s['cudnn_ms'] / 1e9:.0f})"]
@@ -268,6 +312,12 @@ def render(result: dict) -> str:
         if passes:
             lines.append(f"- {what[key]}: {extra:+.2f} ms a step over the plain kernel, for {passes:.2f} ms of "
                          f"passes removed at {rates}.")
+    if chains[0]:
+        lines.append(f"- the chain from the convolution to the next GroupNorm's (mean, rstd), at the sites whose "
+                     f"tiles lie in one sample (32x32, 16x16), a step: today's (cuDNN, the compiled add, the fused "
+                     f"GroupNorm's statistics and finalize) {chains[0]:.2f} ms, CUTLASS's with the residual and sums "
+                     f"and the statistics from them {chains[1]:.2f} ms ({chains[1] - chains[0]:+.2f}); (mean, rstd) "
+                     f"within {chains[2]:.1e} of today's.")
     return "\n".join(lines) + "\n"
 
 
