@@ -110,7 +110,9 @@ def test_group_stats_from_the_tile_sums_are_the_group_norms(add):
     n, c, h, groups = 3, 256, 16, 32
     out = (torch.randn(n, c, h, h, generator=g) * 2 + 1).bfloat16().to(memory_format=torch.channels_last)
     b = {None: None, "channel": torch.randn(c, generator=g), "sample": torch.randn(n, c, generator=g)}[add]
-    mean, rstd = CC.group_stats(CC.tile_sums(out), n, h * h, groups, b)
+    mean, rstd = CC.group_stats(CC.tile_sums(out), n, h * h, groups, b)  # the Triton kernel, interpreted
+    ref = CC.group_stats_torch(CC.tile_sums(out), n, h * h, groups, b)
+    assert torch.allclose(mean, ref[0], atol=1e-5) and torch.allclose(rstd, ref[1], rtol=1e-5)
     x = out.float() + (0 if b is None else b.view(-1, c, 1, 1) if b.dim() == 2 else b.view(1, c, 1, 1))
     xg = x.reshape(n, groups, -1)
     assert torch.allclose(mean, xg.mean(-1), atol=1e-4)
