@@ -133,5 +133,28 @@ def test_the_table_sums_the_chains_where_they_ran():
               "sites": [site]}
     md = CT.render(result)
     assert "; chain 0.700 -> 0.500 |" in md
-    assert "today's (cuDNN, the compiled add, the fused GroupNorm's statistics and finalize) 3.50 ms" in md
+    assert "statistics kernel, which reads the residual and writes the sum where there is one, and its finalize) 3.50 ms" in md
     assert "2.50 ms (-1.00); (mean, rstd) within 2.0e-06" in md
+
+
+def test_the_presets_chain_takes_the_statistics_of_the_residual_sum_as_the_added_chain_does():
+    """conv_gn_bench.gn_coef with res and rbias (the statistics kernel adding them as it reads, norm_residual) gives
+    the (mean, rstd) of the sum written first: the two 'today' chains of conv_tma's chain rows agree. Eighths below
+    16, so that every sum is exact in bf16 (Triton's interpreter truncates where the GPU rounds to nearest)."""
+    from benchmarks.speed.conv_gn_bench import gn_coef
+
+    g = torch.Generator().manual_seed(2)
+    n, c, h, groups = 2, 64, 8, 8
+
+    def eighths(*shape):
+        return torch.randint(-40, 41, shape, generator=g) / 8
+
+    y, res = (eighths(n, c, h, h).bfloat16().to(memory_format=torch.channels_last) for _ in "ab")
+    bias = eighths(c)
+    a, b = torch.ones(n, c), torch.zeros(n, c)
+    summed = (y.float() + res.float() + bias.view(1, c, 1, 1)).bfloat16()
+    _, m0, r0 = gn_coef(summed.contiguous(memory_format=torch.channels_last), groups, a, b)
+    _, m1, r1 = gn_coef(y, groups, a, b, res=res, rbias=bias)
+    assert torch.allclose(m1, m0, atol=1e-5) and torch.allclose(r1, r0, rtol=1e-5)
+    _, m2, _ = gn_coef(y, groups, a, b, res=res)  # without the bias: off, so the check above can fail
+    assert not torch.allclose(m2, m0, atol=1e-2)

@@ -1,16 +1,15 @@
-"""CUTLASS 3's sm90 implicit-GEMM 3x3 convolution, built with nvcc and called from torch (issue 47 item 2, NOTES 46).
+"""CUTLASS 3's sm90 implicit-GEMM 3x3 convolution, built with nvcc and called from torch (issue 47 item 2, NOTES 46-47).
 
-    python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop.so (fetching the headers)
+    python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop-<hash>.so (headers via pip once)
     python -m benchmarks.speed.conv_tma --out DIR --kinds cutlass,gluon    # CUDA: each config against cuDNN per site
 
 The kernels are cutlass/conv_fprop.cu: the forward convolution (bf16 NHWC in and out, fp32 accumulation), alone or
 with the epilogue the next GroupNorm needs (the residual added, per-128-pixel sums and sums of squares of the output
 per channel), one instantiation per kernel, tile and cluster shape, exported as C functions that take torch's
-pointers and stream. The headers
-come from the `nvidia-cutlass` wheel (CUTLASS_VERSION; `pip download` needs the network once): its
-`cutlass_library/source/include/{cute,cutlass}` and `tools/util/include/cutlass/util`, unpacked into
-.cutlass/inc, and the library lands in .cutlass/build. The GPU machine has nvcc but no network: build here (sm_90a, ~2 min on two cores) and carry
-.cutlass/build to it (docs/gpu-runs.md).
+pointers and stream. The headers come from the `nvidia-cutlass` wheel (CUTLASS_VERSION; `pip download` needs the
+network once): its `cutlass_library/source/include/{cute,cutlass}` and `tools/util/include/cutlass/util`, unpacked
+into .cutlass/inc; the library lands in .cutlass/build. The GPU machine has nvcc but no network: build here (sm_90a,
+2-3 min on two cores) and carry .cutlass/build to it (docs/gpu-runs.md).
 """
 
 from __future__ import annotations
@@ -40,8 +39,6 @@ WHEEL_PARTS = {"cutlass_library/source/include/cute/": "cute/",
                "cutlass_library/source/include/cutlass/": "cutlass/",
                "cutlass_library/source/tools/util/include/cutlass/util/": "cutlass/util/"}
 ERR_LEN = 512
-
-
 EPI_RESIDUAL, EPI_STATS = 1, 2  # conv_fprop.cu's epilogue flags
 TILE_M = 128  # the M tile of the configs with sums: a partial sum per 128 output pixels
 

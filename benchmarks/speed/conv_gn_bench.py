@@ -202,10 +202,11 @@ def usable(config: tuple, site: Site) -> bool:
     return True
 
 
-def gn_coef(x, groups: int, a, b, e=None, x2=None):
+def gn_coef(x, groups: int, a, b, e=None, x2=None, res=None, rbias=None):
     """(coef (N, 2, C), mean, rstd) of the GroupNorm of x (or of [x, x2]) with per-(sample, channel) a, b and add e: the
     fused GroupNorm's statistics and finalize kernels with the default plan, as norm.triton_forward launches them
-    before its apply pass (which this leaves out)."""
+    before its apply pass (which this leaves out). With res (and a per-channel rbias), of the residual sum x + res
+    (+ rbias), which the statistics kernel writes as it reads (model.norm_residual, the preset's)."""
     from ffcv_ddpm import gn_kernels as K
     from ffcv_ddpm import norm
 
@@ -217,8 +218,11 @@ def gn_coef(x, groups: int, a, b, e=None, x2=None):
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
     mean, rstd = (x.new_empty((n, groups), dtype=torch.float32) for _ in range(2))
     xs = (*norm._nchw_strides(x), c1, *x2s)
+    addends = norm._residual_addends(x, res, None)
+    s_out = torch.empty_like(x) if addends else x.new_empty(0)
     K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps)
+                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps,
+                            **norm._residual_args(x, addends, rbias, s_out, a))
     e_ = a if e is None else e
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), 1e-5, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],

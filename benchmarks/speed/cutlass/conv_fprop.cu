@@ -65,6 +65,23 @@ int launch(typename Adapter::Arguments const& args, cudaStream_t stream, char* e
   return 0;
 }
 
+// A call's problem: 3x3, padding 1, stride 1.
+template <class Problem>
+Problem conv_problem(const Operands& o) {
+  return Problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c}, {o.k, 3, 3, o.c}, {1, 1}, {1, 1},
+                 {1, 1}, {1, 1}, 1);
+}
+
+// The persistent kernels' grid: one block an SM of the current device (asked once).
+int sm_count() {
+  static int count = [] {
+    int device = 0;
+    cudaGetDevice(&device);
+    return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  }();
+  return count;
+}
+
 int plain_only(const Operands& o, char* err, int errlen) {
   if (o.res || o.sum || o.sumsq) {
     snprintf(err, errlen, "this config has no epilogue: no residual or sums");
@@ -109,8 +126,7 @@ struct Fprop {
 
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
     if (int rc = plain_only(o, err, errlen)) return rc;
-    Problem problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c}, {o.k, 3, 3, o.c}, {1, 1}, {1, 1},
-                    {1, 1}, {1, 1}, 1);
+    auto problem = conv_problem<Problem>(o);
     typename Kernel::StrideD stride_d;
     cute::for_each(cute::make_seq<cute::rank<0>(typename Kernel::StrideD{})>{}, [&](auto i) {
       cute::get<0, i>(stride_d) = problem.stride_C[Problem::RankT - 2 - i];
@@ -224,16 +240,14 @@ struct PingpongFprop {
 
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
     if (int rc = plain_only(o, err, errlen)) return rc;
-    typename Mainloop::ConvProblem problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c},
-                                           {o.k, 3, 3, o.c}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, 1);
+    auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
     auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
-    static int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         Mainloop::problem_mnkl(problem),
         {{static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)}, problem},
         {{1.0f, 0.0f}, nullptr, typename Kernel::StrideC{}, static_cast<Element*>(o.y), stride},
-        {0, sm_count}};
+        {0, sm_count()}};
     return launch<Gemm, Kernel>(args, stream, err, errlen);
   }
 };
@@ -244,10 +258,6 @@ struct PingpongFprop {
 // t = the M tile (128 output pixels: within one sample at 32x32 and 16x16, so per-(sample, tile, channel) partial
 // sums that the next GroupNorm's finalize combines; any per-(sample, channel) bias it adds later shifts them exactly:
 // sum(x + b) = sum(x) + n b, sum((x + b)^2) = sumsq + 2 b sum + n b^2). The residual is the epilogue's source C.
-template <class T>
-struct Square {
-  CUTLASS_HOST_DEVICE T operator()(T const& x) const { return x * x; }
-};
 
 // The sums as a visitor node of our own. CUTLASS's Sm90RowReduction keeps each thread's partial row for the whole
 // tile, which ends up in local memory (f0b3d0a: a 752-byte stack frame, the epilogue 2-3x the main loop;
@@ -437,12 +447,10 @@ struct PingpongStatsFprop {
       snprintf(err, errlen, "this config needs %s residual and both sums", Residual ? "a" : "no");
       return 6;
     }
-    typename Mainloop::ConvProblem problem(cutlass::conv::Mode::kCrossCorrelation, {o.n, o.h, o.w, o.c},
-                                           {o.k, 3, 3, o.c}, {1, 1}, {1, 1}, {1, 1}, {1, 1}, 1);
+    auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
     auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
-    static int sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(0);
     typename Epilogue::FusionCallbacks::Arguments thread{
-        {},                                 // Out
+        {},                      // Out
         {{}, {o.sum, o.sumsq}},  // Sums
         {}};                     // the output tree
     typename Gemm::Arguments args{
@@ -450,7 +458,7 @@ struct PingpongStatsFprop {
         Mainloop::problem_mnkl(problem),
         {{static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)}, problem},
         {thread, static_cast<const ElementC*>(o.res), stride, static_cast<Element*>(o.y), stride},
-        {0, sm_count}};
+        {0, sm_count()}};
     return launch<Gemm, Kernel>(args, stream, err, errlen);
   }
 };
