@@ -133,7 +133,8 @@ def test_the_table_sums_the_chains_where_they_ran():
               "sites": [site]}
     md = CT.render(result)
     assert "; chain 0.700 -> 0.500 |" in md
-    assert "statistics kernel, which reads the residual and writes the sum where there is one, and its finalize) 3.50 ms" in md
+    assert ("statistics kernel, which reads the residual and writes the sum where there is one, and its finalize) "
+            "3.50 ms") in md
     assert "2.50 ms (-1.00); (mean, rstd) within 2.0e-06" in md
 
 

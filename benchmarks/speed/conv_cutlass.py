@@ -1,6 +1,6 @@
 """CUTLASS 3's sm90 implicit-GEMM 3x3 convolution, built with nvcc and called from torch (issue 47 item 2, NOTES 46-47).
 
-    python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop-<hash>.so (headers via pip once)
+    python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop-<hash>.so (pip: headers)
     python -m benchmarks.speed.conv_tma --out DIR --kinds cutlass,gluon    # CUDA: each config against cuDNN per site
 
 The kernels are cutlass/conv_fprop.cu: the forward convolution (bf16 NHWC in and out, fp32 accumulation), alone or

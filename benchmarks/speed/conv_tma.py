@@ -10,17 +10,20 @@ tensor memory accelerator: a 4-D descriptor over the NHWC input, one box of [sam
 shift is the box's start, -1 included: TMA fills the padding with zeros), read as the GEMM's [pixels, BK] operand,
 and the weights as [Cout, 9 * Cin] boxes. That is what CUTLASS's sm90 convolutions do in tiled mode.
 
-Three kernels: "box", plain Triton, whose compiler pipelines the loads (item 34: 0.8x cuDNN where correct, its faster
-schedules wrong: the reshaped box goes through registers); "gluon" (ffcv_ddpm.conv_gluon), the same boxes in Gluon,
-Triton's lower-level language, with the ring of buffers, its barriers and the wgmma waits written out, both
-operands read from shared memory; "cutlass" (benchmarks.speed.conv_cutlass, NOTES 46), CUTLASS 3's sm90 implicit
-GEMM built with nvcc: TMA's im2col mode (a tile of any 128 output pixels, across samples), a producer warp group
-and a consumer one, one instantiation per tile and cluster shape. Per site (stride 1, channels a multiple of 64: 17 of the 22 distinct sites, 98%
-of the step's 3x3 FLOPs), the best correct tile shape of each kernel, the convolution alone, against F.conv2d with
-cuDNN's search, as CUDA-graph replays (clocks.graph_ms), each config checked against fp32 torch over three
-calls; then the Gluon kernel with the site's epilogue (its bias, residual and the next GroupNorm's statistics), and
-where the site has one input with the prologue too (the input's GroupNorm apply + SiLU + dropout), each at
-its fastest correct tiles, its time over the plain kernel's best against the passes it removes at the copy rate.
+Three kernels: "box", plain Triton, whose compiler pipelines the loads (item 34: 0.8x cuDNN where correct, its
+faster schedules wrong: the reshaped box goes through registers); "gluon" (ffcv_ddpm.conv_gluon), the same boxes in
+Gluon, Triton's lower-level language, with the ring of buffers, its barriers and the wgmma waits written out, both
+operands read from shared memory; "cutlass" (benchmarks.speed.conv_cutlass, NOTES 46-47), CUTLASS 3's sm90
+implicit-GEMM mainloop (TMA's im2col mode: a tile of any 128 output pixels, across samples) built with nvcc, under
+CUTLASS's own non-persistent kernel or, through an adapter of ours, its persistent ping-pong and cooperative GEMM
+kernels. Per site (stride 1, channels a multiple of 64: 17 of the 22 distinct sites, 98% of the step's 3x3 FLOPs),
+the best correct tile shape of each kernel, the convolution alone, against F.conv2d with cuDNN's search, as
+CUDA-graph replays (clocks.graph_ms), each config checked against fp32 torch over three calls; then the Gluon kernel
+with the site's epilogue (its bias, residual and the next GroupNorm's statistics), and where the site has one input
+with the prologue too (the input's GroupNorm apply + SiLU + dropout), each at its fastest correct tiles, its time
+over the plain kernel's best against the passes it removes at the copy rate; and each CUTLASS config with the
+residual and the next GroupNorm's sums in its epilogue against the plain config it extends, with the chain from the
+convolution to the next GroupNorm's (mean, rstd) timed three ways (chain_row).
 conv_tma.json and .md are rewritten after every site. On CPU tensors the box kernel runs under Triton's interpreter
 (tests/test_conv_tma.py); the Gluon kernel is built there for sm_90 (tests/test_conv_gluon.py).
 """
@@ -230,8 +233,8 @@ def chain_row(spec, batch: int, config, iters: int) -> dict:
 
     def preset():
         y = F.conv2d(x, b.w, None, 1, 1)
-        if b.res is None and chan is not None:  # (the sites with a GroupNorm after them have a residual here)
-            y = b.pointwise(y, chan, None)
+        if b.res is None and chan is not None:  # a conv bias with no residual to carry it: added as today's step
+            y = b.pointwise(y, chan, None)      # (only the input convolution, which these rows leave out)
         return gn_coef(y, groups, b.a2, b.b2, sample, res=b.res, rbias=chan if b.res is not None else None)[1:]
 
     def added():
@@ -343,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cutlass-match", default="", metavar="REGEX",
                    help="only the CUTLASS configs whose name matches (re.search; default: every config)")
     p.add_argument("--epilogue", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the Gluon kernel's epilogue (and prologue) rows (default); --no-epilogue: the plain "
-                        "convolutions only")
+                   help="time the fused rows (default): Gluon's epilogue and prologue, CUTLASS's residual and sums "
+                        "and the chain to the next GroupNorm; --no-epilogue: the plain convolutions only")
     args, overrides = p.parse_with_overrides(argv)
     kinds = [k for k in args.kinds.split(",") if k]
     if bad := [k for k in kinds if k not in KINDS]:

@@ -241,7 +241,8 @@ struct PingpongFprop {
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
     if (int rc = plain_only(o, err, errlen)) return rc;
     auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
-    auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
+    auto stride =
+        cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         Mainloop::problem_mnkl(problem),
@@ -433,7 +434,8 @@ struct PingpongStatsFprop {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor, Align, Element, RowMajor,
-      Align, typename Plain::EpilogueSchedule, typename StatsCallbacks<TileShape, Residual, Coop ? 8 : 4>::Callbacks>::CollectiveOp;
+      Align, typename Plain::EpilogueSchedule,
+      typename StatsCallbacks<TileShape, Residual, Coop ? 8 : 4>::Callbacks>::CollectiveOp;
   using Mainloop = typename Plain::Mainloop;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
   using Gemm = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
@@ -448,7 +450,8 @@ struct PingpongStatsFprop {
       return 6;
     }
     auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
-    auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
+    auto stride =
+        cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
     typename Epilogue::FusionCallbacks::Arguments thread{
         {},                      // Out
         {{}, {o.sum, o.sumsq}},  // Sums
