@@ -207,28 +207,13 @@ struct WithTiledMma<cutlass::conv::collective::CollectiveConv<P, T, EA, EB, TM, 
   using type = cutlass::conv::collective::CollectiveConv<P, T, EA, EB, TiledMma, TA, TB>;
 };
 
-// Persistent: ping-pong (two consumer warp groups alternate whole tiles, one's epilogue beside the other's main
-// loop), or cooperative (Coop: the two split each tile's rows, 64 a warp group at M = 128, half the accumulator a
-// thread, and run the epilogue together while the producer loads the next tile).
-template <class TileShape, class ClusterShape, int Stages = 0, bool Coop = false>
-struct PingpongFprop {
-  using Base = Fprop<TileShape, ClusterShape, Stages, cutlass::epilogue::TmaWarpSpecialized>;
-  using Element = typename Base::Element;
-  using RowMajor = cutlass::layout::RowMajor;
-  using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
-                                               cutlass::epilogue::TmaWarpSpecialized>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, RowMajor, Base::Align, Element, RowMajor,
-      Base::Align, EpilogueSchedule>::CollectiveOp;
-  using CoopMma = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float, TileShape, cute::GMMA::Major::K, cute::GMMA::Major::K>(),
-      Layout<Shape<_2, _1, _1>>{}));
-  using Mainloop = cute::conditional_t<
-      Coop,
-      AsGemmMainloop<typename WithTiledMma<typename Base::Mainloop, CoopMma>::type,
-                     cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
-      AsGemmMainloop<typename Base::Mainloop, cutlass::gemm::KernelTmaWarpSpecializedPingpong>>;
+// A persistent kernel of the conv mainloop (AsGemmMainloop) and a GEMM epilogue over the [pixels, channels] output,
+// and one call of it with the epilogue's own arguments (a linear combination's, or a visitor tree's) and its source
+// C (the residual, or none).
+template <class Mainloop_, class Epilogue_>
+struct Persistent {
+  using Mainloop = Mainloop_;
+  using Epilogue = Epilogue_;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
   // CUTLASS's conv adapter launches any 3.x kernel; its GEMM adapter would pull in the 2.x GemmUniversal, whose
   // specialization then matches the non-persistent conv kernel too.
@@ -238,8 +223,9 @@ struct PingpongFprop {
   static int smem_bytes() { return Kernel::SharedStorageSize; }
   static int occupancy() { return Gemm::maximum_active_blocks(); }
 
-  static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
-    if (int rc = plain_only(o, err, errlen)) return rc;
+  static int call(const Operands& o, typename Epilogue::FusionCallbacks::Arguments thread, const void* source,
+                  cudaStream_t stream, char* err, int errlen) {
+    using Element = typename Epilogue::ElementD;
     auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
     auto stride =
         cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
@@ -247,9 +233,45 @@ struct PingpongFprop {
         cutlass::gemm::GemmUniversalMode::kGemm,
         Mainloop::problem_mnkl(problem),
         {{static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)}, problem},
-        {{1.0f, 0.0f}, nullptr, typename Kernel::StrideC{}, static_cast<Element*>(o.y), stride},
+        {thread, static_cast<const typename Epilogue::ElementC*>(source), stride, static_cast<Element*>(o.y), stride},
         {0, sm_count()}};
     return launch<Gemm, Kernel>(args, stream, err, errlen);
+  }
+};
+
+// Persistent: ping-pong (two consumer warp groups alternate whole tiles, one's epilogue beside the other's main
+// loop), or cooperative (Coop: the two split each tile's rows, 64 a warp group at M = 128, half the accumulator a
+// thread, and run the epilogue together while the producer loads the next tile).
+template <class TileShape, class ClusterShape, int Stages, bool Coop>
+struct PingpongParts {
+  using Base = Fprop<TileShape, ClusterShape, Stages, cutlass::epilogue::TmaWarpSpecialized>;
+  using Element = typename Base::Element;
+  using RowMajor = cutlass::layout::RowMajor;
+  using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
+                                               cutlass::epilogue::TmaWarpSpecialized>;
+  // The output as the GEMM's row-major [pixels, channels] matrix; Source void (none) or the residual's type, and
+  // the fusion: D = acc when void, else a visitor tree's callbacks.
+  template <class Source = void, class Fusion = cutlass::epilogue::fusion::LinearCombination<Element, float, void>>
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Source, RowMajor, Base::Align, Element, RowMajor,
+      Base::Align, EpilogueSchedule, Fusion>::CollectiveOp;
+  using CoopMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, TileShape, cute::GMMA::Major::K, cute::GMMA::Major::K>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  using Mainloop = cute::conditional_t<
+      Coop,
+      AsGemmMainloop<typename WithTiledMma<typename Base::Mainloop, CoopMma>::type,
+                     cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
+      AsGemmMainloop<typename Base::Mainloop, cutlass::gemm::KernelTmaWarpSpecializedPingpong>>;
+};
+
+template <class TileShape, class ClusterShape, int Stages = 0, bool Coop = false,
+          class Parts = PingpongParts<TileShape, ClusterShape, Stages, Coop>>
+struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::template Epilogue<>> {
+  static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
+    if (int rc = plain_only(o, err, errlen)) return rc;
+    return PingpongFprop::call(o, {1.0f, 0.0f}, nullptr, stream, err, errlen);  // D = 1 acc + 0 C
   }
 };
 
@@ -424,45 +446,21 @@ struct StatsCallbacks {
   using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sums>;
 };
 
-template <class TileShape, class ClusterShape, bool Residual, bool Coop = false>
-struct PingpongStatsFprop {
-  using Plain = PingpongFprop<TileShape, ClusterShape, 0, Coop>;
-  using Element = typename Plain::Element;
-  using RowMajor = cutlass::layout::RowMajor;
-  using ElementC = cute::conditional_t<Residual, Element, void>;
-  static constexpr int Align = Plain::Base::Align;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, RowMajor, Align, Element, RowMajor,
-      Align, typename Plain::EpilogueSchedule,
-      typename StatsCallbacks<TileShape, Residual, Coop ? 8 : 4>::Callbacks>::CollectiveOp;
-  using Mainloop = typename Plain::Mainloop;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<typename Mainloop::ProblemMNKL, Mainloop, Epilogue>;
-  using Gemm = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
-
-  static int stages() { return Mainloop::DispatchPolicy::Stages; }
-  static int smem_bytes() { return Kernel::SharedStorageSize; }
-  static int occupancy() { return Gemm::maximum_active_blocks(); }
-
+template <class TileShape, class ClusterShape, bool Residual, bool Coop = false,
+          class Parts = PingpongParts<TileShape, ClusterShape, 0, Coop>,
+          class Source = cute::conditional_t<Residual, typename Parts::Element, void>,
+          class Callbacks = typename StatsCallbacks<TileShape, Residual, Coop ? 8 : 4>::Callbacks>
+struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts::template Epilogue<Source, Callbacks>> {
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
     if (Residual != (o.res != nullptr) || !o.sum || !o.sumsq) {
       snprintf(err, errlen, "this config needs %s residual and both sums", Residual ? "a" : "no");
       return 6;
     }
-    auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
-    auto stride =
-        cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
-    typename Epilogue::FusionCallbacks::Arguments thread{
-        {},                      // Out
-        {{}, {o.sum, o.sumsq}},  // Sums
-        {}};                     // the output tree
-    typename Gemm::Arguments args{
-        cutlass::gemm::GemmUniversalMode::kGemm,
-        Mainloop::problem_mnkl(problem),
-        {{static_cast<const Element*>(o.x), static_cast<const Element*>(o.wt)}, problem},
-        {thread, static_cast<const ElementC*>(o.res), stride, static_cast<Element*>(o.y), stride},
-        {0, sm_count()}};
-    return launch<Gemm, Kernel>(args, stream, err, errlen);
+    return PingpongStatsFprop::call(o,
+                                    {{},                      // Out
+                                     {{}, {o.sum, o.sumsq}},  // Sums
+                                     {}},                     // the output tree
+                                    o.res, stream, err, errlen);
   }
 };
 
