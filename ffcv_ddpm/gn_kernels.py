@@ -280,10 +280,13 @@ def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n
 def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr,
                      C, HW, G, CPG, K, s_an, s_ac, s_en, s_ec, eps,
                      CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
-                     HAS_ADD: tl.constexpr, cmean_ptr=None, SAVE_MEANS: tl.constexpr = False):
+                     HAS_ADD: tl.constexpr, cmean_ptr=None, SAVE_MEANS: tl.constexpr = False, SUMS_ROWS=0,
+                     SUMS: tl.constexpr = False):
     """Per sample: the K chunks' (mean, M2) -> group mean and rstd -> coef[n, 0:2, c] = (scale, bias) with
     y = x * scale + bias. With SAVE_MEANS also cmean[n, c], the per-channel mean of x + e, for the backward
-    (_bwd_finalize_kernel's FROM_MEANS)."""
+    (_bwd_finalize_kernel's FROM_MEANS). With SUMS the chunks are a convolution epilogue's tiles instead
+    (ffcv_ddpm.conv_cutlass, model.conv_cutlass): part is [2, SUMS_ROWS = N * K, C], each tile's sum and sum of
+    squares."""
     n = tl.program_id(0)
     gs = tl.arange(0, BLOCK_G)
     ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]  # [G, CPG]: channel index, groups along axis 0
@@ -291,9 +294,15 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
     ks = tl.arange(0, BLOCK_K)[:, None, None]
     km = (ks < K) & cmask[None, :, :]
     cnt = tl.where(ks < K, tl.minimum(CHUNK, HW - ks * CHUNK), 0).to(tl.float32)  # the last chunk may be short
-    part = part_ptr + n * K * 2 * C + ks * 2 * C + ch[None, :, :]
-    mean_k = tl.load(part, mask=km, other=0.0)
-    m2_k = tl.load(part + C, mask=km, other=0.0)
+    if SUMS:
+        part = part_ptr + (n * K + ks) * C + ch[None, :, :]
+        s1 = tl.load(part, mask=km, other=0.0)
+        mean_k = s1 / tl.maximum(cnt, 1.0)
+        m2_k = tl.load(part + SUMS_ROWS * C, mask=km, other=0.0) - s1 * mean_k  # a 128-pixel tile's: fp32 holds it
+    else:
+        part = part_ptr + n * K * 2 * C + ks * 2 * C + ch[None, :, :]
+        mean_k = tl.load(part, mask=km, other=0.0)
+        m2_k = tl.load(part + C, mask=km, other=0.0)
     mean_c = tl.sum(mean_k * cnt, axis=0) / HW  # Chan: per channel over the whole sample
     dev = tl.where(km, mean_k - mean_c[None, :, :], 0.0)
     m2_c = tl.sum(m2_k + dev * dev * cnt, axis=0)

@@ -216,6 +216,15 @@ class GroupNormAct(nn.GroupNorm):
         x, x2 = (x, None) if isinstance(x, (Tensor, Pending)) else (x[0], resolved(x[1]))
         fold = x if isinstance(x, Pending) and x.computed is None else None  # a sum this call computes
         x, res, res2, rbias = fold.terms if fold else (resolved(x), None, None, None)
+        cw = None  # the convolution's weight where the op runs it (model.conv_cutlass)
+        if fold is not None and fold.conv is not None:
+            from ffcv_ddpm import conv_cutlass
+
+            cx, w = fold.conv
+            if x2 is None and res2 is None and conv_cutlass.applies(cx, w.shape[0]):
+                x, cw = cx, w.to(cx.dtype, memory_format=torch.channels_last)
+            else:  # in torch first (a shape or type the kernel does not take, or two residuals)
+                x = F.conv2d(cx, w, None, 1, 1)
         n = x.shape[0]
         dt = torch.promote_types(x.dtype, torch.float32)  # fp32 (fp64 for fp64 inputs)
         # The affine after normalisation, per (sample, channel): y = xhat * a + b.
@@ -234,9 +243,10 @@ class GroupNormAct(nn.GroupNorm):
                                                               seed, self.num_groups, self.eps, self.silu_mode, p,
                                                               *plan_args(self.plan), x2, self.saved_means,
                                                               self.mask_bits, res, res2, rbias, self.pair_hash,
-                                                              self.x_sums, self.dbias, split)
+                                                              self.x_sums, self.dbias, split,
+                                                              *(() if cw is None else (cw,)))  # (graphs as before)
         if fold:
-            fold.set(s)
+            fold.set(s if s.numel() else x)  # (a convolution without a residual, computed in torch: x)
         return (out, out2) if split else out
 
     @property
@@ -250,20 +260,30 @@ class Pending:
     it instead of computing it, so that the fused GroupNorm reading it next writes it while it takes its statistics
     (and, backward, adds the sum's other gradients to its own in one write) instead of a pass of its own writing it
     and another reading it. Any other reader calls value(), which computes it in torch. Either way it is computed
-    once, and value() gives it to the readers after (the block's skip, the UNet's skip connections)."""
+    once, and value() gives it to the readers after (the block's skip, the UNet's skip connections).
+    conv = (input, weight) (model.conv_cutlass): h itself is left too, the 3x3 convolution (padding 1, no bias) of
+    input by weight, which the fused GroupNorm runs with the sum and its statistics in one kernel where it can
+    (ffcv_ddpm.conv_cutlass); h is None then, and res may be None (the convolution alone, no bias)."""
 
-    def __init__(self, h: Tensor, res: Tensor, res2: Tensor | None = None, bias: Tensor | None = None):
+    def __init__(self, h: Tensor | None, res: Tensor | None = None, res2: Tensor | None = None,
+                 bias: Tensor | None = None, conv: tuple[Tensor, Tensor] | None = None):
+        if (h is None) == (conv is None) or (res is None and (res2 is not None or bias is not None)):
+            raise ValueError("Pending: give h or conv (not both), and a bias or second residual only with a residual")
         self.terms = (h, res, res2, bias)  # bias: (C,), any float dtype
+        self.conv = conv
         self.computed: Tensor | None = None  # the sum, once a reader has computed it
 
     def set(self, s: Tensor) -> None:
         """The sum, computed: the terms are let go (eager mode would keep them alive while the UNet holds the sum
         as a skip connection)."""
-        self.computed, self.terms = s, None
+        self.computed, self.terms, self.conv = s, None, None
 
     def value(self) -> Tensor:
         if self.computed is None:
-            self.set(residual_sum(*self.terms))
+            h, res, res2, bias = self.terms
+            if self.conv is not None:
+                h = F.conv2d(*self.conv, None, 1, 1)
+            self.set(h if res is None else residual_sum(h, res, res2, bias))
         return self.computed
 
 
@@ -271,6 +291,23 @@ def residual_sum(h: Tensor, res: Tensor, res2: Tensor | None, bias: Tensor | Non
     """h + res (+ res2) (+ bias per channel, in h's dtype) in torch."""
     s = h + res if res2 is None else h + res + res2
     return s if bias is None else s + bias.to(s.dtype)[None, :, None, None]
+
+
+def conv_sum(x: Tensor, cw: Tensor, res: Tensor | None, rbias: Tensor | None) -> Tensor:
+    """conv3x3(x, cw) (padding 1, no bias) (+ res + rbias) in torch, in x's layout: the op's first part with cw, as
+    its plain-torch path computes it."""
+    h = F.conv2d(x, cw, None, 1, 1)
+    s = h if res is None else residual_sum(h, res, None, rbias)
+    return s.contiguous(memory_format=_format(x))
+
+
+def _conv_input(x: Tensor, cw: Tensor) -> Tensor:
+    """An empty tensor shaped like conv3x3(x, cw)'s output in x's layout (what the op normalises with cw)."""
+    if cw.dim() != 4 or cw.shape[1] != x.shape[1] or cw.shape[2:] != (3, 3):
+        raise ValueError(f"fused GroupNorm: the convolution's weight {tuple(cw.shape)} is not [C, {x.shape[1]}, 3, 3] "
+                         f"for its input {tuple(x.shape)}")
+    return torch.empty((x.shape[0], cw.shape[0], *x.shape[2:]), dtype=x.dtype, device=x.device,
+                       memory_format=_format(x))
 
 
 def resolved(x):
@@ -305,7 +342,7 @@ def _on_triton(x: Tensor) -> bool:
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
                    saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None,
-                   pair_hash: bool, x_sums: bool, dbias: bool, split_out: bool
+                   pair_hash: bool, x_sums: bool, dbias: bool, split_out: bool, cw: Tensor | None = None
                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, mean, rstd, cmean, bits, s, out2): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the
     plain-torch path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second
@@ -316,13 +353,22 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
     (model.norm_residual; else s is empty). pair_hash: the dropout mask one hash for two channels (keep_mask).
     x_sums, dbias: the backward's only (model.norm_x_sums, model.norm_dbias), carried to it. split_out (with x2,
     model.conv_parts): out is the output's first C1 channels in x's layout and out2 the rest in x2's, else out2 is
-    empty."""
+    empty. cw (model.conv_cutlass): the op computes its input too, s = conv3x3(x, cw) (+ res + rbias), x being the
+    convolution's input and cw its [C, Cin, 3, 3] weight, and returns s; on CUDA by CUTLASS's kernel, whose epilogue
+    writes the sums the statistics take (ffcv_ddpm.conv_cutlass), so no pass reads s for them. No x2 or res2."""
     if split_out and x2 is None:
         raise ValueError("fused GroupNorm: split_out writes the output of two parts as two tensors; x2 is None")
+    if cw is not None and (x2 is not None or res2 is not None or cw.dtype != x.dtype):
+        raise ValueError("fused GroupNorm: a convolution computed by the op (cw) takes one input, one residual and a "
+                         f"weight of the input's dtype; got a second part {x2 is not None}, a second residual "
+                         f"{res2 is not None}, a {cw.dtype} weight for a {x.dtype} input")
     if _on_triton(x):
         return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
-                              mask_bits, res, res2, rbias, pair_hash, split_out)
-    s = residual_sum(x, res, res2, rbias).contiguous(memory_format=_format(x)) if res is not None else None
+                              mask_bits, res, res2, rbias, pair_hash, split_out, cw)
+    if cw is not None:
+        x = s = conv_sum(x, cw, res, rbias)
+    else:
+        s = residual_sum(x, res, res2, rbias).contiguous(memory_format=_format(x)) if res is not None else None
     out, *rest = reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p,
                                    saved_means, mask_bits, pair_hash)
     out, out2 = _split(out, x, x2) if split_out else (out, x.new_empty(0))
@@ -331,13 +377,14 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
 
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
-      rbias, pair_hash, x_sums, dbias, split_out):
+      rbias, pair_hash, x_sums, dbias, split_out, cw=None):
+    x = x if cw is None else _conv_input(x, cw)  # what the GroupNorm normalises: the convolution's output
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out, out2 = _outputs_like(x, x2, split_out)
     n, c = x.shape[0], x.shape[1] + (x2.shape[1] if x2 is not None else 0)
     return (out, stats, stats.clone(),
             *_extra_outputs(x, n, c, x[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
-            torch.empty_like(x) if res is not None else x.new_empty(0), out2)
+            torch.empty_like(x) if res is not None or cw is not None else x.new_empty(0), out2)
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())
@@ -399,21 +446,24 @@ def _outputs_like(x: Tensor, x2: Tensor | None, split_out: bool) -> tuple[Tensor
 
 
 def _setup_context(ctx, inputs, output):
-    x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias, split_out = (
-        inputs)
+    (x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias, split_out,
+     cw) = inputs
     _, mean, rstd, cmean, bits, s, _ = output
-    # With a residual sum the kernels after the statistics read s, not x: the backward too.
-    ctx.save_for_backward(s if res is not None else x, a, b, e, seed, mean, rstd, x2,
-                          cmean if cmean.numel() else None, bits if bits.numel() else None)
+    # With a residual sum the kernels after the statistics read s, not x: the backward too. With a convolution (cw)
+    # also its input and weight, for its backward.
+    conv = cw is not None
+    ctx.save_for_backward(s if res is not None or conv else x, a, b, e, seed, mean, rstd, x2,
+                          cmean if cmean.numel() else None, bits if bits.numel() else None, x if conv else None, cw)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
     ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
     ctx.pair_hash, ctx.x_sums, ctx.dbias, ctx.split_out = pair_hash, x_sums, dbias and rbias is not None, split_out
 
 
 def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
-    x, a, b, e, seed, mean, rstd, x2, cmean, bits = ctx.saved_tensors
+    x, a, b, e, seed, mean, rstd, x2, cmean, bits, cx, cw = ctx.saved_tensors
     has_res, has_res2, rbias_dtype = ctx.residual
-    ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
+    has_s = has_res or cw is not None
+    ds = ds if has_s and ds is not None and ds.numel() else None  # s's gradient from its other readers
     dx, da, db, de, dx2, dbias = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean,
                                                          bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias,
                                                          dout2 if ctx.split_out else None)
@@ -423,9 +473,14 @@ def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
         dbias = (dbias if ctx.dbias else bias_grad(dx)).to(rbias_dtype)
     else:
         dbias = None
-    return (dx, da, db, (de if e is not None else None), None, *(None for _ in ctx.args),  # seed, the non-tensors
+    dcx = dcw = None
+    if cw is not None:  # s = conv3x3(cx, cw) + ...: its input's and weight's gradients from s's (cuDNN's backward)
+        dcx, dcw, _ = torch.ops.aten.convolution_backward(dx, cx, cw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+                                                          [True, True, False])
+    return (dx if cw is None else dcx, da, db, (de if e is not None else None), None,
+            *(None for _ in ctx.args),  # seed, the non-tensors
             dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias,
-            None, None, None, None)  # pair_hash, x_sums, dbias, split_out
+            None, None, None, None, dcw)  # pair_hash, x_sums, dbias, split_out, cw
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)
@@ -519,17 +574,24 @@ def _second_part(x: Tensor, x2: Tensor | None) -> tuple[Tensor, int, tuple[int, 
 
 
 def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages=0, x2=None, saved_means=False,
-                   mask_bits=False, res=None, res2=None, rbias=None, pair_hash=False, split_out=False):
+                   mask_bits=False, res=None, res2=None, rbias=None, pair_hash=False, split_out=False, cw=None):
     """The op's forward through the Triton kernels, launched with the plan (tile, chunk, warps, stages); x2: the
     second part of a channel concatenation (None: x is all of it). (out, mean, rstd, cmean, bits, s, out2): cmean the
     per-channel means of x + e with saved_means and an add, bits the dropout mask with mask_bits and p > 0 (their
     layout: mask_words), each empty otherwise. res (and res2, rbias): the first part is the residual sum
     s = x + res (+ res2) (+ rbias per channel), written while the statistics are taken and returned (else empty).
-    split_out (with x2): the output written as two tensors, out like x and out2 like x2 (else out2 is empty)."""
+    split_out (with x2): the output written as two tensors, out like x and out2 like x2 (else out2 is empty).
+    cw: x is a convolution's input, s = conv3x3(x, cw) (+ res + rbias) and the statistics come from the sums its
+    epilogue writes (conv_cutlass.conv_sums): no statistics kernel."""
     import triton
 
+    from ffcv_ddpm import conv_cutlass
     from ffcv_ddpm import gn_kernels as K
 
+    sums = None
+    if cw is not None:
+        x, sums = conv_cutlass.conv_sums(x, cw, res, rbias)
+        res = None  # in x now, which the op returns as s
     x2_, c1, x2s, two = _second_part(x, x2)
     pl = _plan(x, groups, tile, chunk, channels=x.shape[1] + (x2.shape[1] if two else 0))
     n, c, hw = pl["N"], pl["C"], pl["HW"]
@@ -537,7 +599,7 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     if out.stride() != x.stride() and not two:
         raise ValueError(f"fused GroupNorm: input strides {x.stride()} are not those of a dense tensor")
     addends = _residual_addends(x, res, res2)
-    s_out = torch.empty_like(x) if addends else x.new_empty(0)
+    s_out = x if sums is not None else torch.empty_like(x) if addends else x.new_empty(0)
     mean = x.new_empty((n, groups), dtype=torch.float32)
     rstd = torch.empty_like(mean)
     e_ = a if e is None else e  # any tensor: not read when HAS_ADD is off
@@ -550,15 +612,20 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     part = x.new_empty((n, k, 2, c), dtype=torch.float32)
     coef = x.new_empty((n, 2, c), dtype=torch.float32)
     cmean, bits = _extra_outputs(x, n, c, hw, e is not None and saved_means, p > 0 and mask_bits)
-    K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
-                            BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps,
-                            **_residual_args(x, addends, rbias, s_out, a))
+    chunk_rows = pl["CHUNK"]
+    if sums is not None:  # the convolution's tiles are the chunks
+        part, k, chunk_rows = sums, hw // conv_cutlass.TILE_M, conv_cutlass.TILE_M
+    else:
+        K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
+                                BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps,
+                                **_residual_args(x, addends, rbias, s_out, a))
     x = s_out if addends else x  # what the kernels after the statistics read
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
-                             e_.stride(0), e_.stride(1), eps, CHUNK=pl["CHUNK"], BLOCK_K=pl["BLOCK_K"],
+                             e_.stride(0), e_.stride(1), eps, CHUNK=chunk_rows,
+                             BLOCK_K=triton.next_power_of_2(k) if sums is not None else pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
                              cmean_ptr=cmean if cmean.numel() else mean, SAVE_MEANS=cmean.numel() > 0,
-                             num_warps=warps)
+                             SUMS_ROWS=n * k, SUMS=sums is not None, num_warps=warps)
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
         x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os,
         *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=int(silu), DROPOUT=p > 0,

@@ -111,6 +111,13 @@ class ModelConfig:
     # projection's) from the dx kernel's per-tile sums of the sum's gradient as it writes it, where a reduction of its
     # own read that gradient again (NOTES item 41). The same sum in another order; +4.1 ms a step on an H200: off.
     norm_dbias: bool = False
+    # norm_impl=fused, "ddpm" res blocks: each 3x3 conv whose output a fused GroupNorm reads next (conv1 -> norm2, and
+    # with norm_residual conv2 -> the next block's or attention's GroupNorm) run by that GroupNorm's op with CUTLASS's
+    # sm90 kernel (ffcv_ddpm.conv_cutlass: bf16, CUDA, nvcc-built), whose epilogue adds the residual and bias and
+    # writes per-128-pixel sums for the GroupNorm's statistics: no statistics pass over the output. Where the kernel
+    # does not apply (8x8 and 4x4 maps, two residuals on the up path, fp32) the conv runs as before; conv1's bias
+    # joins norm2's add as with conv_bias_in_norm. The backward is cuDNN's. NOTES 47-48.
+    conv_cutlass: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -200,6 +207,11 @@ class ModelConfig:
         if self.conv_parts and not self.fused_parts:
             raise ValueError("conv_parts=True convolves the two parts the fused GroupNorm reads with fused_parts: it "
                              "needs fused_parts=True (and concat_free=True); set conv_parts=False")
+        if self.conv_cutlass and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable
+                                  or self.conv_groups != 1):
+            raise ValueError("conv_cutlass=True is built for arch='ddpm' res blocks with plain dense 3x3 convs "
+                             "(weight_standardize=False, depthwise_separable=False, conv_groups=1); set "
+                             "conv_cutlass=False")
         if self.conv_parts and (self.weight_standardize or self.depthwise_separable or self.conv_groups != 1):
             raise ValueError("conv_parts=True is built for res blocks with plain dense 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False, conv_groups=1); set "
@@ -213,7 +225,7 @@ UPSAMPLES = ("nearest", "expand", "transposed")
 # ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
 # of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
 FUSED_SWITCHES = ("fused_parts", "conv_parts", "norm_saved_means", "norm_mask_bits", "norm_residual",
-                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias")
+                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias", "conv_cutlass")
 FUSED_OFF = tuple(f"model.{name}=False" for name in FUSED_SWITCHES)
 
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
@@ -228,9 +240,9 @@ def reference_config(cfg: ModelConfig) -> ModelConfig:
     it goes off with concat_free, else the reference network would be refused, and conv_parts with it; norm_residual's
     blocks return their sums uncomputed, which torchinfo's count of the published table cannot follow; norm_dbias
     needs norm_residual: it goes off with it, else a norm_dbias row's FLOP count is refused, as on an H200 at
-    0930219)."""
+    0930219); conv_cutlass's blocks return their convolutions uncomputed too)."""
     return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, conv_parts=False, norm_residual=False,
-                   norm_dbias=False)
+                   norm_dbias=False, conv_cutlass=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -514,6 +526,7 @@ class DDPMResBlock(nn.Module):
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
         self.bias_in_norm = cfg.conv_bias_in_norm  # conv1's bias added with the time embedding, inside norm2
         self.pending = cfg.norm_residual  # the output left as a Pending sum for the next fused GroupNorm
+        self.conv_cutlass = cfg.conv_cutlass  # the convs left to the fused GroupNorm after them (Pending.conv)
 
     def forward(self, x: torch.Tensor | Pending | tuple[torch.Tensor | Pending, ...],
                 temb: torch.Tensor) -> torch.Tensor | Pending:
@@ -526,11 +539,14 @@ class DDPMResBlock(nn.Module):
         parts = isinstance(h, tuple)  # conv1 as two convolutions, over the parts with its weight's slices
         if c._forward_pre_hooks:  # a pre-hook (torch's pruning) makes the weight: call c, on one tensor
             h = c(torch.cat(h, 1) if parts else h)
-        elif self.bias_in_norm:
+        elif self.bias_in_norm or self.conv_cutlass:
             # conv1's output is read only by norm2, which adds a per-(sample, channel) vector anyway: the bias goes
             # there. Inductor cannot fuse a bias add into the fused GroupNorm op, so it would cost a pass of its own.
-            h = (conv_over_parts(c, h, bias=False) if parts
-                 else F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups))
+            if self.conv_cutlass and not parts:  # conv1 itself left to norm2 (model.conv_cutlass)
+                h = Pending(None, conv=(h, c.weight))
+            else:
+                h = (conv_over_parts(c, h, bias=False) if parts
+                     else F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups))
             add = add + c.bias
         else:
             h = conv_over_parts(c, h) if parts else c(h)
@@ -538,11 +554,12 @@ class DDPMResBlock(nn.Module):
         if self.pending and not self.conv2._forward_pre_hooks:  # (a pre-hook makes the weight: call the module)
             # The biases ride in the sum, which the next fused GroupNorm computes.
             c2, bias = self.conv2, self.conv2.bias
-            h = F.conv2d(h, c2.weight, None, c2.stride, c2.padding, c2.dilation, c2.groups)
+            conv = (h, c2.weight) if self.conv_cutlass else None  # the conv too, with model.conv_cutlass
+            h = None if conv else F.conv2d(h, c2.weight, None, c2.stride, c2.padding, c2.dilation, c2.groups)
             if isinstance(self.skip, nn.Identity):
-                return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias)
+                return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias, conv=conv)
             res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
-            return Pending(h, *res, bias=bias + self.skip.bias)
+            return Pending(h, *res, bias=bias + self.skip.bias, conv=conv)
         h = self.conv2(h)
         if isinstance(x, torch.Tensor):
             return self.skip(x) + h

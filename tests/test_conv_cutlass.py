@@ -1,4 +1,4 @@
-"""benchmarks.speed.conv_cutlass on the CPU: the headers out of CUTLASS's wheel, the library named by its source, the
+"""ffcv_ddpm.conv_cutlass on the CPU: the headers out of CUTLASS's wheel, the library named by its source, the
 calls' checks and the sums' reference, and conv_tma's table with the CUTLASS epilogue's column. The kernels
 themselves run on an H100/H200 only (results/h200/conv-cutlass-*)."""
 
@@ -8,7 +8,7 @@ import zipfile
 import pytest
 import torch
 
-from benchmarks.speed import conv_cutlass as CC
+from ffcv_ddpm import conv_cutlass as CC
 from benchmarks.speed import conv_tma as CT
 
 

@@ -21,7 +21,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.kernel_regs": False, "benchmarks.speed.conv_gn_bench": True,
     "benchmarks.speed.conv_autotune": True,
     "benchmarks.speed.levers": True, "benchmarks.speed.cudnn_fusion": True, "benchmarks.speed.numerics_draws": False,
-    "benchmarks.speed.conv_tma": True, "benchmarks.speed.conv_cutlass": False, "benchmarks.speed.copy_rate": False, "benchmarks.speed.conv_sites": False,
+    "benchmarks.speed.conv_tma": True, "ffcv_ddpm.conv_cutlass": False, "benchmarks.speed.copy_rate": False, "benchmarks.speed.conv_sites": False,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,

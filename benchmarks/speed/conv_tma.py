@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from benchmarks.common import commit_text, md_table, write_json, write_text
-from benchmarks.speed import conv_cutlass
+from ffcv_ddpm import conv_cutlass
 from ffcv_ddpm import conv_gluon as CG
 from ffcv_ddpm.checks import fail
 

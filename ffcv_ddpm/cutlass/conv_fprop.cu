@@ -1,5 +1,5 @@
 // CUTLASS 3's sm90 implicit-GEMM convolution (forward) as a C library that Python calls with torch's pointers and
-// stream (benchmarks/speed/conv_cutlass.py builds and loads it; NOTES 46-47): plain, and with the epilogue the next
+// stream (ffcv_ddpm/conv_cutlass.py builds and loads it; NOTES 46-47): plain, and with the epilogue the next
 // GroupNorm needs (the residual added, per-tile channel sums of the output).
 //
 // The GEMM: M = the output pixels (N*P*Q, im2col TMA loads of the NHWC input: the padding is TMA's zero fill, a tile
@@ -28,12 +28,14 @@
 using namespace cute;
 
 // What a call passes: NHWC bf16 x [n, h, w, c], KRSC bf16 weights [k, 3, 3, c], the output y [n, h, w, k]; res (like
-// y), sum and sumsq (fp32 [n h w / 128, k]) only for the configs whose epilogue has them (else null).
+// y), bias (fp32 [k], or null: none), sum and sumsq (fp32 [n h w / 128, k]) only for the configs whose epilogue has
+// them (else null).
 struct Operands {
   const void* x;
   const void* wt;
   void* y;
   const void* res;
+  const float* bias;
   float* sum;
   float* sumsq;
   int n, h, w, c, k;
@@ -83,8 +85,8 @@ int sm_count() {
 }
 
 int plain_only(const Operands& o, char* err, int errlen) {
-  if (o.res || o.sum || o.sumsq) {
-    snprintf(err, errlen, "this config has no epilogue: no residual or sums");
+  if (o.res || o.bias || o.sum || o.sumsq) {
+    snprintf(err, errlen, "this config has no epilogue: no residual, bias or sums");
     return 6;
   }
   return 0;
@@ -432,11 +434,15 @@ template <class TileShape, bool Residual, int Warps>
 struct StatsCallbacks {
   using Element = cutlass::bfloat16_t;
   static constexpr auto RN = cutlass::FloatRoundStyle::round_to_nearest;
+  // With the residual, a per-channel bias too (the residual sum's: model.conv_cutlass), 0 where its pointer is null.
+  using Bias = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float>;
   using Out = cute::conditional_t<
       Residual,
       cutlass::epilogue::fusion::Sm90EVT<
           cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, Element, float, RN>,
-          cutlass::epilogue::fusion::Sm90AccFetch, cutlass::epilogue::fusion::Sm90SrcFetch<Element>>,
+          cutlass::epilogue::fusion::Sm90EVT<cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, float, float, RN>,
+                                             cutlass::epilogue::fusion::Sm90AccFetch, Bias>,
+          cutlass::epilogue::fusion::Sm90SrcFetch<Element>>,
       cutlass::epilogue::fusion::Sm90EVT<
           cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, RN>,
           cutlass::epilogue::fusion::Sm90AccFetch>>;
@@ -456,11 +462,14 @@ struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts:
       snprintf(err, errlen, "this config needs %s residual and both sums", Residual ? "a" : "no");
       return 6;
     }
-    return PingpongStatsFprop::call(o,
-                                    {{},                      // Out
-                                     {{}, {o.sum, o.sumsq}},  // Sums
-                                     {}},                     // the output tree
-                                    o.res, stream, err, errlen);
+    if (!Residual && o.bias) {
+      snprintf(err, errlen, "this config adds no bias (the residual configs do)");
+      return 6;
+    }
+    typename Callbacks::Arguments args{};  // op_0 Out, op_1 Sums, op_2 the output tree (the fetch: none)
+    if constexpr (Residual) args.op_0.op_0.op_1 = {o.bias};  // Out = (acc + bias) + source: the bias node
+    args.op_1 = {{}, {o.sum, o.sumsq}};
+    return PingpongStatsFprop::call(o, args, o.res, stream, err, errlen);
   }
 };
 
@@ -523,12 +532,12 @@ int cutconv_stages(int i) { return kConfigs[i].stages(); }
 int cutconv_smem(int i) { return kConfigs[i].smem(); }
 int cutconv_occupancy(int i) { return kConfigs[i].occupancy(); }
 int cutconv_epilogue(int i) { return kConfigs[i].epilogue; }
-int cutconv_fprop(int i, const void* x, const void* w, void* y, const void* res, float* sum, float* sumsq, int n,
-                  int h, int wd, int c, int k, void* stream, char* err, int errlen) {
+int cutconv_fprop(int i, const void* x, const void* w, void* y, const void* res, const float* bias, float* sum,
+                  float* sumsq, int n, int h, int wd, int c, int k, void* stream, char* err, int errlen) {
   if (i < 0 || i >= cutconv_count()) {
     snprintf(err, errlen, "config %d: there are %d", i, cutconv_count());
     return 5;
   }
-  return kConfigs[i].run({x, w, y, res, sum, sumsq, n, h, wd, c, k}, static_cast<cudaStream_t>(stream), err, errlen);
+  return kConfigs[i].run({x, w, y, res, bias, sum, sumsq, n, h, wd, c, k}, static_cast<cudaStream_t>(stream), err, errlen);
 }
 }

@@ -1,6 +1,6 @@
 """CUTLASS 3's sm90 implicit-GEMM 3x3 convolution, built with nvcc and called from torch (issue 47 item 2, NOTES 46-47).
 
-    python -m benchmarks.speed.conv_cutlass            # build .cutlass/build/libconv_fprop-<hash>.so (pip: headers)
+    python -m ffcv_ddpm.conv_cutlass            # build .cutlass/build/libconv_fprop-<hash>.so (pip: headers)
     python -m benchmarks.speed.conv_tma --out DIR --kinds cutlass,gluon    # CUDA: each config against cuDNN per site
 
 The kernels are cutlass/conv_fprop.cu: the forward convolution (bf16 NHWC in and out, fp32 accumulation), alone or
@@ -15,6 +15,7 @@ into .cutlass/inc; the library lands in .cutlass/build. The GPU machine has nvcc
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -25,11 +26,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(__file__).resolve().parent / "cutlass" / "conv_fprop.cu"
 HOME = ROOT / ".cutlass"  # git-ignored: the wheel, the unpacked headers, the built library
 CUTLASS_VERSION = "4.2.0.0"
@@ -135,7 +137,7 @@ def library() -> ctypes.CDLL:
     if _LIB is None:
         lib = ctypes.CDLL(str(build()))
         lib.cutconv_name.restype = ctypes.c_char_p
-        lib.cutconv_fprop.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 5, ctypes.c_void_p,
+        lib.cutconv_fprop.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 5, ctypes.c_void_p,
                                       ctypes.c_char_p, ctypes.c_int]
         _LIB = lib
     return _LIB
@@ -151,14 +153,57 @@ def configs() -> list[CutlassConfig]:
 def conv3x3(x: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
     """F.conv2d(x, w, padding=1) for bf16 CUDA tensors in channels_last (weights KRSC: [Cout, Cin, 3, 3] in
     channels_last memory), no bias, on torch's current stream, by a config without an epilogue."""
-    return _call(x, w, config, None, False)[0]
+    return _call(x, w, config, None, None, False)[0]
 
 
-def conv3x3_sums(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """(out, sums): out = bf16(F.conv2d(x, w, padding=1) + res), sums fp32 [2, N*H*W / 128, Cout]: the sum and the
-    sum of squares of out's bf16 values over each 128 consecutive output pixels (NHWC order), per channel, by a config
-    whose epilogue has them (EPI_STATS; EPI_RESIDUAL exactly when res is given)."""
-    return _call(x, w, config, res, True)
+def conv3x3_sums(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None = None,
+                 bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(out, sums): out = bf16(F.conv2d(x, w, padding=1) + bias + res) (one rounding), sums fp32
+    [2, N*H*W / 128, Cout]: the sum and the sum of squares of out's bf16 values over each 128 consecutive output
+    pixels (NHWC order), per channel, by a config whose epilogue has them (EPI_STATS; EPI_RESIDUAL exactly when res
+    is given). bias: fp32 [Cout], with a residual only (the residual configs' epilogue adds it)."""
+    return _call(x, w, config, res, bias, True)
+
+
+# The configs model.conv_cutlass runs (ping-pong 128x128x64: 1.01-1.035x cuDNN over the step's sites, NOTES 47).
+SUMS_CONFIG, RESIDUAL_SUMS_CONFIG = "pingpong 128x128x64 + sums", "pingpong 128x128x64 + residual + sums"
+
+
+def applies(x: Tensor, cout: int) -> bool:
+    """Whether conv_sums takes a 3x3 convolution of x to cout channels: each 128-pixel tile in one sample (its sums
+    are per-sample partials), whole 128-channel tiles, 16-byte rows; on CUDA in bf16 (the kernel's type), on the CPU
+    in any float type (the torch stand-in the tests run through Triton's interpreter)."""
+    return (x[0, 0].numel() % TILE_M == 0 and cout % 128 == 0 and x.shape[1] % 8 == 0
+            and (x.dtype == torch.bfloat16 or not x.is_cuda))
+
+
+@functools.cache
+def config_named(name: str) -> CutlassConfig:
+    for config in configs():
+        if config.name == name:
+            return config
+    raise RuntimeError(f"{library_path().name} has no config {name!r}")
+
+
+def conv_sums(x: Tensor, w: Tensor, res: Tensor | None = None, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(s, sums): s = conv3x3(x, w) (+ bias + res) in x's dtype and layout, and its tiles' sums (conv3x3_sums'
+    [2, N*H*W / 128, Cout]), for x where applies(x, Cout). CUDA: the CUTLASS kernel (bias fp32, with a residual
+    only); CPU: the same in torch (fp32 sum, one rounding), the stand-in under which the tests run the fused
+    GroupNorm's Triton kernels without a GPU."""
+    if not applies(x, w.shape[0]):
+        raise ValueError(f"conv_sums: a 3x3 convolution of {tuple(x.shape)} {x.dtype} to {w.shape[0]} channels is not "
+                         f"one the kernel takes (H*W a multiple of {TILE_M}, Cout of 128, Cin of 8, bf16 on CUDA)")
+    if x.is_cuda:
+        name = SUMS_CONFIG if res is None else RESIDUAL_SUMS_CONFIG
+        cl = torch.channels_last
+        return conv3x3_sums(x.contiguous(memory_format=cl), w.contiguous(memory_format=cl), config_named(name),
+                            None if res is None else res.contiguous(memory_format=cl),
+                            None if bias is None else bias.float().contiguous())
+    s = F.conv2d(x.float(), w.float(), None, 1, 1)
+    s = s if res is None else s + res.float() + (0 if bias is None else bias.float()[:, None, None])
+    s = s.to(x.dtype).contiguous(memory_format=torch.channels_last if x.is_contiguous(
+        memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format)
+    return s, tile_sums(s)
 
 
 def tile_sums(out: Tensor, rows: int = TILE_M) -> Tensor:
@@ -221,7 +266,7 @@ def group_stats_torch(sums: Tensor, n: int, hw: int, groups: int, add: Tensor | 
     return mean, torch.rsqrt(var + eps)
 
 
-def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, stats: bool):
+def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias: Tensor | None, stats: bool):
     n, c, h, wd = x.shape
     k = w.shape[0]
     cl = torch.channels_last
@@ -239,6 +284,10 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, stats
                             or not res.is_contiguous(memory_format=cl)):
         raise ValueError(f"conv3x3: the residual must be bf16 [{n}, {k}, {h}, {wd}] channels_last, got "
                          f"{res.dtype} {tuple(res.shape)} {res.stride()}")
+    if bias is not None and (res is None or bias.shape != (k,) or bias.dtype != torch.float32
+                             or not bias.is_contiguous() or bias.device != x.device):
+        raise ValueError(f"conv3x3: a bias goes with a residual, fp32 [{k}] on {x.device}; got {bias.dtype} "
+                         f"{tuple(bias.shape)} on {bias.device} (residual {res is not None})")
     if stats and (n * h * wd % TILE_M or k % 128):
         raise ValueError(f"conv3x3: sums need N*H*W a multiple of {TILE_M} and Cout of 128 (got {n * h * wd}, {k})")
     y = torch.empty(n, k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
@@ -246,6 +295,7 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, stats
     err = ctypes.create_string_buffer(ERR_LEN)
     rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(),
                                  res.data_ptr() if res is not None else None,
+                                 bias.data_ptr() if bias is not None else None,
                                  sums[0].data_ptr() if stats else None, sums[1].data_ptr() if stats else None,
                                  n, h, wd, c, k, torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
     if rc:
@@ -256,7 +306,7 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, stats
 def main(argv: list[str] | None = None) -> int:
     from ffcv_ddpm.checks import Parser, fail
 
-    p = Parser(prog="python -m benchmarks.speed.conv_cutlass", doc=__doc__,
+    p = Parser(prog="python -m ffcv_ddpm.conv_cutlass", doc=__doc__,
                epilog="Builds the library (no KEY=VALUE overrides): nvcc, and the headers from the network once.")
     p.add_argument("--home", type=Path, default=HOME, help="where the wheel, the headers and the build live")
     args = p.parse_args(argv)

@@ -1,0 +1,259 @@
+"""model.conv_cutlass: the fused GroupNorm's op running the 3x3 convolution before it (its `cw`), with the statistics
+from the tile sums of the convolution's epilogue, against conv2d + nn.GroupNorm in fp64, forward and backward; the
+model with the switch against the model without it; torch.compile's view of the op. Without a GPU the op's Triton
+kernels run under Triton's interpreter and the convolution with its sums is conv_cutlass.conv_sums' torch stand-in;
+the tests marked cuda run CUTLASS's kernel itself (the library built by python -m ffcv_ddpm.conv_cutlass)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ffcv_ddpm import conv_cutlass as CC
+from ffcv_ddpm import norm as N
+from ffcv_ddpm.norm import GroupNormAct, Pending
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CL = torch.channels_last
+
+
+def needs_triton():
+    import triton
+
+    if not (torch.cuda.is_available() or triton.knobs.runtime.interpret):
+        pytest.skip("needs a GPU or TRITON_INTERPRET=1")
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def case(n, cin, cout, h, w, residual, g, dtype=torch.float32, dev="cpu"):
+    """(cx, cw, res, rbias, temb): a convolution's input and weight (outputs of unit scale), a residual and its bias,
+    the time embedding the GroupNorm adds; channels with different means, so the statistics' shift matters."""
+    cx = torch.randn(n, cin, h, w, generator=g)
+    cw = torch.randn(cout, cin, 3, 3, generator=g) / (3 * cin ** 0.5)
+    res = torch.randn(n, cout, h, w, generator=g) * 2 + torch.randn(1, cout, 1, 1, generator=g) if residual else None
+    rbias = torch.randn(cout, generator=g) if residual else None
+    temb = torch.randn(n, cout, generator=g)
+    out = [t if t is None else t.to(dev, dtype) for t in (cx, cw, res, rbias, temb)]
+    for i in (0, 1, 2):
+        out[i] = out[i] if out[i] is None else out[i].contiguous(memory_format=CL)
+    return out
+
+
+def reference(cx, cw, res, rbias, temb, gn, keep, p):
+    """conv2d (+ res + bias), then nn.GroupNorm of it + temb, SiLU and dropout with a given mask: (out, s)."""
+    s = F.conv2d(cx, cw, None, 1, 1)
+    if res is not None:
+        s = s + res + rbias[:, None, None]
+    y = F.silu(gn(s + temb[:, :, None, None]))
+    return torch.where(keep, y / (1 - p), 0.0), s
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain-torch", "triton-kernels"])
+@pytest.mark.parametrize("residual,cout,groups,h", [(False, 128, 32, 16), (True, 384, 32, 8)],
+                         ids=["conv1-norm2", "conv2-residual-norm1"])
+def test_the_op_runs_the_convolution_and_takes_the_statistics_from_its_sums(kernels, residual, cout, groups, h,
+                                                                            monkeypatch):
+    """A GroupNormAct reading Pending(conv=(cx, cw)) (and a residual with its bias): the op's output, the sum s it
+    returns (Pending.value()) and every gradient (cx, cw, res, the bias, temb, weight, bias; s's gradient from its
+    other readers added) against conv2d + nn.GroupNorm in fp64 with the same dropout mask. Odd batch; 384 channels in
+    groups of 12 (not a power of 2) with 128-pixel maps (one tile a sample), 128 in groups of 4 with 256 pixels (two
+    tiles a sample: the finalize combines tiles)."""
+    if kernels:
+        needs_triton()
+        monkeypatch.setattr(N, "_on_triton", lambda x: True)
+    g = torch.Generator().manual_seed(4)
+    n, cin, p = 3, 16, 0.2
+    cx, cw, res, rbias, temb = case(n, cin, cout, h, 16, residual, g)
+    m = GroupNormAct(groups, cout, "fused", dropout=p).train()
+    with torch.no_grad():
+        m.weight.copy_(torch.rand(cout, generator=g) + 0.5)
+        m.bias.copy_(torch.randn(cout, generator=g))
+    calls = []
+    monkeypatch.setattr(CC, "conv_sums", lambda *a, f=CC.conv_sums: calls.append(1) or f(*a))
+    monkeypatch.setattr(N, "conv_sum", lambda *a, f=N.conv_sum: calls.append(1) or f(*a))
+    leaves = [t.clone().requires_grad_() for t in (cx, cw, res, rbias, temb) if t is not None]
+    lx, lw, *rest = leaves
+    lres, lbias, ltemb = rest if residual else (None, None, rest[0])
+    pending = Pending(None, lres, bias=lbias, conv=(lx, lw))
+    out = m(pending, add=ltemb)
+    s = pending.value()
+    assert len(calls) == 1 and s.shape == (n, cout, h, 16) and out.is_contiguous(memory_format=CL)
+    keep = out != 0  # SiLU of a normalised value is never exactly 0: the zeros are dropout's
+    assert 0.7 < keep.double().mean() < 0.9
+    dout, ds = torch.randn(out.shape, generator=g), torch.randn(s.shape, generator=g)
+    got = torch.autograd.grad((out, s), [*leaves, m.weight, m.bias], (dout, ds))
+
+    gn = torch.nn.GroupNorm(groups, cout).double()
+    gn.load_state_dict(m.state_dict())
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    rx, rw, *rrest = ref_leaves
+    rres, rb, rt = rrest if residual else (None, None, rrest[0])
+    ref, ref_s = reference(rx, rw, rres, rb, rt, gn, keep, p)
+    want = torch.autograd.grad((ref, ref_s), [*ref_leaves, gn.weight, gn.bias], (dout.double(), ds.double()))
+    assert rel(s, ref_s) < 1e-6 and rel(out, ref) < 1e-5
+    names = ["dcx", "dcw", *(["dres", "dbias"] if residual else []), "dtemb", "dweight", "dbias_gn"]
+    for name, a, b in zip(names, got, want, strict=True):
+        assert rel(a, b) < 1e-4, name
+
+
+def test_where_the_kernel_does_not_apply_the_convolution_runs_first():
+    """A map of 64 pixels (a 128-pixel tile would span samples), a second residual, or a value() read first: the
+    convolution in torch, then what the GroupNorm did before, the same numbers; applies() says which."""
+    g = torch.Generator().manual_seed(5)
+    cx, cw, res, rbias, temb = case(2, 8, 128, 8, 8, True, g)
+    assert not CC.applies(cx, 128) and CC.applies(torch.empty(2, 8, 8, 16), 128)
+    assert not CC.applies(torch.empty(2, 8, 8, 16), 96) and not CC.applies(torch.empty(2, 4, 8, 16), 128)
+    m = GroupNormAct(8, 128, "fused").train()
+    h = F.conv2d(cx, cw, None, 1, 1)
+    want = m(Pending(h, res, bias=rbias), add=temb)
+    assert torch.allclose(m(Pending(None, res, bias=rbias, conv=(cx, cw)), add=temb), want, atol=1e-6)
+    res2 = torch.randn(res.shape, generator=g)
+    want2 = m(Pending(h, res, res2, rbias), add=temb)
+    assert torch.allclose(m(Pending(None, res, res2, rbias, conv=(cx, cw)), add=temb), want2, atol=1e-6)
+    read = Pending(None, res, bias=rbias, conv=(cx, cw))
+    assert torch.allclose(read.value(), N.residual_sum(h, res, None, rbias), atol=1e-6)
+    with pytest.raises(ValueError, match="give h or conv"):
+        Pending(h, res, conv=(cx, cw))
+    with pytest.raises(ValueError, match="bias or second residual only with a residual"):
+        Pending(None, None, bias=rbias, conv=(cx, cw))
+    with pytest.raises(ValueError, match="is not one the kernel takes"):
+        CC.conv_sums(cx, cw, res, rbias)
+
+
+def test_the_op_with_a_convolution_compiles_as_one_call_and_its_backward_as_cudnns():
+    """torch.compile (fullgraph) of a GroupNormAct reading Pending(conv=...): one op call with the weight as its cw
+    (the fake implementation's shapes: the convolution's output), the backward op, then aten's convolution_backward
+    for the convolution's input and weight; the numbers of the eager call."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(6)
+    cx, cw, res, rbias, temb = case(2, 8, 128, 8, 16, True, g)
+    m = GroupNormAct(16, 128, "fused").train()
+
+    def f(cx, cw, res, rbias, temb):
+        pending = Pending(None, res, bias=rbias, conv=(cx, cw))
+        return m(pending, add=temb), pending.value()
+
+    backend = AotEagerAndRecordGraphs()
+    leaves = [t.clone().requires_grad_() for t in (cx, cw, res, rbias, temb)]
+    out, s = torch.compile(f, backend=backend, fullgraph=True)(*leaves)
+    (out.square().sum() + s.sum()).backward()
+    fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
+    bw = [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(fw) == 1 and isinstance(fw[0].args[-1], torch.fx.Node)  # cw
+    assert fw[0].meta["val"][0].shape == (2, 128, 8, 16) and fw[0].meta["val"][5].shape == (2, 128, 8, 16)
+    assert sum("group_norm_act_backward" in t for t in bw) == 1 and sum("convolution_backward" in t for t in bw) == 1
+    ref = [t.clone().requires_grad_() for t in (cx, cw, res, rbias, temb)]
+    want_out, want_s = f(*ref)
+    (want_out.square().sum() + want_s.sum()).backward()
+    assert torch.allclose(out, want_out) and torch.allclose(s, want_s)
+    for a, b in zip(leaves, ref):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def small_ddpm(**switches):
+    """A two-level ddpm of 128 channels at 16x16 (the kernel's sites) and 8x8 (not), attention at 8x8, the preset's
+    switches: the up path's two residuals and the down path's Downsample reader take the other routes."""
+    from ffcv_ddpm.unet import PRESETS, ModelConfig, build_model
+    from dataclasses import replace
+
+    cfg = replace(PRESETS["ddpm-cifar10"], image_size=16, channel_mult=(1, 1), num_res_blocks=1,
+                  attn_resolutions=(8,), **switches)
+    assert isinstance(cfg, ModelConfig)
+    return build_model(cfg)
+
+
+def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_models_function(monkeypatch):
+    """ddpm with model.conv_cutlass, compiled (fullgraph, AOT autograd's eager backend: the graphs inductor would
+    get), against the same weights without it, eager: output and every parameter's gradient, and the sites that took
+    the op's convolution: conv1 of each block at 16x16 (down 1, up 2: conv1's input is one tensor); not the down
+    block's conv2, whose sum the Downsample reads (value(), in torch), nor the up blocks' (two residuals), so 3
+    calls. The op's plain-torch path: its kernels are the op tests' (under Triton's interpreter this network of 128
+    channels took 144 s)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = small_ddpm().train()
+    fast = small_ddpm(conv_cutlass=True).train()
+    fast.load_state_dict(base.state_dict())
+    calls = []
+    monkeypatch.setattr(CC, "conv_sums", lambda *a, f=CC.conv_sums: calls.append(1) or f(*a))
+    monkeypatch.setattr(N, "conv_sum", lambda *a, f=N.conv_sum: calls.append(1) or f(*a))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 3, 16, 16, generator=g)
+    t = torch.randint(0, 1000, (3,), generator=g)
+    outs, backend = [], AotEagerAndRecordGraphs()
+    for model in (base, torch.compile(fast, backend=backend, fullgraph=True)):
+        torch.manual_seed(1)  # the same dropout seeds, drawn in the same order
+        y = model(x, t)
+        y.square().mean().backward()
+        outs.append((y, {k.removeprefix("_orig_mod."): p.grad for k, p in model.named_parameters()}))
+    assert len(calls) == 3
+    ops = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "ffcv_ddpm.group_norm_act" in str(n.target)]
+    assert sum(isinstance(n.args[-1], torch.fx.Node) for n in ops) == 3  # their cw
+    (y0, g0), (y1, g1) = outs
+    assert rel(y1, y0) < 1e-5
+    for k in g0:
+        assert rel(g1[k], g0[k]) < 1e-4, k
+
+
+def test_conv_cutlass_is_a_switch_of_the_fused_ddpm_blocks():
+    from ffcv_ddpm.unet import PRESETS, ModelConfig, reference_config
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="model.conv_cutlass=False"):
+        replace(PRESETS["ddpm-cifar10"], norm_impl="scale-shift", fused_parts=False, norm_fast_silu=False,
+                norm_residual=False, norm_pair_hash=False, norm_x_sums=False, conv_cutlass=True).validate()
+    with pytest.raises(ValueError, match="conv_cutlass=True is built for arch='ddpm'"):
+        ModelConfig(norm_impl="fused", conv_cutlass=True, conv_groups=2).validate()
+    assert not reference_config(replace(PRESETS["ddpm-cifar10"], conv_cutlass=True)).conv_cutlass
+
+
+# ---------------------------------------------------------------------------------------------------- on a GPU
+
+
+def needs_cutlass():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU (H100/H200)")
+    try:
+        CC.library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("residual,cout,h", [(False, 128, 32), (True, 256, 16)])
+def test_cutlass_kernel_in_the_op_against_the_presets_path(residual, cout, h):
+    """On an H100/H200, bf16: the op running CUTLASS's convolution with its sums against the preset's path (cuDNN's
+    convolution, then the op's statistics kernel, which adds the residual and bias as it reads): s, out and every
+    gradient within bf16's rounding; the kernel's sums those of the s it wrote."""
+    needs_cutlass()
+    g = torch.Generator().manual_seed(8)
+    cx, cw, res, rbias, temb = case(8, 128, cout, h, h, residual, g, torch.bfloat16, "cuda")
+    rbias, temb = (None if rbias is None else rbias.float()), temb.float()
+    m = GroupNormAct(32, cout, "fused", dropout=0.1).cuda().train()
+    s_k, sums = CC.conv_sums(cx, cw, res, rbias)
+    assert rel(sums, CC.tile_sums(s_k)) < 1e-5
+    results, dout, ds = [], None, None
+    for kernel in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (cx, cw, res, rbias, temb) if t is not None]
+        lx, lw, *rest = leaves
+        lres, lbias, ltemb = rest if residual else (None, None, rest[0])
+        if kernel:
+            x = Pending(None, lres, bias=lbias, conv=(lx, lw))
+        else:
+            h = F.conv2d(lx, lw, None, 1, 1)
+            x = Pending(h, lres, bias=lbias) if residual else h
+        torch.manual_seed(2)  # the same dropout mask
+        out = m(x, add=ltemb)
+        s = N.resolved(x)
+        if dout is None:
+            dout, ds = torch.randn(out.shape, generator=g).to(out), torch.randn(s.shape, generator=g).to(s)
+        results.append((out, s, torch.autograd.grad((out, s), leaves, (dout, ds))))
+    (o1, s1, g1), (o0, s0, g0) = results
+    assert rel(s1, s0) < 1e-2 and rel(o1, o0) < 2e-2
+    for a, b in zip(g1, g0, strict=True):
+        assert rel(a, b) < 3e-2
