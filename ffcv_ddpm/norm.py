@@ -21,11 +21,13 @@ reads two parts where they lie with `parts`, and with `split_out` returns the ou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import prod
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import register_flop_formula
 
 NORM_IMPLS = ("torch", "scale-shift", "fused")
 
@@ -385,6 +387,18 @@ def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, sa
     return (out, stats, stats.clone(),
             *_extra_outputs(x, n, c, x[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
             torch.empty_like(x) if res is not None or cw is not None else x.new_empty(0), out2)
+
+
+@register_flop_formula(torch.ops.ffcv_ddpm.group_norm_act)
+def _flops(x_shape, *args, out_shape=None, **kwargs) -> int:
+    """FlopCounterMode's count of the op: its convolution's where it runs one (cw, model.conv_cutlass; the last
+    argument, passed only then), as aten.convolution's formula counts it; the GroupNorm's arithmetic is elementwise,
+    which FlopCounterMode never counts. (Its backward's convolution is aten.convolution_backward, counted as such.)"""
+    cw = args[22] if len(args) > 22 else kwargs.get("cw")
+    if cw is None:
+        return 0
+    n, _, h, w = x_shape
+    return 2 * n * h * w * prod(cw)
 
 
 @torch.library.custom_op("ffcv_ddpm::group_norm_act_backward", mutates_args=())

@@ -203,6 +203,23 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
         assert rel(g1[k], g0[k]) < 1e-4, k
 
 
+def test_flop_counter_counts_the_convolutions_the_op_runs():
+    """FlopCounterMode over a training step (on the meta device, as benchmarks.speed.flops counts): the same FLOPs
+    with model.conv_cutlass as without (the op's convolutions by its formula, their backward as aten's), where
+    without the formula 3 forward convolutions would go uncounted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counts = []
+    for on in (False, True):
+        with torch.device("meta"):
+            model = small_ddpm(conv_cutlass=on)
+            x, t = torch.randn(2, 3, 16, 16), torch.randint(0, 1000, (2,))
+        with FlopCounterMode(display=False) as counter:
+            model(x, t).square().mean().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[1] == counts[0] > 0
+
+
 def test_conv_cutlass_is_a_switch_of_the_fused_ddpm_blocks():
     from ffcv_ddpm.unet import PRESETS, ModelConfig, reference_config
     from dataclasses import replace

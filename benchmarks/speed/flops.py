@@ -60,7 +60,7 @@ def _inputs(cfg: ModelConfig, batch: int, device: str):
 
 def _category(op) -> str:
     name = str(op)
-    if "convolution" in name:
+    if "convolution" in name or "group_norm_act" in name:  # the op's FLOPs are its convolution's (conv_cutlass)
         return "conv"
     if "mm" in name and "bmm" not in name:  # aten.mm / aten.addmm: nn.Linear (time embedding, FiLM)
         return "linear"
