@@ -247,7 +247,9 @@ class GroupNormAct(nn.GroupNorm):
                                                               self.mask_bits, res, res2, rbias, self.pair_hash,
                                                               self.x_sums, self.dbias, split,
                                                               *(() if cw is None else (cw,)))  # (graphs as before)
-        if fold:
+        if fold and cw is not None and res is None:
+            fold.spend()
+        elif fold:
             fold.set(s if s.numel() else x)  # (a convolution without a residual, computed in torch: x)
         return (out, out2) if split else out
 
@@ -274,13 +276,23 @@ class Pending:
         self.terms = (h, res, res2, bias)  # bias: (C,), any float dtype
         self.conv = conv
         self.computed: Tensor | None = None  # the sum, once a reader has computed it
+        self.spent = False  # a convolution alone, run by the fused GroupNorm reading it: not kept for others
 
     def set(self, s: Tensor) -> None:
         """The sum, computed: the terms are let go (eager mode would keep them alive while the UNet holds the sum
         as a skip connection)."""
         self.computed, self.terms, self.conv = s, None, None
 
+    def spend(self) -> None:
+        """The convolution alone (no residual), run by the fused GroupNorm that read it: its output has no
+        gradient of its own (the op's backward takes it from the GroupNorm's), so no one else may read it."""
+        self.terms, self.conv, self.spent = None, None, True
+
     def value(self) -> Tensor:
+        if self.spent:
+            raise ValueError("Pending: this convolution's output was normalised by the fused GroupNorm that ran it "
+                             "(model.conv_cutlass) and is kept for its backward only; read value() before that "
+                             "GroupNorm if another reader needs it")
         if self.computed is None:
             h, res, res2, bias = self.terms
             if self.conv is not None:
@@ -468,6 +480,11 @@ def _setup_context(ctx, inputs, output):
     conv = cw is not None
     ctx.save_for_backward(s if res is not None or conv else x, a, b, e, seed, mean, rstd, x2,
                           cmean if cmean.numel() else None, bits if bits.numel() else None, x if conv else None, cw)
+    if conv and res is None:
+        # s is then the convolution's output, returned for the backward only (its Pending refuses other readers):
+        # without this its gradient would be zeros that the dx kernel reads and adds (a fill and a pass at each
+        # such site, +2 ms a step on an H200: results/h200/conv-cutlass-profile-bdaad7c).
+        ctx.mark_non_differentiable(s)
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
     ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
     ctx.pair_hash, ctx.x_sums, ctx.dbias, ctx.split_out = pair_hash, x_sums, dbias and rbias is not None, split_out
@@ -476,8 +493,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
     x, a, b, e, seed, mean, rstd, x2, cmean, bits, cx, cw = ctx.saved_tensors
     has_res, has_res2, rbias_dtype = ctx.residual
-    has_s = has_res or cw is not None
-    ds = ds if has_s and ds is not None and ds.numel() else None  # s's gradient from its other readers
+    ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
     dx, da, db, de, dx2, dbias = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean,
                                                          bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias,
                                                          dout2 if ctx.split_out else None)
