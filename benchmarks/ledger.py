@@ -38,6 +38,7 @@ NOT_RESULTS = {
     "top_ops.json": "a profile's top-ops table (the profile is listed by its summary.json)",
     "ours-info.json": "a race side's settings (the race is listed by its race.json)",
     "peer-info.json": "a race side's settings (the race is listed by its race.json)",
+    "kernels.json": "two profiles' kernels side by side (the profiles are listed by their summary.json)",
 }
 
 
