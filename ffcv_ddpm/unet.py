@@ -367,6 +367,22 @@ def convs_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], bias: boo
     return out
 
 
+def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A 1x1 conv (without its bias) over the channel concatenation of parts as one tensor: the first part's GEMM on
+    its NHWC view, each next one's accumulated onto it by addmm (C read by the GEMM, no add of its own), in the
+    first part's NHWC order. model.conv_cutlass: one residual, which the CUTLASS epilogue adds, where two
+    (convs_over_parts) were added by the statistics kernel."""
+    n, _, h, w = parts[0].shape
+    weight = conv.weight.flatten(1)  # [Cout, Cin]
+    out, c0 = None, 0
+    for part in parts:
+        c1 = c0 + part.shape[1]
+        a = part.permute(0, 2, 3, 1).reshape(n * h * w, part.shape[1])  # a view if channels_last
+        out = a @ weight[:, c0:c1].t() if out is None else torch.addmm(out, a, weight[:, c0:c1].t())
+        c0 = c1
+    return out.view(n, h, w, -1).permute(0, 3, 1, 2)
+
+
 def nearest_2x(x: torch.Tensor) -> torch.Tensor:
     """F.interpolate(x, scale_factor=2, mode="nearest") as a broadcast copy in the input's memory order, so that its
     gradient is a plain sum over each 2x2 block (inductor lowers interpolate's backward as an index_put with
@@ -558,7 +574,10 @@ class DDPMResBlock(nn.Module):
             h = None if conv else F.conv2d(h, c2.weight, None, c2.stride, c2.padding, c2.dilation, c2.groups)
             if isinstance(self.skip, nn.Identity):
                 return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias, conv=conv)
-            res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
+            if conv and not isinstance(x, torch.Tensor):  # the up path's two parts: one residual (skip_over_parts)
+                res = (skip_over_parts(self.skip, x),)
+            else:
+                res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
             return Pending(h, *res, bias=bias + self.skip.bias, conv=conv)
         h = self.conv2(h)
         if isinstance(x, torch.Tensor):

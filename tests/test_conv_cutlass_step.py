@@ -179,10 +179,11 @@ def small_ddpm(**switches):
 def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_models_function(monkeypatch):
     """ddpm with model.conv_cutlass, compiled (fullgraph, AOT autograd's eager backend: the graphs inductor would
     get), against the same weights without it, eager: output and every parameter's gradient, and the sites that took
-    the op's convolution: conv1 of each block at 16x16 (down 1, up 2: conv1's input is one tensor); not the down
-    block's conv2, whose sum the Downsample reads (value(), in torch), nor the up blocks' (two residuals), so 3
-    calls. The op's plain-torch path: its kernels are the op tests' (under Triton's interpreter this network of 128
-    channels took 144 s)."""
+    the op's convolution: conv1 of each block at 16x16 (down 1, up 2: conv1's input is one tensor) and the last up
+    block's conv2 (its residual one tensor, skip_over_parts; the output GroupNorm reads the sum alone); not the down
+    block's conv2, whose sum the Downsample reads (value(), in torch), nor the first up block's, which the next
+    block's GroupNorm reads with the skip as two parts: 4 calls. The op's plain-torch path: its kernels are the op
+    tests' (under Triton's interpreter this network of 128 channels took 144 s)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
@@ -202,11 +203,11 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
         y = model(x, t)
         y.square().mean().backward()
         outs.append((y, {k.removeprefix("_orig_mod."): p.grad for k, p in model.named_parameters()}))
-    assert len(calls) == 3
+    assert len(calls) == 4
     ops = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "ffcv_ddpm.group_norm_act" in str(n.target)]
-    assert sum(isinstance(n.args[-1], torch.fx.Node) for n in ops) == 3  # their cw
+    assert sum(isinstance(n.args[-1], torch.fx.Node) for n in ops) == 4  # their cw
     # s's gradient from other readers (ds, argument 19 of the backward op) only where there is a residual sum (res,
-    # argument 16 of the op): not at the three convolutions the op ran alone, where it would be a zero fill and a read
+    # argument 16 of the op): not at the convolutions the op ran alone, where it would be a zero fill and a read
     backward = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
     assert sum(n.args[19] is not None for n in backward) == sum(n.args[16] is not None for n in ops) > 0
     (y0, g0), (y1, g1) = outs
@@ -230,6 +231,20 @@ def test_flop_counter_counts_the_convolutions_the_op_runs():
             model(x, t).square().mean().backward()
         counts.append(counter.get_total_flops())
     assert counts[1] == counts[0] > 0
+
+
+def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
+    """skip_over_parts: the 1x1 conv over the concatenation of (h, skip) as one tensor, in fp64 the convolution's
+    (without its bias), in channels_last."""
+    from ffcv_ddpm.unet import skip_over_parts
+
+    g = torch.Generator().manual_seed(9)
+    conv = torch.nn.Conv2d(24, 16, 1).double()
+    parts = tuple(torch.randn(3, c, 4, 8, generator=g, dtype=torch.float64).contiguous(memory_format=CL)
+                  for c in (16, 8))
+    out = skip_over_parts(conv, parts)
+    want = F.conv2d(torch.cat(parts, 1), conv.weight)
+    assert out.shape == want.shape and out.is_contiguous(memory_format=CL) and rel(out, want) < 1e-12
 
 
 def test_conv_cutlass_is_a_switch_of_the_fused_ddpm_blocks():
