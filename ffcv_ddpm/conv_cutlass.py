@@ -42,19 +42,21 @@ WHEEL_PARTS = {"cutlass_library/source/include/cute/": "cute/",
                "cutlass_library/source/tools/util/include/cutlass/util/": "cutlass/util/"}
 ERR_LEN = 512
 EPI_RESIDUAL, EPI_STATS = 1, 2  # conv_fprop.cu's epilogue flags
+OP_FPROP, OP_DGRAD = 0, 1  # what a config computes: the forward convolution, or its data gradient
 TILE_M = 128  # the M tile of the configs with sums: a partial sum per 128 output pixels
 
 
 class CutlassConfig(NamedTuple):
     """One compiled instantiation: its index in the library, tile MxNxK and cluster, pipeline stages, shared memory
-    a block, blocks an SM, and its epilogue's extras (EPI_* flags; 0: the plain convolution). What conv_tma's rows
-    record as the config's "tiles"."""
+    a block, blocks an SM, its epilogue's extras (EPI_* flags; 0: the plain convolution) and what it computes (OP_*).
+    What conv_tma's rows record as the config's "tiles"."""
     index: int
     name: str
     stages: int
     smem: int
     blocks_per_sm: int
     epilogue: int = 0
+    op: int = OP_FPROP
 
     def fits(self, h: int, w: int, cin: int, cout: int) -> bool:
         return cin % 8 == 0 and cout % 8 == 0  # 16-byte TMA rows; im2col tiles span samples, so any image size
@@ -147,13 +149,20 @@ def configs() -> list[CutlassConfig]:
     """Every compiled config (blocks an SM asks the CUDA runtime: needs a GPU)."""
     lib = library()
     return [CutlassConfig(i, lib.cutconv_name(i).decode(), lib.cutconv_stages(i), lib.cutconv_smem(i),
-                          lib.cutconv_occupancy(i), lib.cutconv_epilogue(i)) for i in range(lib.cutconv_count())]
+                          lib.cutconv_occupancy(i), lib.cutconv_epilogue(i), lib.cutconv_op(i))
+            for i in range(lib.cutconv_count())]
 
 
 def conv3x3(x: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
     """F.conv2d(x, w, padding=1) for bf16 CUDA tensors in channels_last (weights KRSC: [Cout, Cin, 3, 3] in
     channels_last memory), no bias, on torch's current stream, by a config without an epilogue."""
     return _call(x, w, config, None, None, False)[0]
+
+
+def conv3x3_dgrad(dy: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
+    """The data gradient of F.conv2d(x, w, padding=1): dx [N, Cin, H, W] from dy [N, Cout, H, W] (bf16, CUDA,
+    channels_last; w KRSC as conv3x3 takes it), by a dgrad config (OP_DGRAD)."""
+    return _call(dy, w, config, None, None, False, OP_DGRAD)[0]
 
 
 def conv3x3_sums(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None = None,
@@ -201,8 +210,8 @@ def conv_sums(x: Tensor, w: Tensor, res: Tensor | None = None, bias: Tensor | No
                             None if bias is None else bias.float().contiguous())
     s = F.conv2d(x.float(), w.float(), None, 1, 1)
     s = s if res is None else s + res.float() + (0 if bias is None else bias.float()[:, None, None])
-    s = s.to(x.dtype).contiguous(memory_format=torch.channels_last if x.is_contiguous(
-        memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format)
+    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    s = s.to(x.dtype).contiguous(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
     return s, tile_sums(s)
 
 
@@ -266,20 +275,28 @@ def group_stats_torch(sums: Tensor, n: int, hw: int, groups: int, add: Tensor | 
     return mean, torch.rsqrt(var + eps)
 
 
-def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias: Tensor | None, stats: bool):
-    n, c, h, wd = x.shape
-    k = w.shape[0]
+def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias: Tensor | None, stats: bool,
+          op: int = OP_FPROP):
+    """One call of a config: x is the forward's input, or with a dgrad config dy (what the kernel reads first); the
+    output y, or dx."""
+    if config.op != op:
+        raise ValueError(f"conv3x3: CUTLASS config {config.name!r} computes {('the forward', 'the data gradient')[config.op]}"
+                         f"; the call asks for {('the forward', 'the data gradient')[op]}")
+    dgrad = op == OP_DGRAD
+    n, _, h, wd = x.shape
+    k, c = w.shape[:2]  # the forward's output and input channels
     cl = torch.channels_last
     want = (EPI_STATS if stats else 0) | (EPI_RESIDUAL if res is not None else 0)
     if config.epilogue != want:
         raise ValueError(f"conv3x3: CUTLASS config {config.name!r} has epilogue flags {config.epilogue}, the call "
                          f"asks for {want} (residual {res is not None}, sums {stats})")
+    if tuple(w.shape) != (k, c, 3, 3) or x.shape[1] != (k if dgrad else c) or not (
+            x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
+        raise ValueError(f"conv3x3: expected {'dy [N, K' if dgrad else 'x [N, C'}, H, W] and w [K, C, 3, 3] both "
+                         f"channels_last, got {tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
     if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.bfloat16):
         raise ValueError(f"conv3x3: expected bf16 CUDA tensors, got x {x.dtype} on {x.device}, w {w.dtype} on "
                          f"{w.device}")
-    if tuple(w.shape) != (k, c, 3, 3) or not (x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
-        raise ValueError(f"conv3x3: expected x [N, C, H, W] and w [K, C, 3, 3] both channels_last, got x "
-                         f"{tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
     if res is not None and (res.shape != (n, k, h, wd) or res.dtype != x.dtype
                             or not res.is_contiguous(memory_format=cl)):
         raise ValueError(f"conv3x3: the residual must be bf16 [{n}, {k}, {h}, {wd}] channels_last, got "
@@ -290,7 +307,7 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias:
                          f"{tuple(bias.shape)} on {bias.device} (residual {res is not None})")
     if stats and (n * h * wd % TILE_M or k % 128):
         raise ValueError(f"conv3x3: sums need N*H*W a multiple of {TILE_M} and Cout of 128 (got {n * h * wd}, {k})")
-    y = torch.empty(n, k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
+    y = torch.empty(n, c if dgrad else k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
     sums = torch.empty(2, n * h * wd // TILE_M, k, device=x.device, dtype=torch.float32) if stats else None
     err = ctypes.create_string_buffer(ERR_LEN)
     rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(),

@@ -315,7 +315,7 @@ def conv_sum(x: Tensor, cw: Tensor, res: Tensor | None, rbias: Tensor | None) ->
     return s.contiguous(memory_format=_format(x))
 
 
-def _conv_input(x: Tensor, cw: Tensor) -> Tensor:
+def _conv_output_like(x: Tensor, cw: Tensor) -> Tensor:
     """An empty tensor shaped like conv3x3(x, cw)'s output in x's layout (what the op normalises with cw)."""
     if cw.dim() != 4 or cw.shape[1] != x.shape[1] or cw.shape[2:] != (3, 3):
         raise ValueError(f"fused GroupNorm: the convolution's weight {tuple(cw.shape)} is not [C, {x.shape[1]}, 3, 3] "
@@ -392,7 +392,7 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
       rbias, pair_hash, x_sums, dbias, split_out, cw=None):
-    x = x if cw is None else _conv_input(x, cw)  # what the GroupNorm normalises: the convolution's output
+    x = x if cw is None else _conv_output_like(x, cw)  # what the GroupNorm normalises: the convolution's output
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out, out2 = _outputs_like(x, x2, split_out)
     n, c = x.shape[0], x.shape[1] + (x2.shape[1] if x2 is not None else 0)

@@ -159,3 +159,40 @@ def test_the_presets_chain_takes_the_statistics_of_the_residual_sum_as_the_added
     assert torch.allclose(m1, m0, atol=1e-5) and torch.allclose(r1, r0, rtol=1e-5)
     _, m2, _ = gn_coef(y, groups, a, b, res=res)  # without the bias: off, so the check above can fail
     assert not torch.allclose(m2, m0, atol=1e-2)
+
+
+DGRAD = CC.CutlassConfig(2, "dgrad pingpong 128x128x64", 6, 205824, 1, 0, CC.OP_DGRAD)
+
+
+def test_a_forward_config_does_not_run_a_data_gradient_nor_the_other_way():
+    dy = torch.randn(2, 128, 8, 8).bfloat16().to(memory_format=torch.channels_last)
+    w = torch.randn(128, 64, 3, 3).bfloat16().to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="computes the forward; the call asks for the data gradient"):
+        CC.conv3x3_dgrad(dy, w, PLAIN)
+    with pytest.raises(ValueError, match="computes the data gradient; the call asks for the forward"):
+        CC.conv3x3(dy, w, DGRAD)
+    with pytest.raises(ValueError, match=r"expected dy \[N, K, H, W\]"):  # dy has the forward's output channels
+        CC.conv3x3_dgrad(dy[:, :64].contiguous(memory_format=torch.channels_last), w, DGRAD)
+
+
+def test_the_dgrad_table_sums_a_step_over_the_sites_that_ran():
+    from benchmarks.speed import conv_dgrad as CD
+
+    ok = {"name": "128->128 32x32/s1 [GN+SiLU; -]", "count": 5, "flop": 2.0e12, "cudnn_ms": 0.50, "cudnn_err": 1e-3,
+          "passes_ms": 0.13, "rows": [{"config": "dgrad pingpong 128x128x64", "rel_err": 1e-3, "ms": 0.40}],
+          "best": {"config": "dgrad pingpong 128x128x64", "rel_err": 1e-3, "ms": 0.40}}
+    bad = {"name": "256->256 8x8/s1 [-; -]", "count": 3, "flop": 1.0e11, "cudnn_ms": 0.05, "cudnn_err": 1e-3,
+           "rows": [{"config": "dgrad 128x128x64", "error": "RuntimeError: launch failed"}]}
+    result = {"command": "python -m benchmarks.speed.conv_dgrad --out OUT", "environment": {}, "device_name": "H200",
+              "batch": 1024, "library": "libconv_fprop-x.so", "sites": [ok, bad]}
+    md = CD.render(result)
+    assert "| 128->128 32x32/s1 [GN+SiLU; -] | 5 | 0.500 (4000) | 0.400 (5000) | dgrad pingpong 128x128x64 | 0.130 |" in md
+    assert "no correct config: RuntimeError: launch failed" in md
+    assert "cuDNN 2.50 ms, CUTLASS 2.00 ms (1.250x cuDNN's rate)" in md and "GroupNorm feeds: 0.65 ms" in md
+
+
+def test_the_dgrad_benchmark_says_it_needs_an_sm90_gpu(tmp_path, capsys):
+    from benchmarks.speed import conv_dgrad as CD
+
+    assert CD.main(["--out", str(tmp_path)]) == 2
+    assert "needs an sm90 GPU" in capsys.readouterr().err

@@ -21,7 +21,7 @@ ENTRY_POINTS = {
     "benchmarks.speed.kernel_regs": False, "benchmarks.speed.conv_gn_bench": True,
     "benchmarks.speed.conv_autotune": True,
     "benchmarks.speed.levers": True, "benchmarks.speed.cudnn_fusion": True, "benchmarks.speed.numerics_draws": False,
-    "benchmarks.speed.conv_tma": True, "ffcv_ddpm.conv_cutlass": False, "benchmarks.speed.copy_rate": False, "benchmarks.speed.conv_sites": False,
+    "benchmarks.speed.conv_tma": True, "benchmarks.speed.conv_dgrad": True, "ffcv_ddpm.conv_cutlass": False, "benchmarks.speed.copy_rate": False, "benchmarks.speed.conv_sites": False,
     # how good
     "benchmarks.quality.digits": True, "benchmarks.quality.sde": True, "benchmarks.quality.fid": True,
     "benchmarks.quality.compress": True, "benchmarks.quality.compress_report": False,
@@ -73,7 +73,8 @@ NEEDS = {"benchmarks.quality.fid": ["--run", "RUN"], "benchmarks.speed.norm_benc
          "benchmarks.quality.compress": ["--out", "OUT", "--work", "WORK"],
          "benchmarks.speed.conv_gn_bench": ["--out", "OUT"], "benchmarks.speed.conv_autotune": ["--out", "OUT"],
          "benchmarks.speed.levers": ["--out", "OUT"], "benchmarks.quality.race": ["--out", "OUT"],
-         "benchmarks.speed.cudnn_fusion": ["--out", "OUT"], "benchmarks.speed.conv_tma": ["--out", "OUT"]}
+         "benchmarks.speed.cudnn_fusion": ["--out", "OUT"], "benchmarks.speed.conv_tma": ["--out", "OUT"],
+         "benchmarks.speed.conv_dgrad": ["--out", "OUT"]}
 
 
 @pytest.mark.parametrize("name", [n for n, takes in ENTRY_POINTS.items() if takes])
@@ -84,7 +85,8 @@ def test_a_bad_override_is_one_line_before_anything_happens(name, tmp_path, caps
     # No data to read (their --help says so):
     if name not in ("benchmarks.speed.flops", "benchmarks.speed.norm_bench", "benchmarks.speed.reducer_ops",
                     "benchmarks.speed.floors", "benchmarks.speed.conv_gn_bench",
-                    "benchmarks.speed.conv_autotune", "benchmarks.speed.cudnn_fusion", "benchmarks.speed.conv_tma"):
+                    "benchmarks.speed.conv_autotune", "benchmarks.speed.cudnn_fusion", "benchmarks.speed.conv_tma",
+                    "benchmarks.speed.conv_dgrad"):
         argv += ["--data", str(tmp_path)]
     try:
         rc = module.main([*argv, "data.batch_size=0"])

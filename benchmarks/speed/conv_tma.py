@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = F.conv2d(x.float(), w.float(), padding=1)
         site_configs = configs_for(spec.h, spec.h)
         if "cutlass" in kinds:
-            site_configs["cutlass"] = [c for c in cutlass_configs if not c.epilogue]
+            site_configs["cutlass"] = [c for c in cutlass_configs if not c.epilogue and c.op == conv_cutlass.OP_FPROP]
         for kind, configs in site_configs.items():
             for tiles in configs:
                 if kind not in kinds or not tiles.fits(spec.h, spec.h, spec.cin, spec.cout):

@@ -95,12 +95,14 @@ int plain_only(const Operands& o, char* err, int errlen) {
 // Stages 0: as many as the shared memory holds beside the epilogue's; else that many (fewer: two blocks an SM, one's
 // epilogue beside the other's main loop). Epilogue: CUTLASS's choice for these types (registers straight to global
 // memory), or its TMA warp-specialized one, the one whose visitor trees (EVT) fuse bias, residual and reductions.
-template <class TileShape, class ClusterShape, int Stages = 0, class EpilogueSchedule = void>
+// Op: the forward convolution (A = x [n, h, w, c], D = y [n, h, w, k]) or the data gradient (kDgrad: A = dy
+// [n, h, w, k], D = dx [n, h, w, c]), the weights KRSC either way (Operands' x, wt, y; c and k the forward's).
+template <class TileShape, class ClusterShape, int Stages = 0, class EpilogueSchedule = void,
+          cutlass::conv::Operator Op = cutlass::conv::Operator::kFprop>
 struct Fprop {
   using Element = cutlass::bfloat16_t;
   static constexpr int Align = 8;  // 16 bytes of bf16: channels a multiple of 8
   using Layout = cutlass::layout::TensorNHWC;
-  static constexpr cutlass::conv::Operator Op = cutlass::conv::Operator::kFprop;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -228,9 +230,11 @@ struct Persistent {
   static int call(const Operands& o, typename Epilogue::FusionCallbacks::Arguments thread, const void* source,
                   cudaStream_t stream, char* err, int errlen) {
     using Element = typename Epilogue::ElementD;
-    auto problem = conv_problem<typename Mainloop::ConvProblem>(o);
-    auto stride =
-        cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(o.n * o.h * o.w, o.k, 1));
+    using ConvProblem = typename Mainloop::ConvProblem;
+    auto problem = conv_problem<ConvProblem>(o);
+    int out_channels = ConvProblem::ConvOp == cutlass::conv::Operator::kDgrad ? o.c : o.k;  // D: dx, or y
+    auto stride = cutlass::make_cute_packed_stride(typename Kernel::StrideD{},
+                                                   cute::make_shape(o.n * o.h * o.w, out_channels, 1));
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         Mainloop::problem_mnkl(problem),
@@ -244,9 +248,10 @@ struct Persistent {
 // Persistent: ping-pong (two consumer warp groups alternate whole tiles, one's epilogue beside the other's main
 // loop), or cooperative (Coop: the two split each tile's rows, 64 a warp group at M = 128, half the accumulator a
 // thread, and run the epilogue together while the producer loads the next tile).
-template <class TileShape, class ClusterShape, int Stages, bool Coop>
+template <class TileShape, class ClusterShape, int Stages, bool Coop,
+          cutlass::conv::Operator Op = cutlass::conv::Operator::kFprop>
 struct PingpongParts {
-  using Base = Fprop<TileShape, ClusterShape, Stages, cutlass::epilogue::TmaWarpSpecialized>;
+  using Base = Fprop<TileShape, ClusterShape, Stages, cutlass::epilogue::TmaWarpSpecialized, Op>;
   using Element = typename Base::Element;
   using RowMajor = cutlass::layout::RowMajor;
   using EpilogueSchedule = cute::conditional_t<Coop, cutlass::epilogue::TmaWarpSpecializedCooperative,
@@ -269,7 +274,8 @@ struct PingpongParts {
 };
 
 template <class TileShape, class ClusterShape, int Stages = 0, bool Coop = false,
-          class Parts = PingpongParts<TileShape, ClusterShape, Stages, Coop>>
+          cutlass::conv::Operator Op = cutlass::conv::Operator::kFprop,
+          class Parts = PingpongParts<TileShape, ClusterShape, Stages, Coop, Op>>
 struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::template Epilogue<>> {
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
     if (int rc = plain_only(o, err, errlen)) return rc;
@@ -475,6 +481,7 @@ struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts:
 
 // name, run, stages, shared memory, blocks an SM, the epilogue's extras (EPI_RESIDUAL | EPI_STATS)
 enum { EPI_RESIDUAL = 1, EPI_STATS = 2 };
+enum { OP_FPROP = 0, OP_DGRAD = 1 };
 struct Config {
   const char* name;
   int (*run)(const Operands&, cudaStream_t, char*, int);
@@ -482,6 +489,7 @@ struct Config {
   int (*smem)();
   int (*occupancy)();
   int epilogue;
+  int op = OP_FPROP;
 };
 
 #define FPROP(M, N, K, CM, CN, ...) Fprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_##CM, _##CN, _1>, ##__VA_ARGS__>
@@ -507,6 +515,15 @@ using TmaEpilogue = cutlass::epilogue::TmaWarpSpecialized;
 // 128 x 64 / 64 x 128 half. Clusters of 2 along M share each weight tile by TMA multicast; along N, each input tile.
 // The first call (results/h200/conv-cutlass-e8b3991) put the non-persistent kernel with its default epilogue
 // (registers to global memory, 0.64x cuDNN) and every other config under the TMA epilogue's 0.82x: those are gone.
+constexpr auto kDgrad = cutlass::conv::Operator::kDgrad;
+#define DGRAD(M, N, K) Fprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_1, _1, _1>, 0, TmaEpilogue, kDgrad>
+#define DCONFIG(name, M, N, K) \
+  {name, DGRAD(M, N, K)::run, DGRAD(M, N, K)::stages, DGRAD(M, N, K)::smem_bytes, DGRAD(M, N, K)::occupancy, 0, OP_DGRAD}
+#define DPINGPONG(M, N, K) PingpongFprop<Shape<_##M, _##N, Shape<_##K>>, Shape<_1, _1, _1>, 0, false, kDgrad>
+#define DPCONFIG(name, M, N, K)                                                                                   \
+  {name, DPINGPONG(M, N, K)::run, DPINGPONG(M, N, K)::stages, DPINGPONG(M, N, K)::smem_bytes,                    \
+   DPINGPONG(M, N, K)::occupancy, 0, OP_DGRAD}
+
 static const Config kConfigs[] = {
     CONFIG("128x128x64", 128, 128, 64, 1, 1, 0, TmaEpilogue),
     CONFIG("128x128x64 cluster 2x1", 128, 128, 64, 2, 1, 0, TmaEpilogue),
@@ -523,6 +540,10 @@ static const Config kConfigs[] = {
     CCONFIG("cooperative 128x128x64", 128, 128, 64),
     CCONFIG("cooperative 256x128x64", 256, 128, 64),
     SCONFIG("cooperative 128x128x64 + sums", 128, 128, 64, false, true),
+    // The data gradient (NOTES 48: the backward reduction's sums would go in its epilogue), non-persistent and
+    // under the persistent ping-pong kernel.
+    DCONFIG("dgrad 128x128x64", 128, 128, 64),
+    DPCONFIG("dgrad pingpong 128x128x64", 128, 128, 64),
 };
 
 extern "C" {
@@ -532,6 +553,7 @@ int cutconv_stages(int i) { return kConfigs[i].stages(); }
 int cutconv_smem(int i) { return kConfigs[i].smem(); }
 int cutconv_occupancy(int i) { return kConfigs[i].occupancy(); }
 int cutconv_epilogue(int i) { return kConfigs[i].epilogue; }
+int cutconv_op(int i) { return kConfigs[i].op; }
 int cutconv_fprop(int i, const void* x, const void* w, void* y, const void* res, const float* bias, float* sum,
                   float* sumsq, int n, int h, int wd, int c, int k, void* stream, char* err, int errlen) {
   if (i < 0 || i >= cutconv_count()) {
