@@ -66,6 +66,10 @@ class ModelConfig:
     upsample: str = "nearest"  # "nearest" (F.interpolate), "expand" (broadcast copy) or "transposed" (folded into the conv)
     pad_image_channels: int = 0  # stem input and output-conv output zero-padded to this many channels; 0 = as is
     attn_linear: bool = False  # attention's 1x1 qkv and output convs as matmuls on the NHWC view (bias in the GEMM)
+    # With attn_linear: the qkv projection's backward from q, k and v's gradients where SDPA wrote them (three GEMMs
+    # for the weight, dh as one GEMM and two addmm onto it), where autograd stacked them into one (B, HW, 3C)
+    # gradient first: a copy of 3 x B x HW x C elements a call (0.19 ms at 16x16 on an H200, NOTES 44 and 49).
+    attn_split_grads: bool = False
     # "ddpm" res blocks: conv1's bias joins the time embedding in norm2's add (a pass over conv1's output fewer where
     # nothing can fuse the bias add: norm_impl=fused; +1.3-1.6% in the step on an H200, NOTES item 24).
     conv_bias_in_norm: bool = False
@@ -207,6 +211,9 @@ class ModelConfig:
         if self.conv_parts and not self.fused_parts:
             raise ValueError("conv_parts=True convolves the two parts the fused GroupNorm reads with fused_parts: it "
                              "needs fused_parts=True (and concat_free=True); set conv_parts=False")
+        if self.attn_split_grads and not self.attn_linear:
+            raise ValueError("attn_split_grads=True is the backward of attention's qkv matmul (attn_linear): set "
+                             "attn_linear=True or attn_split_grads=False")
         if self.conv_cutlass and (self.arch != "ddpm" or self.weight_standardize or self.depthwise_separable
                                   or self.conv_groups != 1):
             raise ValueError("conv_cutlass=True is built for arch='ddpm' res blocks with plain dense 3x3 convs "
@@ -240,9 +247,10 @@ def reference_config(cfg: ModelConfig) -> ModelConfig:
     it goes off with concat_free, else the reference network would be refused, and conv_parts with it; norm_residual's
     blocks return their sums uncomputed, which torchinfo's count of the published table cannot follow; norm_dbias
     needs norm_residual: it goes off with it, else a norm_dbias row's FLOP count is refused, as on an H200 at
-    0930219); conv_cutlass's blocks return their convolutions uncomputed too)."""
+    0930219); conv_cutlass's blocks return their convolutions uncomputed too; attn_split_grads goes with
+    attn_linear)."""
     return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, conv_parts=False, norm_residual=False,
-                   norm_dbias=False, conv_cutlass=False)
+                   norm_dbias=False, conv_cutlass=False, attn_split_grads=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -431,6 +439,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str,
     return scores.softmax(dim=-1) @ v  # (B, heads, N, d)
 
 
+class QKVProjection(torch.autograd.Function):
+    """q, k, v = the NHWC activation h's matmul with the qkv weight (one GEMM), split as SelfAttention splits it
+    (views of the GEMM's output), with a backward that takes their three gradients where SDPA wrote them: each
+    third of the weight's gradient a GEMM of its own, dh one GEMM and two addmm onto it (cuBLAS reads the C it adds),
+    so that no stacked (B, HW, 3, heads, d) gradient is copied together first (model.attn_split_grads)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int):
+        B, H, W, _ = h.shape
+        qkv = F.linear(h, weight, bias).reshape(B, H * W, 3, heads, -1)
+        ctx.save_for_backward(h, weight)
+        ctx.has_bias = bias is not None
+        return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        h, weight = ctx.saved_tensors
+        flat = h.reshape(-1, h.shape[-1])  # (B*HW, C): a view of an NHWC h
+        inner = weight.shape[0] // 3
+        dh, dw, db = None, [], []
+        for i, g in enumerate(grads):
+            g = g.transpose(1, 2).reshape(flat.shape[0], inner)  # (B, HW, heads, d): a view if SDPA wrote it so
+            w = weight[i * inner:(i + 1) * inner]
+            dw.append(g.t() @ flat)
+            db.append(g.sum(0))
+            dh = g @ w if dh is None else torch.addmm(dh, g, w)
+        return dh.view(h.shape), torch.cat(dw), torch.cat(db) if ctx.has_bias else None, None
+
+
 class SelfAttention(nn.Module):
     """Pre-norm multi-head self-attention over all H*W positions, with a residual connection.
 
@@ -442,7 +479,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, channels: int, heads: int, head_dim: int | None, norm_groups: int, qkv_bias: bool, impl: str,
                  norm_impl: str = "scale-shift", linear: bool = False, norm_plan: tuple[int, ...] | None = None,
-                 pending: bool = False, dbias: bool = False):
+                 pending: bool = False, dbias: bool = False, split_grads: bool = False):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
@@ -451,6 +488,7 @@ class SelfAttention(nn.Module):
         # The 1x1 convs as matmuls on the NHWC view: inductor hands a conv to cuDNN without its bias and adds the bias
         # in a kernel of its own, which nothing fuses when SDPA consumes the output; cuBLAS adds it in its epilogue.
         self.linear = linear
+        self.split_grads = split_grads  # with linear: QKVProjection's backward (model.attn_split_grads)
         self.pending = pending  # the output x + projection left as a Pending sum (model.norm_residual)
         inner = self.heads * self.head_dim
         self.norm = GroupNormAct(norm_groups, channels, norm_impl, silu=False, plan=norm_plan, dbias=dbias)
@@ -461,12 +499,16 @@ class SelfAttention(nn.Module):
         h = self.norm(x)  # computes a Pending input
         x = resolved(x)
         B, C, H, W = x.shape
-        if self.linear:  # (B, H, W, C) @ (C, 3*heads*d): a view and one GEMM if channels_last
-            qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
+        if self.linear and self.split_grads:
+            q, k, v = QKVProjection.apply(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias,
+                                          self.heads)
         else:
-            qkv = self.qkv(h).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
-        qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if channels_last
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
+            if self.linear:  # (B, H, W, C) @ (C, 3*heads*d): a view and one GEMM if channels_last
+                qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
+            else:
+                qkv = self.qkv(h).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
+            qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if channels_last
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
         o = attention(q, k, v, self.impl, self.sdpa_kernel)  # (B, heads, HW, d)
         o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim)  # (B, HW, heads, d) -> (B, H, W, heads*d)
         if self.linear:
@@ -653,7 +695,7 @@ class DDPMUNet(nn.Module):
         block = lambda cin, cout, uneven=False: DDPMResBlock(cfg, cin, cout, temb_dim, uneven)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, cfg.norm_groups, True,  # noqa: E731
                                        cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan(),
-                                       cfg.norm_residual, cfg.norm_dbias)
+                                       cfg.norm_residual, cfg.norm_dbias, cfg.attn_split_grads)
 
         # Down path: `down` is a flat list run in order; every module's output is pushed as a skip.
         self.down = nn.ModuleList()
@@ -718,7 +760,8 @@ class AnnotatedUNet(nn.Module):
         self.stem = ImageConv2d(cfg.in_channels, dim, cfg.stem_kernel, "in", cfg.pad_image_channels)
         block = lambda cin, cout: AnnotatedResBlock(cfg, cin, cout, temb_dim)  # noqa: E731
         attn = lambda c: SelfAttention(c, cfg.attn_heads, cfg.attn_head_dim, 1, False,  # noqa: E731
-                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan())
+                                       cfg.attn_impl, cfg.norm_impl, cfg.attn_linear, cfg.fused_norm_plan(),
+                                       split_grads=cfg.attn_split_grads)
         dims = [dim] + [dim * m for m in cfg.channel_mult]
         in_out = list(zip(dims[:-1], dims[1:]))
         n = cfg.num_res_blocks
