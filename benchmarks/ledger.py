@@ -341,6 +341,18 @@ def conv_tma(path: Path, d: dict) -> str:
     return f"batch {d['batch']}: " + "; ".join(parts)
 
 
+def conv_dgrad(path: Path, d: dict) -> str:
+    """benchmarks.speed.conv_dgrad: CUTLASS's 3x3 dgrad against cuDNN's over the step's sites, and the backward
+    reduction's passes an epilogue could take."""
+    best = [s for s in d["sites"] if s.get("best")]
+    cudnn, ours, passes = (sum(s["count"] * x for s, x in pairs) for pairs in
+                           ([(s, s["cudnn_ms"]) for s in best], [(s, s["best"]["ms"]) for s in best],
+                            [(s, s.get("passes_ms", 0.0)) for s in best]))
+    rate = f"{cudnn / ours:.3f}x cuDNN's rate ({_ms(cudnn)} -> {_ms(ours)} a step)" if best else "no correct config"
+    return (f"batch {d['batch']}: CUTLASS dgrad at {len(best)} of {len(d['sites'])} sites, {rate}; the backward "
+            f"reduction's passes there {_ms(passes)}")
+
+
 def cudnn_fusion(path: Path, d: dict) -> str:
     """benchmarks.speed.cudnn_fusion: which of cuDNN's graphs run around each 3x3 site, and what they cost a step
     over the plain convolution against the passes they remove."""
@@ -418,6 +430,7 @@ READERS = (
     Reader("copy rate by size", lambda p, d: {"rows", "iters", "footprint_gib"} <= d.keys(), copy_rate),
     Reader("conv sites", lambda p, d: {"rows", "benchmark_limit", "batch"} <= d.keys(), conv_sites),
     Reader("cuDNN fusions", lambda p, d: "cudnn_frontend" in d and "sites" in d, cudnn_fusion),
+    Reader("CUTLASS dgrad", lambda p, d: {"library", "sites", "batch"} <= d.keys() and "triton" not in d, conv_dgrad),
 )
 
 
