@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from math import prod
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(__file__).resolve().parent / "cutlass" / "conv_fprop.cu"
@@ -210,9 +212,47 @@ def conv_sums(x: Tensor, w: Tensor, res: Tensor | None = None, bias: Tensor | No
                             None if bias is None else bias.float().contiguous())
     s = F.conv2d(x.float(), w.float(), None, 1, 1)
     s = s if res is None else s + res.float() + (0 if bias is None else bias.float()[:, None, None])
-    nhwc = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
-    s = s.to(x.dtype).contiguous(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+    s = s.to(x.dtype).contiguous(memory_format=_layout(x))
     return s, tile_sums(s)
+
+
+# The dgrad config the op's backward runs (model.conv_cutlass_dgrad): 1.024x cuDNN's rate over the step's sites,
+# 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (results/h200/conv-dgrad-1d24bf8, NOTES 48).
+DGRAD_CONFIG = "dgrad pingpong 128x128x64"
+
+
+def _layout(t: Tensor) -> torch.memory_format:
+    return torch.channels_last if t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() \
+        else torch.contiguous_format
+
+
+def _on_kernel(dy: Tensor) -> bool:
+    return dy.is_cuda and dy.dtype == torch.bfloat16
+
+
+@torch.library.custom_op("ffcv_ddpm::conv3x3_dgrad", mutates_args=())
+def dgrad(dy: Tensor, w: Tensor) -> Tensor:
+    """dx of F.conv2d(x, w, padding=1) from its output's gradient dy: CUTLASS's dgrad (DGRAD_CONFIG) for bf16 CUDA
+    tensors, in channels_last; elsewhere the transposed convolution in torch, in dy's layout (the CPU tests)."""
+    if _on_kernel(dy):
+        cl = torch.channels_last
+        return conv3x3_dgrad(dy.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
+                             config_named(DGRAD_CONFIG))
+    return F.conv_transpose2d(dy, w, None, 1, 1).contiguous(memory_format=_layout(dy))
+
+
+@dgrad.register_fake
+def _(dy, w):
+    fmt = torch.channels_last if _on_kernel(dy) else _layout(dy)
+    return torch.empty((dy.shape[0], w.shape[1], *dy.shape[2:]), dtype=dy.dtype, device=dy.device,
+                       memory_format=fmt)
+
+
+@register_flop_formula(torch.ops.ffcv_ddpm.conv3x3_dgrad)
+def _dgrad_flops(dy_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
+    """As aten.convolution_backward's formula counts a data gradient: 2 N H W Cout Cin 9."""
+    n, _, h, w = dy_shape
+    return 2 * n * h * w * prod(w_shape)
 
 
 def tile_sums(out: Tensor, rows: int = TILE_M) -> Tensor:

@@ -223,6 +223,7 @@ class GroupNormAct(nn.GroupNorm):
             from ffcv_ddpm import conv_cutlass
 
             cx, w = fold.conv
+            dgrad = fold.cutlass_dgrad
             if x2 is None and res2 is None and conv_cutlass.applies(cx, w.shape[0]):
                 x, cw = cx, w.to(cx.dtype, memory_format=torch.channels_last)
             else:  # in torch first (a shape or type the kernel does not take, or two residuals)
@@ -246,7 +247,7 @@ class GroupNormAct(nn.GroupNorm):
                                                               *plan_args(self.plan), x2, self.saved_means,
                                                               self.mask_bits, res, res2, rbias, self.pair_hash,
                                                               self.x_sums, self.dbias, split,
-                                                              *(() if cw is None else (cw,)))  # (graphs as before)
+                                                              *(() if cw is None else (cw, dgrad)))  # (graphs as before)
         if fold and cw is not None and res is None:
             fold.spend()
         elif fold:
@@ -267,14 +268,16 @@ class Pending:
     once, and value() gives it to the readers after (the block's skip, the UNet's skip connections).
     conv = (input, weight) (model.conv_cutlass): h itself is left too, the 3x3 convolution (padding 1, no bias) of
     input by weight, which the fused GroupNorm runs with the sum and its statistics in one kernel where it can
-    (ffcv_ddpm.conv_cutlass); h is None then, and res may be None (the convolution alone, no bias)."""
+    (ffcv_ddpm.conv_cutlass); h is None then, and res may be None (the convolution alone, no bias). cutlass_dgrad
+    (model.conv_cutlass_dgrad): the op's backward takes that convolution's dx from CUTLASS's dgrad."""
 
     def __init__(self, h: Tensor | None, res: Tensor | None = None, res2: Tensor | None = None,
-                 bias: Tensor | None = None, conv: tuple[Tensor, Tensor] | None = None):
+                 bias: Tensor | None = None, conv: tuple[Tensor, Tensor] | None = None, cutlass_dgrad: bool = False):
         if (h is None) == (conv is None) or (res is None and (res2 is not None or bias is not None)):
             raise ValueError("Pending: give h or conv (not both), and a bias or second residual only with a residual")
         self.terms = (h, res, res2, bias)  # bias: (C,), any float dtype
         self.conv = conv
+        self.cutlass_dgrad = cutlass_dgrad  # the convolution's dx by CUTLASS's dgrad where the op runs it
         self.computed: Tensor | None = None  # the sum, once a reader has computed it
         self.spent = False  # a convolution alone, run by the fused GroupNorm reading it: not kept for others
 
@@ -356,8 +359,8 @@ def _on_triton(x: Tensor) -> bool:
 def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tensor, groups: int, eps: float,
                    silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
                    saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None,
-                   pair_hash: bool, x_sums: bool, dbias: bool, split_out: bool, cw: Tensor | None = None
-                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                   pair_hash: bool, x_sums: bool, dbias: bool, split_out: bool, cw: Tensor | None = None,
+                   cutlass_dgrad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(out, mean, rstd, cmean, bits, s, out2): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the
     plain-torch path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second
     part of a channel concatenation [x, x2] that is never materialised (model.fused_parts). cmean, bits: what the
@@ -369,7 +372,9 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
     model.conv_parts): out is the output's first C1 channels in x's layout and out2 the rest in x2's, else out2 is
     empty. cw (model.conv_cutlass): the op computes its input too, s = conv3x3(x, cw) (+ res + rbias), x being the
     convolution's input and cw its [C, Cin, 3, 3] weight, and returns s; on CUDA by CUTLASS's kernel, whose epilogue
-    writes the sums the statistics take (ffcv_ddpm.conv_cutlass), so no pass reads s for them. No x2 or res2."""
+    writes the sums the statistics take (ffcv_ddpm.conv_cutlass), so no pass reads s for them. No x2 or res2.
+    cutlass_dgrad (with cw; model.conv_cutlass_dgrad): the backward's dx of that convolution by CUTLASS's dgrad
+    (conv_cutlass.dgrad), its weight's gradient by cuDNN's."""
     if split_out and x2 is None:
         raise ValueError("fused GroupNorm: split_out writes the output of two parts as two tensors; x2 is None")
     if cw is not None and (x2 is not None or res2 is not None or cw.dtype != x.dtype):
@@ -391,7 +396,7 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
 
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
-      rbias, pair_hash, x_sums, dbias, split_out, cw=None):
+      rbias, pair_hash, x_sums, dbias, split_out, cw=None, cutlass_dgrad=False):
     x = x if cw is None else _conv_output_like(x, cw)  # what the GroupNorm normalises: the convolution's output
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out, out2 = _outputs_like(x, x2, split_out)
@@ -403,9 +408,10 @@ def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, sa
 
 @register_flop_formula(torch.ops.ffcv_ddpm.group_norm_act)
 def _flops(x_shape, *args, out_shape=None, **kwargs) -> int:
-    """FlopCounterMode's count of the op: its convolution's where it runs one (cw, model.conv_cutlass; the last
-    argument, passed only then), as aten.convolution's formula counts it; the GroupNorm's arithmetic is elementwise,
-    which FlopCounterMode never counts. (Its backward's convolution is aten.convolution_backward, counted as such.)"""
+    """FlopCounterMode's count of the op: its convolution's where it runs one (cw, model.conv_cutlass; argument 23,
+    passed only then), as aten.convolution's formula counts it; the GroupNorm's arithmetic is elementwise, which
+    FlopCounterMode never counts. (Its backward's convolution is aten.convolution_backward, or with cutlass_dgrad
+    that for the weight and conv_cutlass.dgrad, each with a formula of its own.)"""
     cw = args[22] if len(args) > 22 else kwargs.get("cw")
     if cw is None:
         return 0
@@ -473,7 +479,7 @@ def _outputs_like(x: Tensor, x2: Tensor | None, split_out: bool) -> tuple[Tensor
 
 def _setup_context(ctx, inputs, output):
     (x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias, split_out,
-     cw) = inputs
+     cw, cutlass_dgrad) = inputs
     _, mean, rstd, cmean, bits, s, _ = output
     # With a residual sum the kernels after the statistics read s, not x: the backward too. With a convolution (cw)
     # also its input and weight, for its backward.
@@ -488,6 +494,7 @@ def _setup_context(ctx, inputs, output):
     ctx.args = tuple(args)  # groups, eps, silu, p and the plan: tile, chunk, warps, stages
     ctx.residual = (res is not None, res2 is not None, None if rbias is None else rbias.dtype)
     ctx.pair_hash, ctx.x_sums, ctx.dbias, ctx.split_out = pair_hash, x_sums, dbias and rbias is not None, split_out
+    ctx.cutlass_dgrad = cutlass_dgrad
 
 
 def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
@@ -506,11 +513,15 @@ def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
     dcx = dcw = None
     if cw is not None:  # s = conv3x3(cx, cw) + ...: its input's and weight's gradients from s's (cuDNN's backward)
         dcx, dcw, _ = torch.ops.aten.convolution_backward(dx, cx, cw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
-                                                          [True, True, False])
+                                                          [not ctx.cutlass_dgrad, True, False])
+        if ctx.cutlass_dgrad:  # dx by CUTLASS's dgrad (model.conv_cutlass_dgrad)
+            from ffcv_ddpm import conv_cutlass
+
+            dcx = conv_cutlass.dgrad(dx, cw)
     return (dx if cw is None else dcx, da, db, (de if e is not None else None), None,
             *(None for _ in ctx.args),  # seed, the non-tensors
             dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias,
-            None, None, None, None, dcw)  # pair_hash, x_sums, dbias, split_out, cw
+            None, None, None, None, dcw, None)  # pair_hash, x_sums, dbias, split_out, cw, cutlass_dgrad
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)

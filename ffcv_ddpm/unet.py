@@ -122,6 +122,9 @@ class ModelConfig:
     # does not apply (8x8 and 4x4 maps, two residuals on the up path, fp32) the conv runs as before; conv1's bias
     # joins norm2's add as with conv_bias_in_norm. The backward is cuDNN's. NOTES 47-48.
     conv_cutlass: bool = False
+    # With conv_cutlass: those convolutions' data gradients by CUTLASS's dgrad too (the weight's stays cuDNN's):
+    # 1.024x cuDNN's rate over the step's sites, 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (NOTES 48).
+    conv_cutlass_dgrad: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -219,6 +222,9 @@ class ModelConfig:
             raise ValueError("conv_cutlass=True is built for arch='ddpm' res blocks with plain dense 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False, conv_groups=1); set "
                              "conv_cutlass=False")
+        if self.conv_cutlass_dgrad and not self.conv_cutlass:
+            raise ValueError("conv_cutlass_dgrad=True is the backward of the convolutions conv_cutlass runs: set "
+                             "conv_cutlass=True or conv_cutlass_dgrad=False")
         if self.conv_parts and (self.weight_standardize or self.depthwise_separable or self.conv_groups != 1):
             raise ValueError("conv_parts=True is built for res blocks with plain dense 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False, conv_groups=1); set "
@@ -232,7 +238,7 @@ UPSAMPLES = ("nearest", "expand", "transposed")
 # ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
 # of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
 FUSED_SWITCHES = ("fused_parts", "conv_parts", "norm_saved_means", "norm_mask_bits", "norm_residual",
-                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias", "conv_cutlass")
+                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias", "conv_cutlass", "conv_cutlass_dgrad")
 FUSED_OFF = tuple(f"model.{name}=False" for name in FUSED_SWITCHES)
 
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
@@ -250,7 +256,7 @@ def reference_config(cfg: ModelConfig) -> ModelConfig:
     0930219); conv_cutlass's blocks return their convolutions uncomputed too; attn_split_grads goes with
     attn_linear)."""
     return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, conv_parts=False, norm_residual=False,
-                   norm_dbias=False, conv_cutlass=False, attn_split_grads=False)
+                   norm_dbias=False, conv_cutlass=False, conv_cutlass_dgrad=False, attn_split_grads=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -585,6 +591,7 @@ class DDPMResBlock(nn.Module):
         self.bias_in_norm = cfg.conv_bias_in_norm  # conv1's bias added with the time embedding, inside norm2
         self.pending = cfg.norm_residual  # the output left as a Pending sum for the next fused GroupNorm
         self.conv_cutlass = cfg.conv_cutlass  # the convs left to the fused GroupNorm after them (Pending.conv)
+        self.cutlass_dgrad = cfg.conv_cutlass_dgrad  # ... and their dx by CUTLASS's dgrad
 
     def forward(self, x: torch.Tensor | Pending | tuple[torch.Tensor | Pending, ...],
                 temb: torch.Tensor) -> torch.Tensor | Pending:
@@ -601,7 +608,7 @@ class DDPMResBlock(nn.Module):
             # conv1's output is read only by norm2, which adds a per-(sample, channel) vector anyway: the bias goes
             # there. Inductor cannot fuse a bias add into the fused GroupNorm op, so it would cost a pass of its own.
             if self.conv_cutlass and not parts:  # conv1 itself left to norm2 (model.conv_cutlass)
-                h = Pending(None, conv=(h, c.weight))
+                h = Pending(None, conv=(h, c.weight), cutlass_dgrad=self.cutlass_dgrad)
             else:
                 h = (conv_over_parts(c, h, bias=False) if parts
                      else F.conv2d(h, c.weight, None, c.stride, c.padding, c.dilation, c.groups))
@@ -615,12 +622,13 @@ class DDPMResBlock(nn.Module):
             conv = (h, c2.weight) if self.conv_cutlass else None  # the conv too, with model.conv_cutlass
             h = None if conv else F.conv2d(h, c2.weight, None, c2.stride, c2.padding, c2.dilation, c2.groups)
             if isinstance(self.skip, nn.Identity):
-                return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias, conv=conv)
+                return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias, conv=conv,
+                               cutlass_dgrad=self.cutlass_dgrad)
             if conv and not isinstance(x, torch.Tensor):  # the up path's two parts: one residual (skip_over_parts)
                 res = (skip_over_parts(self.skip, x),)
             else:
                 res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
-            return Pending(h, *res, bias=bias + self.skip.bias, conv=conv)
+            return Pending(h, *res, bias=bias + self.skip.bias, conv=conv, cutlass_dgrad=self.cutlass_dgrad)
         h = self.conv2(h)
         if isinstance(x, torch.Tensor):
             return self.skip(x) + h

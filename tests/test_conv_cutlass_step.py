@@ -153,7 +153,7 @@ def test_the_op_with_a_convolution_compiles_as_one_call_and_its_backward_as_cudn
     (out.square().sum() + s.sum()).backward()
     fw = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "group_norm_act" in str(n.target)]
     bw = [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes if n.op == "call_function"]
-    assert len(fw) == 1 and isinstance(fw[0].args[-1], torch.fx.Node)  # cw
+    assert len(fw) == 1 and isinstance(fw[0].args[23], torch.fx.Node)  # cw
     assert fw[0].meta["val"][0].shape == (2, 128, 8, 16) and fw[0].meta["val"][5].shape == (2, 128, 8, 16)
     assert sum("group_norm_act_backward" in t for t in bw) == 1 and sum("convolution_backward" in t for t in bw) == 1
     ref = [t.clone().requires_grad_() for t in (cx, cw, res, rbias, temb)]
@@ -176,20 +176,23 @@ def small_ddpm(**switches):
     return build_model(cfg)
 
 
-def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_models_function(monkeypatch):
+@pytest.mark.parametrize("dgrad", [False, True], ids=["cudnn-dgrad", "cutlass-dgrad"])
+def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_models_function(dgrad, monkeypatch):
     """ddpm with model.conv_cutlass, compiled (fullgraph, AOT autograd's eager backend: the graphs inductor would
     get), against the same weights without it, eager: output and every parameter's gradient, and the sites that took
     the op's convolution: conv1 of each block at 16x16 (down 1, up 2: conv1's input is one tensor) and the last up
     block's conv2 (its residual one tensor, skip_over_parts; the output GroupNorm reads the sum alone); not the down
     block's conv2, whose sum the Downsample reads (value(), in torch), nor the first up block's, which the next
-    block's GroupNorm reads with the skip as two parts: 4 calls. The op's plain-torch path: its kernels are the op
-    tests' (under Triton's interpreter this network of 128 channels took 144 s)."""
+    block's GroupNorm reads with the skip as two parts: 4 calls. With model.conv_cutlass_dgrad their backward takes
+    dx from conv_cutlass.dgrad (4 calls in the backward graph; on the CPU the transposed convolution) and only the
+    weight's gradient from aten's. The op's plain-torch path: its kernels are the op tests' (under Triton's
+    interpreter this network of 128 channels took 144 s)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
     torch.manual_seed(0)
     base = small_ddpm().train()
-    fast = small_ddpm(conv_cutlass=True).train()
+    fast = small_ddpm(conv_cutlass=True, conv_cutlass_dgrad=dgrad).train()
     fast.load_state_dict(base.state_dict())
     calls = []
     monkeypatch.setattr(CC, "conv_sums", lambda *a, f=CC.conv_sums: calls.append(1) or f(*a))
@@ -205,11 +208,13 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
         outs.append((y, {k.removeprefix("_orig_mod."): p.grad for k, p in model.named_parameters()}))
     assert len(calls) == 4
     ops = [n for gm in backend.fw_graphs for n in gm.graph.nodes if "ffcv_ddpm.group_norm_act" in str(n.target)]
-    assert sum(isinstance(n.args[-1], torch.fx.Node) for n in ops) == 4  # their cw
+    assert sum(len(n.args) > 23 and isinstance(n.args[23], torch.fx.Node) for n in ops) == 4  # their cw
     # s's gradient from other readers (ds, argument 19 of the backward op) only where there is a residual sum (res,
     # argument 16 of the op): not at the convolutions the op ran alone, where it would be a zero fill and a read
     backward = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
     assert sum(n.args[19] is not None for n in backward) == sum(n.args[16] is not None for n in ops) > 0
+    targets = [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("conv3x3_dgrad" in t for t in targets) == (4 if dgrad else 0)
     (y0, g0), (y1, g1) = outs
     assert rel(y1, y0) < 1e-5
     for k in g0:
@@ -218,19 +223,20 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
 
 def test_flop_counter_counts_the_convolutions_the_op_runs():
     """FlopCounterMode over a training step (on the meta device, as benchmarks.speed.flops counts): the same FLOPs
-    with model.conv_cutlass as without (the op's convolutions by its formula, their backward as aten's), where
-    without the formula 3 forward convolutions would go uncounted."""
+    with model.conv_cutlass as without (the op's convolutions by its formula, their backward as aten's) and with
+    conv_cutlass_dgrad (conv_cutlass.dgrad's formula), where without the formulas 4 convolutions would go
+    uncounted each way."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counts = []
-    for on in (False, True):
+    for on in (False, True, "dgrad"):
         with torch.device("meta"):
-            model = small_ddpm(conv_cutlass=on)
+            model = small_ddpm(conv_cutlass=bool(on), conv_cutlass_dgrad=on == "dgrad")
             x, t = torch.randn(2, 3, 16, 16), torch.randint(0, 1000, (2,))
         with FlopCounterMode(display=False) as counter:
             model(x, t).square().mean().backward()
         counts.append(counter.get_total_flops())
-    assert counts[1] == counts[0] > 0
+    assert counts[2] == counts[1] == counts[0] > 0
 
 
 def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
@@ -247,6 +253,19 @@ def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
     assert out.shape == want.shape and out.is_contiguous(memory_format=CL) and rel(out, want) < 1e-12
 
 
+def test_the_dgrad_op_is_the_transposed_convolution_and_its_fake_agrees():
+    """conv_cutlass.dgrad on CPU tensors (the transposed convolution, in dy's layout) against autograd's dx of
+    conv2d, and its fake implementation's shape and layout (torch.library.opcheck)."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 16, 8, 16, generator=g, dtype=torch.float64).contiguous(memory_format=CL).requires_grad_()
+    w = torch.randn(24, 16, 3, 3, generator=g, dtype=torch.float64)
+    dy = torch.randn(2, 24, 8, 16, generator=g, dtype=torch.float64).contiguous(memory_format=CL)
+    want, = torch.autograd.grad(F.conv2d(x, w, None, 1, 1), x, dy)
+    got = CC.dgrad(dy, w)
+    assert got.is_contiguous(memory_format=CL) and rel(got, want) < 1e-12
+    torch.library.opcheck(torch.ops.ffcv_ddpm.conv3x3_dgrad, (dy, w), test_utils=("test_schema", "test_faketensor"))
+
+
 def test_conv_cutlass_is_a_switch_of_the_fused_ddpm_blocks():
     from ffcv_ddpm.unet import PRESETS, ModelConfig, reference_config
     from dataclasses import replace
@@ -257,6 +276,8 @@ def test_conv_cutlass_is_a_switch_of_the_fused_ddpm_blocks():
     with pytest.raises(ValueError, match="conv_cutlass=True is built for arch='ddpm'"):
         ModelConfig(norm_impl="fused", conv_cutlass=True, conv_groups=2).validate()
     assert not reference_config(replace(PRESETS["ddpm-cifar10"], conv_cutlass=True)).conv_cutlass
+    with pytest.raises(ValueError, match="conv_cutlass_dgrad=True is the backward of the convolutions conv_cutlass"):
+        replace(PRESETS["ddpm-cifar10"], conv_cutlass_dgrad=True).validate()
 
 
 # ---------------------------------------------------------------------------------------------------- on a GPU
@@ -271,11 +292,13 @@ def needs_cutlass():
         pytest.skip(str(e))
 
 
+@pytest.mark.parametrize("dgrad", [False, True], ids=["cudnn-dgrad", "cutlass-dgrad"])
 @pytest.mark.parametrize("residual,cout,h", [(False, 128, 32), (True, 256, 16)])
-def test_cutlass_kernel_in_the_op_against_the_presets_path(residual, cout, h):
-    """On an H100/H200, bf16: the op running CUTLASS's convolution with its sums against the preset's path (cuDNN's
-    convolution, then the op's statistics kernel, which adds the residual and bias as it reads): s, out and every
-    gradient within bf16's rounding; the kernel's sums those of the s it wrote."""
+def test_cutlass_kernel_in_the_op_against_the_presets_path(residual, cout, h, dgrad):
+    """On an H100/H200, bf16: the op running CUTLASS's convolution with its sums (and with model.conv_cutlass_dgrad
+    its backward's dx by CUTLASS's dgrad) against the preset's path (cuDNN's convolution, then the op's statistics
+    kernel, which adds the residual and bias as it reads): s, out and every gradient within bf16's rounding; the
+    kernel's sums those of the s it wrote."""
     needs_cutlass()
     g = torch.Generator().manual_seed(8)
     cx, cw, res, rbias, temb = case(8, 128, cout, h, h, residual, g, torch.bfloat16, "cuda")
@@ -289,7 +312,7 @@ def test_cutlass_kernel_in_the_op_against_the_presets_path(residual, cout, h):
         lx, lw, *rest = leaves
         lres, lbias, ltemb = rest if residual else (None, None, rest[0])
         if kernel:
-            x = Pending(None, lres, bias=lbias, conv=(lx, lw))
+            x = Pending(None, lres, bias=lbias, conv=(lx, lw), cutlass_dgrad=dgrad)
         else:
             h = F.conv2d(lx, lw, None, 1, 1)
             x = Pending(h, lres, bias=lbias) if residual else h
