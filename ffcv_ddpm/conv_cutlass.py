@@ -319,10 +319,11 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias:
           op: int = OP_FPROP):
     """One call of a config: x is the forward's input, or with a dgrad config dy (what the kernel reads first); the
     output y, or dx."""
+    what = ("the forward", "the data gradient")  # by OP_*
     if config.op != op:
-        raise ValueError(f"conv3x3: CUTLASS config {config.name!r} computes {('the forward', 'the data gradient')[config.op]}"
-                         f"; the call asks for {('the forward', 'the data gradient')[op]}")
-    dgrad = op == OP_DGRAD
+        raise ValueError(f"conv3x3: CUTLASS config {config.name!r} computes {what[config.op]}; the call asks for "
+                         f"{what[op]}")
+    is_dgrad = op == OP_DGRAD
     n, _, h, wd = x.shape
     k, c = w.shape[:2]  # the forward's output and input channels
     cl = torch.channels_last
@@ -330,9 +331,9 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias:
     if config.epilogue != want:
         raise ValueError(f"conv3x3: CUTLASS config {config.name!r} has epilogue flags {config.epilogue}, the call "
                          f"asks for {want} (residual {res is not None}, sums {stats})")
-    if tuple(w.shape) != (k, c, 3, 3) or x.shape[1] != (k if dgrad else c) or not (
+    if tuple(w.shape) != (k, c, 3, 3) or x.shape[1] != (k if is_dgrad else c) or not (
             x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
-        raise ValueError(f"conv3x3: expected {'dy [N, K' if dgrad else 'x [N, C'}, H, W] and w [K, C, 3, 3] both "
+        raise ValueError(f"conv3x3: expected {'dy [N, K' if is_dgrad else 'x [N, C'}, H, W] and w [K, C, 3, 3] both "
                          f"channels_last, got {tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
     if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.bfloat16):
         raise ValueError(f"conv3x3: expected bf16 CUDA tensors, got x {x.dtype} on {x.device}, w {w.dtype} on "
@@ -347,7 +348,7 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias:
                          f"{tuple(bias.shape)} on {bias.device} (residual {res is not None})")
     if stats and (n * h * wd % TILE_M or k % 128):
         raise ValueError(f"conv3x3: sums need N*H*W a multiple of {TILE_M} and Cout of 128 (got {n * h * wd}, {k})")
-    y = torch.empty(n, c if dgrad else k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
+    y = torch.empty(n, c if is_dgrad else k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
     sums = torch.empty(2, n * h * wd // TILE_M, k, device=x.device, dtype=torch.float32) if stats else None
     err = ctypes.create_string_buffer(ERR_LEN)
     rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(),
