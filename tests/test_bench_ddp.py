@@ -29,7 +29,7 @@ def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
     mode, each rank's data wait in the DDP points. (One call: a torchrun launch costs ~10 s of a 2-core machine.)"""
     out = tmp_path / "res"
     rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1,2", "--mode", "both",
-                   "data.batch_size=16", LOADER, "--steps", "12", "--log-every", "2", "--out", str(out), "--control",
+                   "data.batch_size=16", LOADER, "--steps", "8", "--log-every", "2", "--out", str(out), "--control",
                    "--allreduce", "--variant", "small-buckets:train.ddp_reduce=ddp train.ddp_bucket_mb=0.01",
                    "--variant", "bf16-grads:train.ddp_grad_dtype=bf16", "--loss-check"])
     result = json.loads((out / "ddp.json").read_text())
@@ -38,11 +38,11 @@ def test_ddp_scaling_benchmark_and_its_diagnostics_on_cpu(data, tmp_path):
     assert [p["global_batch"] for p in points] == [16, 32]
     for p in points:
         assert p["img_per_s"] > 0 and 0 <= p["data_wait_share"] <= 1 and p["mfu_per_gpu"] is None
-        assert [s["step"] for s in p["stats"]] == [2, 4, 6, 8, 10, 12]
-        # The intervals after the first: 10 steps of the global batch over the seconds the five took.
+        assert [s["step"] for s in p["stats"]] == [2, 4, 6, 8]
+        # The intervals after the first: 6 steps of the global batch over the seconds the three took.
         seconds = sum(2 * p["global_batch"] / s["img_per_s"] for s in p["stats"][1:])
-        assert p["img_per_s"] == pytest.approx(10 * p["global_batch"] / seconds)
-        assert p["img_per_s_median"] == pytest.approx(sorted(s["img_per_s"] for s in p["stats"][1:])[2])
+        assert p["img_per_s"] == pytest.approx(6 * p["global_batch"] / seconds)
+        assert p["img_per_s_median"] == pytest.approx(sorted(s["img_per_s"] for s in p["stats"][1:])[1])
         assert 0 < p["img_per_s_wall"] < p["img_per_s"]  # wall time holds the steps and the intervals' syncs
     assert points[0]["scaling_efficiency"] == 1.0
     md = (out / "ddp.md").read_text()

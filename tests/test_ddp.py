@@ -33,9 +33,15 @@ def train_two_ranks(tmp_path, *overrides) -> Path:
     return run_dir
 
 
+# The runs that compare the two reductions read the dataset into memory: FFCV's pipeline compiles for seconds in every
+# rank on a CPU, and the reduction is what they check. test_two_nodes_of_one_process_each trains DDP through FFCV's
+# loader (its distributed order by global rank).
+MEMORY = "data.loader=torch-memory"
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    return train_two_ranks(tmp_path_factory.mktemp("ddp"), "train.ddp_reduce=ddp")
+    return train_two_ranks(tmp_path_factory.mktemp("ddp"), MEMORY, "train.ddp_reduce=ddp")
 
 
 def test_two_ranks_train_in_lockstep(ddp_run):
@@ -97,7 +103,7 @@ def test_the_flat_all_reduce_trains_as_ddp_does(ddp_run, tmp_path):
     """train.ddp_reduce=flat (the default) against DDP's wrapper, same seeds and data: the same losses and, after 6
     steps, the same weights bit for bit (an average of two ranks is exact in either order: DDP halves then sums, flat
     sums then halves), and its checkpoints pass the ranks' agreement check."""
-    flat = train_two_ranks(tmp_path)  # the default
+    flat = train_two_ranks(tmp_path, MEMORY)  # the default reduction
     losses = [[json.loads(line)["loss"] for line in (d / "stats.jsonl").read_text().splitlines()]
               for d in (ddp_run, flat)]
     assert losses[0] == losses[1] and len(losses[0]) == 3
