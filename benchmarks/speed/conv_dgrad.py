@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from benchmarks.common import commit_text, write_json, write_text
+from benchmarks.speed.conv_tma import rel_error
 from ffcv_ddpm import conv_cutlass
 from ffcv_ddpm.checks import fail
 
@@ -31,10 +32,6 @@ def cudnn_dgrad(dy: Tensor, x: Tensor, w: Tensor) -> Tensor:
     """dx of F.conv2d(x, w, padding=1) as autograd asks cuDNN for it (x gives the shape and layout only)."""
     return torch.ops.aten.convolution_backward(dy, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
                                                [True, False, False])[0]
-
-
-def rel_error(out: Tensor, ref: Tensor) -> float:
-    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
 
 
 def site_row(spec, count: int, batch: int, configs, iters: int, copy_gbs) -> dict:
