@@ -33,8 +33,6 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
-from ffcv_ddpm.norm import _format  # a tensor's memory format, as the fused GroupNorm's outputs keep it
-
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(__file__).resolve().parent / "cutlass" / "conv_fprop.cu"
 HOME = ROOT / ".cutlass"  # git-ignored: the wheel, the unpacked headers, the built library
@@ -214,13 +212,19 @@ def conv_sums(x: Tensor, w: Tensor, res: Tensor | None = None, bias: Tensor | No
                             None if bias is None else bias.float().contiguous())
     s = F.conv2d(x.float(), w.float(), None, 1, 1)
     s = s if res is None else s + res.float() + (0 if bias is None else bias.float()[:, None, None])
-    s = s.to(x.dtype).contiguous(memory_format=_format(x))
+    s = s.to(x.dtype).contiguous(memory_format=_layout(x))
     return s, tile_sums(s)
 
 
 # The dgrad config the op's backward runs (model.conv_cutlass_dgrad): 1.024x cuDNN's rate over the step's sites,
 # 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (results/h200/conv-dgrad-1d24bf8, NOTES 48).
 DGRAD_CONFIG = "dgrad pingpong 128x128x64"
+
+
+def _layout(t: Tensor) -> torch.memory_format:
+    """norm._format's rule (channels_last where the tensor is laid out so), here: norm imports this module."""
+    return torch.channels_last if t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous() \
+        else torch.contiguous_format
 
 
 def _on_kernel(dy: Tensor) -> bool:
@@ -235,12 +239,12 @@ def dgrad(dy: Tensor, w: Tensor) -> Tensor:
         cl = torch.channels_last
         return conv3x3_dgrad(dy.contiguous(memory_format=cl), w.contiguous(memory_format=cl),
                              config_named(DGRAD_CONFIG))
-    return F.conv_transpose2d(dy, w, None, 1, 1).contiguous(memory_format=_format(dy))
+    return F.conv_transpose2d(dy, w, None, 1, 1).contiguous(memory_format=_layout(dy))
 
 
 @dgrad.register_fake
 def _(dy, w):
-    fmt = torch.channels_last if _on_kernel(dy) else _format(dy)
+    fmt = torch.channels_last if _on_kernel(dy) else _layout(dy)
     return torch.empty((dy.shape[0], w.shape[1], *dy.shape[2:]), dtype=dy.dtype, device=dy.device,
                        memory_format=fmt)
 
