@@ -43,7 +43,7 @@ WHEEL_PARTS = {"cutlass_library/source/include/cute/": "cute/",
                "cutlass_library/source/include/cutlass/": "cutlass/",
                "cutlass_library/source/tools/util/include/cutlass/util/": "cutlass/util/"}
 ERR_LEN = 512
-EPI_RESIDUAL, EPI_STATS = 1, 2  # conv_fprop.cu's epilogue flags
+EPI_RESIDUAL, EPI_STATS, EPI_ACT_SUMS = 1, 2, 4  # conv_fprop.cu's epilogue flags
 OP_FPROP, OP_DGRAD = 0, 1  # what a config computes: the forward convolution, or its data gradient
 TILE_M = 128  # the M tile of the configs with sums: a partial sum per 128 output pixels
 
@@ -143,6 +143,8 @@ def library() -> ctypes.CDLL:
         lib.cutconv_name.restype = ctypes.c_char_p
         lib.cutconv_fprop.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 5, ctypes.c_void_p,
                                       ctypes.c_char_p, ctypes.c_int]
+        lib.cutconv_dgrad_sums.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6,
+                                           ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         _LIB = lib
     return _LIB
 
@@ -165,6 +167,60 @@ def conv3x3_dgrad(dy: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
     """The data gradient of F.conv2d(x, w, padding=1): dx [N, Cin, H, W] from dy [N, Cout, H, W] (bf16, CUDA,
     channels_last; w KRSC as conv3x3 takes it), by a dgrad config (OP_DGRAD)."""
     return _call(dy, w, config, None, None, False, OP_DGRAD)[0]
+
+
+def conv3x3_dgrad_sums(dy: Tensor, w: Tensor, config: CutlassConfig, x: Tensor, coef: Tensor,
+                       silu: int) -> tuple[Tensor, Tensor]:
+    """(dx, sums): conv3x3_dgrad's dx, and the backward reduction's sums of the GroupNorm + SiLU that made the
+    convolution's input (NOTES 48), by a dgrad config with EPI_ACT_SUMS: x is that GroupNorm's input (bf16, dx's
+    shape, channels_last), coef fp32 [N, 2, Cin] its per-(sample, channel) (u, v) (its affine output is x u + v),
+    silu its GroupNormAct.silu_mode; sums fp32 [2, N*H*W / 128, Cin] of g = dx SiLU'(x u + v) and of g x over each
+    128 pixels (act_sums is the same in torch). H*W a multiple of 128: a tile within one sample."""
+    n, k, h, wd = dy.shape
+    c = w.shape[1]
+    cl = torch.channels_last
+    if config.op != OP_DGRAD or config.epilogue != EPI_STATS | EPI_ACT_SUMS:
+        raise ValueError(f"conv3x3_dgrad_sums: CUTLASS config {config.name!r} is not a dgrad with the activation's sums")
+    if tuple(x.shape) != (n, c, h, wd) or x.dtype != dy.dtype or not x.is_contiguous(memory_format=cl):
+        raise ValueError(f"conv3x3_dgrad_sums: x must be {dy.dtype} [{n}, {c}, {h}, {wd}] channels_last (dx's shape), "
+                         f"got {x.dtype} {tuple(x.shape)} {x.stride()}")
+    if coef.shape != (n, 2, c) or coef.dtype != torch.float32 or not coef.is_contiguous() or coef.device != dy.device:
+        raise ValueError(f"conv3x3_dgrad_sums: coef must be contiguous fp32 [{n}, 2, {c}] on {dy.device}, got "
+                         f"{coef.dtype} {tuple(coef.shape)} on {coef.device}")
+    if h * wd % TILE_M or c % 128 or silu not in (0, 1, 2):
+        raise ValueError(f"conv3x3_dgrad_sums: needs H*W a multiple of {TILE_M} (got {h * wd}), Cin of 128 (got {c}) "
+                         f"and silu 0, 1 or 2 (got {silu})")
+    if tuple(w.shape) != (k, c, 3, 3) or not (dy.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
+        raise ValueError(f"conv3x3_dgrad_sums: expected dy [N, K, H, W] and w [K, C, 3, 3] both channels_last, got "
+                         f"{tuple(dy.shape)} {dy.stride()}, w {tuple(w.shape)} {w.stride()}")
+    if not (dy.is_cuda and w.is_cuda and dy.dtype == w.dtype == torch.bfloat16):
+        raise ValueError(f"conv3x3_dgrad_sums: expected bf16 CUDA tensors, got dy {dy.dtype} on {dy.device}, w "
+                         f"{w.dtype} on {w.device}")
+    dx = torch.empty(n, c, h, wd, device=dy.device, dtype=dy.dtype, memory_format=cl)
+    sums = torch.empty(2, n * h * wd // TILE_M, c, device=dy.device, dtype=torch.float32)
+    err = ctypes.create_string_buffer(ERR_LEN)
+    rc = library().cutconv_dgrad_sums(config.index, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), x.data_ptr(),
+                                      coef.data_ptr(), sums[0].data_ptr(), sums[1].data_ptr(), n, h, wd, c, k, silu,
+                                      torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
+    if rc:
+        raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
+    return dx, sums
+
+
+def act_sums(dx: Tensor, x: Tensor, coef: Tensor, silu: int, rows: int = TILE_M) -> Tensor:
+    """conv3x3_dgrad_sums' sums in torch (fp32), from its dx: per `rows` pixels and channel, of g = dx SiLU'(y) and
+    g x, y = x u + v (SiLU' exact: silu 1 and 2 are the same function); in fp32, fp64 for fp64 inputs."""
+    n, c = x.shape[:2]
+    dt = torch.promote_types(x.dtype, torch.float32)
+    x, dx, coef = x.to(dt), dx.to(dt), coef.to(dt)
+    y = x * coef[:, 0, :, None, None] + coef[:, 1, :, None, None]
+    if silu:
+        s = torch.sigmoid(y)
+        g = dx * s * (1 + y * (1 - s))
+    else:
+        g = dx
+    flat = lambda t: t.permute(0, 2, 3, 1).reshape(-1, rows, c)  # noqa: E731 - [tiles, rows, C] in NHWC order
+    return torch.stack([flat(g).sum(1), flat(g * x).sum(1)])
 
 
 def conv3x3_sums(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None = None,
@@ -217,8 +273,9 @@ def conv_sums(x: Tensor, w: Tensor, res: Tensor | None = None, bias: Tensor | No
 
 
 # The dgrad config the op's backward runs (model.conv_cutlass_dgrad): 1.024x cuDNN's rate over the step's sites,
-# 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (results/h200/conv-dgrad-1d24bf8, NOTES 48).
-DGRAD_CONFIG = "dgrad pingpong 128x128x64"
+# 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (results/h200/conv-dgrad-1d24bf8, NOTES 48); and the same with the
+# backward reduction's sums in its epilogue (conv3x3_dgrad_sums).
+DGRAD_CONFIG, DGRAD_SUMS_CONFIG = "dgrad pingpong 128x128x64", "dgrad pingpong 128x128x64 + act sums"
 
 
 def _layout(t: Tensor) -> torch.memory_format:

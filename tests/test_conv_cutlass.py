@@ -186,9 +186,65 @@ def test_the_dgrad_table_sums_a_step_over_the_sites_that_ran():
     result = {"command": "python -m benchmarks.speed.conv_dgrad --out OUT", "environment": {}, "device_name": "H200",
               "batch": 1024, "library": "libconv_fprop-x.so", "sites": [ok, bad]}
     md = CD.render(result)
-    assert "| 128->128 32x32/s1 [GN+SiLU; -] | 5 | 0.500 (4000) | 0.400 (5000) | dgrad pingpong 128x128x64 | 0.130 |" in md
+    assert ("| 128->128 32x32/s1 [GN+SiLU; -] | 5 | 0.500 (4000) | 0.400 (5000) | dgrad pingpong 128x128x64 | 0.130 "
+            "| - | - |") in md
     assert "no correct config: RuntimeError: launch failed" in md
     assert "cuDNN 2.50 ms, CUTLASS 2.00 ms (1.250x cuDNN's rate)" in md and "GroupNorm feeds: 0.65 ms" in md
+    assert "act sums" not in md.split("\n")[-2]  # no fused rows ran: no line for them
+    # with the epilogue's row: its time against the plain dgrad's plus the passes, and a wrong one named
+    ok["act_sums"] = [{"config": CC.DGRAD_SUMS_CONFIG, "rel_err": 1e-3, "sums_err": 1e-4, "ms": 0.45}]
+    ok["fused"] = dict(ok["act_sums"][0], saved_ms=0.40 + 0.13 - 0.45)
+    bad["act_sums"] = [{"config": CC.DGRAD_SUMS_CONFIG, "rel_err": 1e-3, "sums_err": 0.3, "ms": 0.1}]
+    md = CD.render(result)
+    assert "| dgrad pingpong 128x128x64 | 0.130 | 0.450 | +0.080 |" in md
+    assert "wrong: dx 0.001, sums 0.3" in md
+    assert "+0.40 ms a step saved against the plain dgrad and the passes" in md
+
+
+DGRAD_SUMS = CC.CutlassConfig(3, CC.DGRAD_SUMS_CONFIG, 6, 205824, 1, CC.EPI_STATS | CC.EPI_ACT_SUMS, CC.OP_DGRAD)
+
+
+def test_the_act_sums_are_the_group_norm_backwards_reduction():
+    """act_sums' (g, g x), summed over a sample's tiles, give what autograd gives GroupNorm + SiLU's affine: db = sum g,
+    da = sum g xhat = rstd (sum g x - mean sum g), with (u, v) the affine output's coefficients of x."""
+    g = torch.Generator().manual_seed(0)
+    n, c, groups, hw = 2, 128, 32, 16
+    x = (torch.randn(n, c, hw, hw, generator=g, dtype=torch.float64) * 2 + 0.5).to(memory_format=torch.channels_last)
+    a = (torch.rand(n, c, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    b = (torch.randn(n, c, generator=g, dtype=torch.float64) * 0.3).requires_grad_()
+    xg = x.reshape(n, groups, -1)
+    mean = xg.mean(-1, keepdim=True)
+    rstd = (xg.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    xhat = ((xg - mean) * rstd).reshape(x.shape)
+    dout = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    torch.nn.functional.silu(xhat * a[:, :, None, None] + b[:, :, None, None]).backward(dout)
+    # the affine output is x u + v per (sample, channel)
+    m, r = mean.expand(n, groups, c // groups).reshape(n, c), rstd.expand(n, groups, c // groups).reshape(n, c)
+    coef = torch.stack([r * a.detach(), -m * r * a.detach() + b.detach()], 1)
+    sums = CC.act_sums(dout, x, coef, silu=2).view(2, n, hw * hw // CC.TILE_M, c).sum(2)
+    torch.testing.assert_close(sums[0], b.grad)
+    torch.testing.assert_close(r * (sums[1] - m * sums[0]), a.grad)
+    plain = CC.act_sums(dout, x, coef, silu=0).view(2, n, -1, c).sum(2)  # without SiLU: dout's own sums
+    torch.testing.assert_close(plain[0], dout.sum((2, 3)))
+
+
+def test_a_dgrad_with_sums_is_refused_before_any_launch_where_its_operands_do_not_fit():
+    cl = torch.channels_last
+    dy = torch.randn(2, 128, 16, 16).bfloat16().to(memory_format=cl)
+    w = torch.randn(128, 128, 3, 3).bfloat16().to(memory_format=cl)
+    x = torch.randn(2, 128, 16, 16).bfloat16().to(memory_format=cl)
+    coef = torch.randn(2, 2, 128)
+    with pytest.raises(ValueError, match="is not a dgrad with the activation's sums"):
+        CC.conv3x3_dgrad_sums(dy, w, DGRAD, x, coef, 2)
+    with pytest.raises(ValueError, match=r"x must be torch.bfloat16 \[2, 128, 16, 16\] channels_last"):
+        CC.conv3x3_dgrad_sums(dy, w, DGRAD_SUMS, x.contiguous(), coef, 2)
+    with pytest.raises(ValueError, match=r"coef must be contiguous fp32 \[2, 2, 128\]"):
+        CC.conv3x3_dgrad_sums(dy, w, DGRAD_SUMS, x, coef[:, :1], 2)
+    small = lambda t: t[:, :, :8, :8].contiguous(memory_format=cl)  # noqa: E731 - 64 pixels a sample
+    with pytest.raises(ValueError, match="needs H\\*W a multiple of 128 \\(got 64\\)"):
+        CC.conv3x3_dgrad_sums(small(dy), w, DGRAD_SUMS, small(x), coef, 2)
+    with pytest.raises(ValueError, match="expected bf16 CUDA tensors"):
+        CC.conv3x3_dgrad_sums(dy, w, DGRAD_SUMS, x, coef, 2)
 
 
 def test_the_dgrad_benchmark_says_it_needs_an_sm90_gpu(tmp_path, capsys):

@@ -9,7 +9,11 @@ Per stride-1 site of the network (conv_gn_bench's sites, the costliest first): c
 transposed convolution; each one CUDA graph of --iters calls. Where a GroupNorm + SiLU produced the convolution's
 input, the pass its backward reduction makes over x and dx (2 passes of dx's bytes, at the copy rate of that size) is
 what an epilogue taking the reduction's sums would remove: the `passes` column, against which a CUTLASS dgrad's time
-over cuDNN's is read. Writes conv_dgrad.json and .md under --out after every site.
+over cuDNN's is read. There, too, the dgrad config whose epilogue takes those sums (EPI_ACT_SUMS:
+conv_cutlass.conv3x3_dgrad_sums, on random GroupNorm inputs and coefficients; its sums checked against act_sums on
+its own dx): its time against the plain dgrad's plus the passes is what it would save (the passes at the copy rate,
+under the reduction kernel's own time: NOTES 44 measured it at 63-75% of that rate). Writes conv_dgrad.json and .md
+under --out after every site.
 """
 
 from __future__ import annotations
@@ -51,17 +55,36 @@ def site_row(spec, count: int, batch: int, configs, iters: int, copy_gbs) -> dic
     if spec.norm:  # the GroupNorm backward's reduction reads x and dx: 2 passes of dx's bytes
         nbytes = 2 * batch * spec.cin * spec.h ** 2
         entry["passes_ms"] = 2 * nbytes / copy_gbs(nbytes) / 1e6
+    act = None  # the activation's operands where a GroupNorm made the input and its tiles lie in one sample
+    if spec.norm and spec.h ** 2 % conv_cutlass.TILE_M == 0 and spec.cin % 128 == 0:
+        xg = torch.randn(batch, spec.cin, spec.h, spec.h, device="cuda", generator=g).bfloat16().to(memory_format=cl)
+        u = 1 + 0.3 * torch.randn(batch, spec.cin, device="cuda", generator=g)
+        coef = torch.stack([u, 0.5 * torch.randn(batch, spec.cin, device="cuda", generator=g)], 1).contiguous()
+        act = (xg, coef, 2 if spec.silu else 0)  # 2: the preset's SiLU (norm_fast_silu)
     for config in configs:
         row = {"config": config.name}
+        sums = config.epilogue & conv_cutlass.EPI_ACT_SUMS
+        if sums and act is None:
+            continue
         try:
-            row["rel_err"] = max(rel_error(conv_cutlass.conv3x3_dgrad(dy, w, config), ref) for _ in range(3))
-            row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad(dy, w, config), iters, warmup=2)
+            if sums:
+                dx, out = conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *act)
+                row["rel_err"] = rel_error(dx, ref)
+                row["sums_err"] = max(rel_error(s, r) for s, r in zip(out, conv_cutlass.act_sums(dx, *act)))
+                row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *act), iters, warmup=2)
+            else:
+                row["rel_err"] = max(rel_error(conv_cutlass.conv3x3_dgrad(dy, w, config), ref) for _ in range(3))
+                row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad(dy, w, config), iters, warmup=2)
         except Exception as e:  # noqa: BLE001 - a config that cannot run a shape is a row with its error
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        entry["rows"].append(row)
+        (entry.setdefault("act_sums", []) if sums else entry["rows"]).append(row)
     good = [r for r in entry["rows"] if "ms" in r and r["rel_err"] <= 2e-2]
     if good:
         entry["best"] = min(good, key=lambda r: r["ms"])
+    fused = [r for r in entry.get("act_sums", []) if "ms" in r and r["rel_err"] <= 2e-2 and r["sums_err"] <= 1e-2]
+    if fused and good and "passes_ms" in entry:  # what the epilogue saves: the plain dgrad and the passes it takes
+        entry["fused"] = min(fused, key=lambda r: r["ms"])
+        entry["fused"]["saved_ms"] = entry["best"]["ms"] + entry["passes_ms"] - entry["fused"]["ms"]
     return entry
 
 
@@ -72,9 +95,10 @@ def render(result: dict) -> str:
              f"{result.get('library')}; batch {result['batch']}, bf16, channels_last, stride 1, fp32 accumulation; "
              "ms a call, CUDA-graph replays; the fastest config a site among those within 2e-2 of fp32 (the json "
              "has every config).", "",
-             "| site | a step | cuDNN ms (TFLOP/s) | CUTLASS ms (TFLOP/s) | config | the reduction's passes ms |",
-             "|---|---|---|---|---|---|"]
-    tot = [0.0, 0.0, 0.0]  # a step, over the sites with a correct config: cuDNN, CUTLASS, the passes
+             "| site | a step | cuDNN ms (TFLOP/s) | CUTLASS ms (TFLOP/s) | config | the reduction's passes ms | "
+             "dgrad + act sums ms | saved ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    tot = [0.0, 0.0, 0.0, 0.0]  # a step, over the sites with a correct config: cuDNN, CUTLASS, the passes, saved
     for s in result["sites"]:
         best = s.get("best")
         cells = [s["name"], str(s["count"]), f"{s['cudnn_ms']:.3f} ({s['flop'] / s['cudnn_ms'] / 1e9:.0f})"]
@@ -87,11 +111,24 @@ def render(result: dict) -> str:
             errors = "; ".join(r["error"] if "error" in r else f"wrong ({r['rel_err']:.2g})" for r in s["rows"])
             cells += ["-", ("no correct config: " + errors)[:120].replace("|", "/")]
         cells.append(f"{s['passes_ms']:.3f}" if "passes_ms" in s else "-")
+        fused = s.get("fused")
+        if fused:
+            tot[3] += s["count"] * fused["saved_ms"]
+            cells += [f"{fused['ms']:.3f}", f"{fused['saved_ms']:+.3f}"]
+        else:
+            wrong = [r for r in s.get("act_sums", []) if "error" in r or r["rel_err"] > 2e-2 or r["sums_err"] > 1e-2]
+            cells += ["-" if not wrong else ("wrong: " + "; ".join(
+                r.get("error") or f"dx {r['rel_err']:.2g}, sums {r['sums_err']:.2g}" for r in wrong))[:100]
+                .replace("|", "/"), "-"]
         lines.append("| " + " | ".join(cells) + " |")
     if tot[0]:
         lines += ["", f"A step, over the sites with a correct config: cuDNN {tot[0]:.2f} ms, CUTLASS {tot[1]:.2f} ms "
                       f"({tot[0] / tot[1]:.3f}x cuDNN's rate); the backward reduction's passes at the sites a "
                       f"GroupNorm feeds: {tot[2]:.2f} ms, what an epilogue with its sums could remove."]
+        if any("act_sums" in s for s in result["sites"]):
+            lines.append(f"The dgrad with the sums in its epilogue, where it applies (a GroupNorm's output, 128-pixel "
+                         f"tiles in one sample; no dropout mask yet): {tot[3]:+.2f} ms a step saved against the plain "
+                         f"dgrad and the passes (the passes at the copy rate).")
     return "\n".join(lines) + "\n"
 
 

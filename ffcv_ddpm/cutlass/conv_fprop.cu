@@ -29,7 +29,11 @@ using namespace cute;
 
 // What a call passes: NHWC bf16 x [n, h, w, c], KRSC bf16 weights [k, 3, 3, c], the output y [n, h, w, k]; res (like
 // y), bias (fp32 [k], or null: none), sum and sumsq (fp32 [n h w / 128, k]) only for the configs whose epilogue has
-// them (else null).
+// them (else null). A dgrad config reads dy as x and writes dx as y; the one with the activation's sums (EPI_ACT_SUMS)
+// also reads aux, the GroupNorm input that made the convolution's input (bf16, dx's shape and layout), and coef,
+// fp32 [n, 2, c]: that GroupNorm's (u, v) per sample and channel (its affine output is aux u + v), and takes silu,
+// the activation's form (0 none, 1 y sigmoid(y), 2 through tanh.approx: GroupNormAct.silu_mode); its sums are then
+// of g = dx SiLU'(aux u + v) and g aux, per 128 pixels and channel: [n h w / 128, c].
 struct Operands {
   const void* x;
   const void* wt;
@@ -39,6 +43,9 @@ struct Operands {
   float* sum;
   float* sumsq;
   int n, h, w, c, k;
+  const void* aux = nullptr;
+  const float* coef = nullptr;
+  int silu = 0;
 };
 
 // Checks, then launches one kernel on `stream`: 0, or an error code with what went wrong in err.
@@ -85,8 +92,8 @@ int sm_count() {
 }
 
 int plain_only(const Operands& o, char* err, int errlen) {
-  if (o.res || o.bias || o.sum || o.sumsq) {
-    snprintf(err, errlen, "this config has no epilogue: no residual, bias or sums");
+  if (o.res || o.bias || o.sum || o.sumsq || o.aux || o.coef) {
+    snprintf(err, errlen, "this config has no epilogue: no residual, bias, sums or activation operands");
     return 6;
   }
   return 0;
@@ -298,8 +305,28 @@ struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::temp
 // over the lanes that hold it (wgmma's accumulator layout: lanes l, l^4, l^8, l^16) and lanes 0-3 store the warp's
 // sums in shared memory, a slot per (warp, column): no atomics, every slot written each tile. The tile's last
 // subtile adds the warps' slots and writes one fp32 partial per tile and column.
-template <class CtaTileShapeMNK, int MaxWarps = 4>
+//
+// ActGrad (the dgrad's epilogue, NOTES 48: the backward reduction of the GroupNorm + SiLU whose output was the
+// convolution's input): for each value d (dx as stored, bf16) at pixel m and channel c, the two sums are of
+// g = d SiLU'(y) and g x, x = aux[m, c] (that GroupNorm's input), y = x u + v with (u, v) = coef[sample, :, c]; a
+// 128-pixel tile lies in one sample (the caller checks h w % 128 == 0). x and (u, v) are read from global memory as
+// the values are visited (the tile's rows of x once; coef from L1).
+CUTLASS_DEVICE float silu_grad(float y, int mode) {  // gn_kernels._silu_grad
+  if (mode == 2) {
+    float h = 0.5f * y, t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    return 0.5f + 0.5f * t + 0.5f * h * (1.0f - t * t);
+  }
+  if (mode == 1) {
+    float s = 1.0f / (1.0f + __expf(-y));
+    return s * (1.0f + y * (1.0f - s));
+  }
+  return 1.0f;
+}
+
+template <class CtaTileShapeMNK, int MaxWarps = 4, bool ActGrad = false>
 struct TileColumnSums {
+  static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
   static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
   struct SharedStorage {
     float sums[2][MaxWarps][TileN];
@@ -307,6 +334,9 @@ struct TileColumnSums {
   struct Arguments {
     float* ptr_sum = nullptr;
     float* ptr_sumsq = nullptr;
+    cutlass::bfloat16_t const* ptr_x = nullptr;  // ActGrad's operands
+    float const* ptr_coef = nullptr;
+    int hw = 0, silu = 0;
   };
   using Params = Arguments;
 
@@ -358,14 +388,23 @@ struct TileColumnSums {
         : rel(r), tcoord(t), tile(c), problem(p), thread_idx(idx), threads(n), params(prm), shared(s) {}
 
     template <class ElementAccumulator, class ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int,
-                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
-        float v = static_cast<float>(frg_input[i]);
+        float v = static_cast<float>(frg_input[i]), w = v;  // the two terms: (v, v^2), or (g, g x)
         int k = epi_v * FragmentSize + i;
+        if constexpr (ActGrad) {
+          auto mn = tcoord(_, _, _, epi_m, epi_n)(k);
+          int c = get<1>(problem), m0 = int(get<0>(tile)) * TileM;
+          int m = m0 + int(get<0>(mn)), ch = int(get<1>(tile)) * TileN + int(get<1>(mn));
+          float const* coef = params.ptr_coef + size_t(m0 / params.hw) * 2 * c + ch;
+          float x = static_cast<float>(params.ptr_x[size_t(m) * c + ch]);
+          v *= silu_grad(x * __ldg(coef) + __ldg(coef + c), params.silu);
+          w = x;
+        }
         part[0][k] = epi_m == 0 ? v : part[0][k] + v;
-        part[1][k] = epi_m == 0 ? v * v : part[1][k] + v * v;
+        part[1][k] = epi_m == 0 ? v * w : part[1][k] + v * w;
       }
       return frg_input;
     }
@@ -436,7 +475,7 @@ struct TileColumnSums {
   }
 };
 
-template <class TileShape, bool Residual, int Warps>
+template <class TileShape, bool Residual, int Warps, bool ActGrad = false>
 struct StatsCallbacks {
   using Element = cutlass::bfloat16_t;
   static constexpr auto RN = cutlass::FloatRoundStyle::round_to_nearest;
@@ -453,7 +492,7 @@ struct StatsCallbacks {
           cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, RN>,
           cutlass::epilogue::fusion::Sm90AccFetch>>;
   using Fetch = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
-  using Sums = cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps>, Fetch>;
+  using Sums = cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps, ActGrad>, Fetch>;
   // Out evaluated once; its value is stored (the output tree: the fetch itself) and summed
   using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sums>;
 };
@@ -468,8 +507,8 @@ struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts:
       snprintf(err, errlen, "this config needs %s residual and both sums", Residual ? "a" : "no");
       return 6;
     }
-    if (!Residual && o.bias) {
-      snprintf(err, errlen, "this config adds no bias (the residual configs do)");
+    if ((!Residual && o.bias) || o.aux || o.coef) {
+      snprintf(err, errlen, "this config adds no bias (the residual configs do) and reads no activation operands");
       return 6;
     }
     typename Callbacks::Arguments args{};  // op_0 Out, op_1 Sums, op_2 the output tree (the fetch: none)
@@ -479,8 +518,30 @@ struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts:
   }
 };
 
-// name, run, stages, shared memory, blocks an SM, the epilogue's extras (EPI_RESIDUAL | EPI_STATS)
-enum { EPI_RESIDUAL = 1, EPI_STATS = 2 };
+// The dgrad under the ping-pong kernel with the backward reduction's sums in its epilogue (ActGrad above): dx stored
+// as bf16, the sums of (g, g x) per 128 pixels and channel.
+template <class TileShape, class Parts = PingpongParts<TileShape, Shape<_1, _1, _1>, 0, false,
+                                                       cutlass::conv::Operator::kDgrad>,
+          class Callbacks = typename StatsCallbacks<TileShape, false, 4, true>::Callbacks>
+struct PingpongDgradSums : Persistent<typename Parts::Mainloop, typename Parts::template Epilogue<void, Callbacks>> {
+  static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
+    if (o.res || o.bias || !o.sum || !o.sumsq || !o.aux || !o.coef) {
+      snprintf(err, errlen, "this config needs both sums, aux and coef, and takes no residual or bias");
+      return 6;
+    }
+    if ((o.h * o.w) % cute::size<0>(TileShape{}) || o.silu < 0 || o.silu > 2) {
+      snprintf(err, errlen, "h w = %d is not a whole number of %d-pixel tiles, or silu %d is not 0, 1 or 2",
+               o.h * o.w, int(cute::size<0>(TileShape{})), o.silu);
+      return 6;
+    }
+    typename Callbacks::Arguments args{};  // op_0 Out, op_1 Sums, op_2 the output tree (the fetch: none)
+    args.op_1 = {{}, {o.sum, o.sumsq, static_cast<cutlass::bfloat16_t const*>(o.aux), o.coef, o.h * o.w, o.silu}};
+    return PingpongDgradSums::call(o, args, nullptr, stream, err, errlen);
+  }
+};
+
+// name, run, stages, shared memory, blocks an SM, the epilogue's extras (EPI_RESIDUAL | EPI_STATS | EPI_ACT_SUMS)
+enum { EPI_RESIDUAL = 1, EPI_STATS = 2, EPI_ACT_SUMS = 4 };
 enum { OP_FPROP = 0, OP_DGRAD = 1 };
 struct Config {
   const char* name;
@@ -544,6 +605,9 @@ static const Config kConfigs[] = {
     // under the persistent ping-pong kernel.
     DCONFIG("dgrad 128x128x64", 128, 128, 64),
     DPCONFIG("dgrad pingpong 128x128x64", 128, 128, 64),
+    {"dgrad pingpong 128x128x64 + act sums", PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::run,
+     PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::stages, PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::smem_bytes,
+     PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::occupancy, EPI_STATS | EPI_ACT_SUMS, OP_DGRAD},
 };
 
 extern "C" {
@@ -561,5 +625,20 @@ int cutconv_fprop(int i, const void* x, const void* w, void* y, const void* res,
     return 5;
   }
   return kConfigs[i].run({x, w, y, res, bias, sum, sumsq, n, h, wd, c, k}, static_cast<cudaStream_t>(stream), err, errlen);
+}
+// A dgrad config with the activation's sums (EPI_ACT_SUMS): dy, w, dx as cutconv_fprop's x, w, y; aux, coef, silu
+// as Operands says.
+int cutconv_dgrad_sums(int i, const void* dy, const void* w, void* dx, const void* aux, const float* coef, float* sum,
+                       float* sumsq, int n, int h, int wd, int c, int k, int silu, void* stream, char* err,
+                       int errlen) {
+  if (i < 0 || i >= cutconv_count()) {
+    snprintf(err, errlen, "config %d: there are %d", i, cutconv_count());
+    return 5;
+  }
+  Operands o{dy, w, dx, nullptr, nullptr, sum, sumsq, n, h, wd, c, k};
+  o.aux = aux;
+  o.coef = coef;
+  o.silu = silu;
+  return kConfigs[i].run(o, static_cast<cudaStream_t>(stream), err, errlen);
 }
 }
