@@ -306,11 +306,13 @@ struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::temp
 // sums in shared memory, a slot per (warp, column): no atomics, every slot written each tile. The tile's last
 // subtile adds the warps' slots and writes one fp32 partial per tile and column.
 //
-// ActGrad (the dgrad's epilogue, NOTES 48: the backward reduction of the GroupNorm + SiLU whose output was the
+// ActGrad (the dgrad's epilogue, NOTES 48 and 50: the backward reduction of the GroupNorm + SiLU whose output was the
 // convolution's input): for each value d (dx as stored, bf16) at pixel m and channel c, the two sums are of
 // g = d SiLU'(y) and g x, x = aux[m, c] (that GroupNorm's input), y = x u + v with (u, v) = coef[sample, :, c]; a
-// 128-pixel tile lies in one sample (the caller checks h w % 128 == 0). x and (u, v) are read from global memory as
-// the values are visited (the tile's rows of x once; coef from L1).
+// 128-pixel tile lies in one sample (the caller checks h w % 128 == 0). x comes as the epilogue's source C (loaded
+// by TMA ahead of the subtile, as a residual is: the node's second input); a subtile's (u, v) are loaded into
+// registers as it begins (the first form read x and (u, v) per value from global memory: 3.6x the plain dgrad's
+// time, results/h200/dgrad-sums-5d32a20).
 CUTLASS_DEVICE float silu_grad(float y, int mode) {  // gn_kernels._silu_grad
   if (mode == 2) {
     float h = 0.5f * y, t;
@@ -334,8 +336,7 @@ struct TileColumnSums {
   struct Arguments {
     float* ptr_sum = nullptr;
     float* ptr_sumsq = nullptr;
-    cutlass::bfloat16_t const* ptr_x = nullptr;  // ActGrad's operands
-    float const* ptr_coef = nullptr;
+    float const* ptr_coef = nullptr;  // ActGrad's (u, v)
     int hw = 0, silu = 0;
   };
   using Params = Arguments;
@@ -382,29 +383,58 @@ struct TileColumnSums {
     Params const& params;
     SharedStorage* shared;
     float part[2][Elems];
+    float cu[ActGrad ? Elems : 1], cv[ActGrad ? Elems : 1];  // ActGrad: the subtile's values' (u, v)
+
+    CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
+      if constexpr (ActGrad) {
+        // a value's channel: the thread's first one's plus its static offset (equal offsets: one load)
+        int c = get<1>(problem);
+        int ch0 = int(get<1>(tile)) * TileN + int(get<1>(tcoord(_, _, _, epi_m, epi_n)(0)));
+        float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c + ch0;
+        auto rel_mn = rel(_, _, _, epi_m, epi_n);
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < Elems; ++k) {
+          int dc = int(get<1>(rel_mn(k)));
+          cu[k] = __ldg(coef + dc);
+          cv[k] = __ldg(coef + c + dc);
+        }
+      }
+    }
 
     CUTLASS_DEVICE ConsumerStoreCallbacks(RelCoords r, TileCoords t, TileCoord c, ProblemShape p, int idx, int n,
                                           Params const& prm, SharedStorage* s)
         : rel(r), tcoord(t), tile(c), problem(p), thread_idx(idx), threads(n), params(prm), shared(s) {}
 
-    template <class ElementAccumulator, class ElementInput, int FragmentSize>
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
-                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+    template <int FragmentSize>
+    CUTLASS_DEVICE void add(int epi_v, int epi_m, int i, float v, float w) {  // the terms (v, v w) of value k
+      int k = epi_v * FragmentSize + i;
+      part[0][k] = epi_m == 0 ? v : part[0][k] + v;
+      part[1][k] = epi_m == 0 ? v * w : part[1][k] + v * w;
+    }
+
+    template <class ElementAccumulator, class ElementInput, int FragmentSize>  // the sums of v and v^2
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input) {
+      static_assert(!ActGrad, "ActGrad's node takes the stored value and x");
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
-        float v = static_cast<float>(frg_input[i]), w = v;  // the two terms: (v, v^2), or (g, g x)
+        float v = static_cast<float>(frg_input[i]);
+        add<FragmentSize>(epi_v, epi_m, i, v, v);
+      }
+      return frg_input;
+    }
+
+    template <class ElementAccumulator, class ElementInput, class ElementX, int FragmentSize>  // ActGrad's
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int,
+                              cutlass::Array<ElementInput, FragmentSize> const& frg_input,
+                              cutlass::Array<ElementX, FragmentSize> const& frg_x) {
+      static_assert(ActGrad, "only ActGrad's node takes x");
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
-        if constexpr (ActGrad) {
-          auto mn = tcoord(_, _, _, epi_m, epi_n)(k);
-          int c = get<1>(problem), m0 = int(get<0>(tile)) * TileM;
-          int m = m0 + int(get<0>(mn)), ch = int(get<1>(tile)) * TileN + int(get<1>(mn));
-          float const* coef = params.ptr_coef + size_t(m0 / params.hw) * 2 * c + ch;
-          float x = static_cast<float>(params.ptr_x[size_t(m) * c + ch]);
-          v *= silu_grad(x * __ldg(coef) + __ldg(coef + c), params.silu);
-          w = x;
-        }
-        part[0][k] = epi_m == 0 ? v : part[0][k] + v;
-        part[1][k] = epi_m == 0 ? v * w : part[1][k] + v * w;
+        float x = static_cast<float>(frg_x[i]);
+        float g = static_cast<float>(frg_input[i]) * silu_grad(x * cu[k] + cv[k], params.silu);
+        add<FragmentSize>(epi_v, epi_m, i, g, x);
       }
       return frg_input;
     }
@@ -492,7 +522,12 @@ struct StatsCallbacks {
           cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float, RN>,
           cutlass::epilogue::fusion::Sm90AccFetch>>;
   using Fetch = cutlass::epilogue::fusion::Sm90SplitTreeFetch;
-  using Sums = cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps, ActGrad>, Fetch>;
+  // ActGrad's node sums the stored value with x, the epilogue's source C
+  using Sums = cute::conditional_t<
+      ActGrad,
+      cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps, true>, Fetch,
+                                         cutlass::epilogue::fusion::Sm90SrcFetch<Element>>,
+      cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps>, Fetch>>;
   // Out evaluated once; its value is stored (the output tree: the fetch itself) and summed
   using Callbacks = cutlass::epilogue::fusion::Sm90SplitTreeVisitor<Out, Fetch, Sums>;
 };
@@ -523,7 +558,8 @@ struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts:
 template <class TileShape, class Parts = PingpongParts<TileShape, Shape<_1, _1, _1>, 0, false,
                                                        cutlass::conv::Operator::kDgrad>,
           class Callbacks = typename StatsCallbacks<TileShape, false, 4, true>::Callbacks>
-struct PingpongDgradSums : Persistent<typename Parts::Mainloop, typename Parts::template Epilogue<void, Callbacks>> {
+struct PingpongDgradSums : Persistent<typename Parts::Mainloop,
+                                      typename Parts::template Epilogue<typename Parts::Element, Callbacks>> {
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
     if (o.res || o.bias || !o.sum || !o.sumsq || !o.aux || !o.coef) {
       snprintf(err, errlen, "this config needs both sums, aux and coef, and takes no residual or bias");
@@ -535,8 +571,8 @@ struct PingpongDgradSums : Persistent<typename Parts::Mainloop, typename Parts::
       return 6;
     }
     typename Callbacks::Arguments args{};  // op_0 Out, op_1 Sums, op_2 the output tree (the fetch: none)
-    args.op_1 = {{}, {o.sum, o.sumsq, static_cast<cutlass::bfloat16_t const*>(o.aux), o.coef, o.h * o.w, o.silu}};
-    return PingpongDgradSums::call(o, args, nullptr, stream, err, errlen);
+    args.op_1 = {{}, {}, {o.sum, o.sumsq, o.coef, o.h * o.w, o.silu}};  // (fetch, x, the node)
+    return PingpongDgradSums::call(o, args, o.aux, stream, err, errlen);  // x as the source C
   }
 };
 
