@@ -60,18 +60,24 @@ def site_row(spec, count: int, batch: int, configs, iters: int, copy_gbs) -> dic
         xg = torch.randn(batch, spec.cin, spec.h, spec.h, device="cuda", generator=g).bfloat16().to(memory_format=cl)
         u = 1 + 0.3 * torch.randn(batch, spec.cin, device="cuda", generator=g)
         coef = torch.stack([u, 0.5 * torch.randn(batch, spec.cin, device="cuda", generator=g)], 1).contiguous()
-        act = (xg, coef, 2 if spec.silu else 0)  # 2: the preset's SiLU (norm_fast_silu)
-    for config in configs:
+        act = (xg, coef)
+    # the act-sums configs with the site's SiLU (2: the preset's, norm_fast_silu), and with none as well, which
+    # times the epilogue without SiLU's derivative (its tanh.approx and arithmetic)
+    silus = (2, 0) if spec.silu else (0,)
+    runs = [(c, None) for c in configs if not c.epilogue & conv_cutlass.EPI_ACT_SUMS]
+    runs += [(c, s) for c in configs if c.epilogue & conv_cutlass.EPI_ACT_SUMS and act is not None for s in silus]
+    for config, silu in runs:
         row = {"config": config.name}
-        sums = config.epilogue & conv_cutlass.EPI_ACT_SUMS
-        if sums and act is None:
-            continue
+        sums = silu is not None
         try:
             if sums:
-                dx, out = conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *act)
+                row["silu"] = silu
+                operands = (*act, silu)
+                dx, out = conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *operands)
                 row["rel_err"] = rel_error(dx, ref)
-                row["sums_err"] = max(rel_error(s, r) for s, r in zip(out, conv_cutlass.act_sums(dx, *act)))
-                row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *act), iters, warmup=2)
+                row["sums_err"] = max(rel_error(s, r) for s, r in zip(out, conv_cutlass.act_sums(dx, *operands)))
+                row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *operands), iters,
+                                     warmup=2)
             else:
                 row["rel_err"] = max(rel_error(conv_cutlass.conv3x3_dgrad(dy, w, config), ref) for _ in range(3))
                 row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad(dy, w, config), iters, warmup=2)
@@ -81,7 +87,8 @@ def site_row(spec, count: int, batch: int, configs, iters: int, copy_gbs) -> dic
     good = [r for r in entry["rows"] if "ms" in r and r["rel_err"] <= 2e-2]
     if good:
         entry["best"] = min(good, key=lambda r: r["ms"])
-    fused = [r for r in entry.get("act_sums", []) if "ms" in r and r["rel_err"] <= 2e-2 and r["sums_err"] <= 1e-2]
+    fused = [r for r in entry.get("act_sums", []) if "ms" in r and r["rel_err"] <= 2e-2 and r["sums_err"] <= 1e-2
+             and r["silu"] == silus[0]]  # the site's own SiLU
     if fused and good and "passes_ms" in entry:  # what the epilogue saves: the plain dgrad and the passes it takes
         entry["fused"] = min(fused, key=lambda r: r["ms"])
         entry["fused"]["saved_ms"] = entry["best"]["ms"] + entry["passes_ms"] - entry["fused"]["ms"]
@@ -114,7 +121,9 @@ def render(result: dict) -> str:
         fused = s.get("fused")
         if fused:
             tot[3] += s["count"] * fused["saved_ms"]
-            cells += [f"{fused['ms']:.3f}", f"{fused['saved_ms']:+.3f}"]
+            bare = [r for r in s["act_sums"] if r.get("silu") == 0 and fused.get("silu") != 0 and "ms" in r]
+            cells += [f"{fused['ms']:.3f}" + (f" (no SiLU: {bare[0]['ms']:.3f})" if bare else ""),
+                      f"{fused['saved_ms']:+.3f}"]
         else:
             wrong = [r for r in s.get("act_sums", []) if "error" in r or r["rel_err"] > 2e-2 or r["sums_err"] > 1e-2]
             cells += ["-" if not wrong else ("wrong: " + "; ".join(

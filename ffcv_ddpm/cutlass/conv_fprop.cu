@@ -387,16 +387,26 @@ struct TileColumnSums {
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
       if constexpr (ActGrad) {
-        // a value's channel: the thread's first one's plus its static offset (equal offsets: one load)
+        // A value's channel in the tile from tcoord (rel counts from the thread's first value of the whole tile:
+        // f405b95 added the subtile's offset twice). Values in one column (rel's columns are static) share a load.
         int c = get<1>(problem);
-        int ch0 = int(get<1>(tile)) * TileN + int(get<1>(tcoord(_, _, _, epi_m, epi_n)(0)));
-        float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c + ch0;
+        float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c +
+                            int(get<1>(tile)) * TileN;
         auto rel_mn = rel(_, _, _, epi_m, epi_n);
+        auto tile_mn = tcoord(_, _, _, epi_m, epi_n);
         CUTLASS_PRAGMA_UNROLL
         for (int k = 0; k < Elems; ++k) {
-          int dc = int(get<1>(rel_mn(k)));
-          cu[k] = __ldg(coef + dc);
-          cv[k] = __ldg(coef + c + dc);
+          int first = k;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = k - 1; j >= 0; --j) first = get<1>(rel_mn(j)) == get<1>(rel_mn(k)) ? j : first;
+          if (first < k) {
+            cu[k] = cu[first];
+            cv[k] = cv[first];
+          } else {
+            int ch = int(get<1>(tile_mn(k)));
+            cu[k] = __ldg(coef + ch);
+            cv[k] = __ldg(coef + c + ch);
+          }
         }
       }
     }
