@@ -349,8 +349,15 @@ def conv_dgrad(path: Path, d: dict) -> str:
                            ([(s, s["cudnn_ms"]) for s in best], [(s, s["best"]["ms"]) for s in best],
                             [(s, s.get("passes_ms", 0.0)) for s in best]))
     rate = f"{cudnn / ours:.3f}x cuDNN's rate ({_ms(cudnn)} -> {_ms(ours)} a step)" if best else "no correct config"
-    return (f"batch {d['batch']}: CUTLASS dgrad at {len(best)} of {len(d['sites'])} sites, {rate}; the backward "
+    text = (f"batch {d['batch']}: CUTLASS dgrad at {len(best)} of {len(d['sites'])} sites, {rate}; the backward "
             f"reduction's passes there {_ms(passes)}")
+    tried = [s for s in d["sites"] if s.get("act_sums")]  # the dgrad with the reduction's sums in its epilogue
+    if tried:
+        fused = [s for s in tried if s.get("fused")]
+        saved = sum(s["count"] * s["fused"]["saved_ms"] for s in fused)
+        text += (f"; with the sums in its epilogue: correct at {len(fused)} of {len(tried)} sites"
+                 + (f", {-saved:+.2f} ms a step against the plain dgrad and the passes" if fused else ""))
+    return text
 
 
 def cudnn_fusion(path: Path, d: dict) -> str:

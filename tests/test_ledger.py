@@ -190,6 +190,20 @@ def test_a_race_names_both_sides_seconds_and_the_ratio_only_where_both_got_there
                                         "(floor 0.149)")
 
 
+def test_a_conv_dgrad_line_says_where_the_sums_epilogue_was_correct_and_what_it_cost():
+    site = {"count": 2, "cudnn_ms": 0.5, "best": {"ms": 0.4}, "passes_ms": 0.1}
+    d = {"batch": 1024, "sites": [site]}
+    plain = "batch 1024: CUTLASS dgrad at 1 of 1 sites, 1.250x cuDNN's rate (1.0 ms -> 0.8 ms a step)"
+    assert ledger.conv_dgrad(Path("x.json"), d).startswith(plain)
+    assert "epilogue" not in ledger.conv_dgrad(Path("x.json"), d)
+    wrong = {**site, "act_sums": [{"sums_err": 1.0}]}
+    assert ledger.conv_dgrad(Path("x.json"), {**d, "sites": [wrong]}).endswith(
+        "with the sums in its epilogue: correct at 0 of 1 sites")
+    slow = {**site, "act_sums": [{"sums_err": 1e-6}], "fused": {"saved_ms": -0.25}}
+    assert ledger.conv_dgrad(Path("x.json"), {**d, "sites": [slow, wrong]}).endswith(
+        "correct at 1 of 2 sites, +0.50 ms a step against the plain dgrad and the passes")
+
+
 def test_only_files_git_tracks_are_indexed(tmp_path, capsys):
     """A local run's files (git-ignored cpu/quick.json, a fresh GPU run's untracked JSON) never make the committed
     page stale: `make bench && make test` on a fresh clone passes. Staging a file brings it in."""
