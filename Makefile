@@ -24,7 +24,7 @@ JPEG_QUALITY ?= 90
 PRESET ?= ddpm-cifar10
 ARGS ?=
 
-.PHONY: setup test test-quick dataset dataset-png bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality compress ledger clean
+.PHONY: setup test test-quick dataset dataset-png cutlass bench bench-loaders sweeps train profile bench-ddp numerics sde-quality fid quality compress ledger clean
 
 setup: $(SETUP)
 
@@ -52,6 +52,11 @@ dataset: $(SETUP)
 # without it that table stops before any row runs). Give the SOURCE the .beton files were made from.
 dataset-png: $(SETUP)
 	$(MAKE) dataset ARGS="--export-png '$(or $(OUT),$(DATA))/png' $(ARGS)"
+
+# CUTLASS's sm90 convolution for model.conv_cutlass (H100/H200): nvcc, and CUTLASS's headers fetched by pip once
+# (ffcv_ddpm/conv_cutlass.py; .cutlass/build/libconv_fprop-<hash>.so).
+cutlass: $(SETUP)
+	$(PY) -m ffcv_ddpm.conv_cutlass
 
 bench: $(SETUP)
 	$(PY) -m benchmarks.speed.bench --data "$(DATA)" $(OUT_ARG) $(ARGS)
