@@ -144,6 +144,7 @@ def library() -> ctypes.CDLL:
         lib.cutconv_fprop.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 5, ctypes.c_void_p,
                                       ctypes.c_char_p, ctypes.c_int]
         lib.cutconv_dgrad_sums.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6,
+                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                            ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         _LIB = lib
     return _LIB
@@ -169,13 +170,16 @@ def conv3x3_dgrad(dy: Tensor, w: Tensor, config: CutlassConfig) -> Tensor:
     return _call(dy, w, config, None, None, False, OP_DGRAD)[0]
 
 
-def conv3x3_dgrad_sums(dy: Tensor, w: Tensor, config: CutlassConfig, x: Tensor, coef: Tensor,
-                       silu: int) -> tuple[Tensor, Tensor]:
+def conv3x3_dgrad_sums(dy: Tensor, w: Tensor, config: CutlassConfig, x: Tensor, coef: Tensor, silu: int,
+                       seed: Tensor | None = None, thr: int = 0, inv_keep: float = 1.0,
+                       pair: bool = False) -> tuple[Tensor, Tensor]:
     """(dx, sums): conv3x3_dgrad's dx, and the backward reduction's sums of the GroupNorm + SiLU that made the
-    convolution's input (NOTES 48), by a dgrad config with EPI_ACT_SUMS: x is that GroupNorm's input (bf16, dx's
-    shape, channels_last), coef fp32 [N, 2, Cin] its per-(sample, channel) (u, v) (its affine output is x u + v),
-    silu its GroupNormAct.silu_mode; sums fp32 [2, N*H*W / 128, Cin] of g = dx SiLU'(x u + v) and of g x over each
-    128 pixels (act_sums is the same in torch). H*W a multiple of 128: a tile within one sample."""
+    convolution's input (NOTES 48, 50), by a dgrad config with EPI_ACT_SUMS: x is that GroupNorm's input (bf16,
+    dx's shape, channels_last), coef fp32 [N, 2, Cin] its per-(sample, channel) (u, v) (its affine output is
+    x u + v), silu its GroupNormAct.silu_mode; sums fp32 [2, N*H*W / 128, Cin] of g = dx SiLU'(x u + v) and of g x
+    over each 128 pixels (act_sums is the same in torch). H*W a multiple of 128: a tile within one sample. With the
+    GroupNorm's dropout, thr > 0 and inv_keep as norm._dropout_args(p, pair) gives them and seed its forward's (int64
+    [1] on the device): g = dx keep inv_keep SiLU'(...), the mask replayed as the kernels draw it (norm.keep_mask)."""
     n, k, h, wd = dy.shape
     c = w.shape[1]
     cl = torch.channels_last
@@ -190,6 +194,11 @@ def conv3x3_dgrad_sums(dy: Tensor, w: Tensor, config: CutlassConfig, x: Tensor, 
     if h * wd % TILE_M or c % 128 or silu not in (0, 1, 2):
         raise ValueError(f"conv3x3_dgrad_sums: needs H*W a multiple of {TILE_M} (got {h * wd}), Cin of 128 (got {c}) "
                          f"and silu 0, 1 or 2 (got {silu})")
+    if thr < 0 or (thr > 0) != (seed is not None) or (seed is not None and (
+            seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != dy.device)):
+        raise ValueError(f"conv3x3_dgrad_sums: dropout takes a threshold > 0 and the forward's seed, an int64 [1] on "
+                         f"{dy.device}; got thr {thr} and seed "
+                         f"{None if seed is None else (seed.dtype, tuple(seed.shape), str(seed.device))}")
     if tuple(w.shape) != (k, c, 3, 3) or not (dy.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
         raise ValueError(f"conv3x3_dgrad_sums: expected dy [N, K, H, W] and w [K, C, 3, 3] both channels_last, got "
                          f"{tuple(dy.shape)} {dy.stride()}, w {tuple(w.shape)} {w.stride()}")
@@ -201,18 +210,23 @@ def conv3x3_dgrad_sums(dy: Tensor, w: Tensor, config: CutlassConfig, x: Tensor, 
     err = ctypes.create_string_buffer(ERR_LEN)
     rc = library().cutconv_dgrad_sums(config.index, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), x.data_ptr(),
                                       coef.data_ptr(), sums[0].data_ptr(), sums[1].data_ptr(), n, h, wd, c, k, silu,
+                                      seed.data_ptr() if seed is not None else None, thr, int(pair), inv_keep,
                                       torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
     if rc:
         raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
     return dx, sums
 
 
-def act_sums(dx: Tensor, x: Tensor, coef: Tensor, silu: int, rows: int = TILE_M) -> Tensor:
+def act_sums(dx: Tensor, x: Tensor, coef: Tensor, silu: int, keep: Tensor | None = None, inv_keep: float = 1.0,
+             rows: int = TILE_M) -> Tensor:
     """conv3x3_dgrad_sums' sums in torch (fp32), from its dx: per `rows` pixels and channel, of g = dx SiLU'(y) and
-    g x, y = x u + v (SiLU' exact: silu 1 and 2 are the same function); in fp32, fp64 for fp64 inputs."""
+    g x, y = x u + v (SiLU' exact: silu 1 and 2 are the same function), dx taken back through dropout first where
+    `keep` (a bool mask of dx's shape, norm.keep_mask's) is given; in fp32, fp64 for fp64 inputs."""
     n, c = x.shape[:2]
     dt = torch.promote_types(x.dtype, torch.float32)
     x, dx, coef = x.to(dt), dx.to(dt), coef.to(dt)
+    if keep is not None:
+        dx = torch.where(keep.to(dx.device), dx * inv_keep, 0)
     y = x * coef[:, 0, :, None, None] + coef[:, 1, :, None, None]
     if silu:
         s = torch.sigmoid(y)

@@ -2,6 +2,7 @@
 calls' checks and the sums' reference, and conv_tma's table with the CUTLASS epilogue's column. The kernels
 themselves run on an H100/H200 only (results/h200/conv-cutlass-*)."""
 
+import shutil
 import subprocess
 import zipfile
 
@@ -205,9 +206,10 @@ def test_the_dgrad_table_sums_a_step_over_the_sites_that_ran():
 DGRAD_SUMS = CC.CutlassConfig(3, CC.DGRAD_SUMS_CONFIG, 6, 205824, 1, CC.EPI_STATS | CC.EPI_ACT_SUMS, CC.OP_DGRAD)
 
 
-def test_the_act_sums_are_the_group_norm_backwards_reduction():
-    """act_sums' (g, g x), summed over a sample's tiles, give what autograd gives GroupNorm + SiLU's affine: db = sum g,
-    da = sum g xhat = rstd (sum g x - mean sum g), with (u, v) the affine output's coefficients of x."""
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_the_act_sums_are_the_group_norm_backwards_reduction(p):
+    """act_sums' (g, g x), summed over a sample's tiles, give what autograd gives GroupNorm + SiLU (+ dropout)'s
+    affine: db = sum g, da = sum g xhat = rstd (sum g x - mean sum g), with (u, v) the affine output's coefficients."""
     g = torch.Generator().manual_seed(0)
     n, c, groups, hw = 2, 128, 32, 16
     x = (torch.randn(n, c, hw, hw, generator=g, dtype=torch.float64) * 2 + 0.5).to(memory_format=torch.channels_last)
@@ -218,11 +220,13 @@ def test_the_act_sums_are_the_group_norm_backwards_reduction():
     rstd = (xg.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
     xhat = ((xg - mean) * rstd).reshape(x.shape)
     dout = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    torch.nn.functional.silu(xhat * a[:, :, None, None] + b[:, :, None, None]).backward(dout)
+    keep = torch.rand(x.shape, generator=g) >= p  # dropout's mask (all kept at p = 0)
+    out = torch.nn.functional.silu(xhat * a[:, :, None, None] + b[:, :, None, None])
+    (out * keep / (1 - p)).backward(dout)
     # the affine output is x u + v per (sample, channel)
     m, r = mean.expand(n, groups, c // groups).reshape(n, c), rstd.expand(n, groups, c // groups).reshape(n, c)
     coef = torch.stack([r * a.detach(), -m * r * a.detach() + b.detach()], 1)
-    sums = CC.act_sums(dout, x, coef, silu=2).view(2, n, hw * hw // CC.TILE_M, c).sum(2)
+    sums = CC.act_sums(dout, x, coef, 2, keep if p else None, 1 / (1 - p)).view(2, n, hw * hw // CC.TILE_M, c).sum(2)
     torch.testing.assert_close(sums[0], b.grad)
     torch.testing.assert_close(r * (sums[1] - m * sums[0]), a.grad)
     plain = CC.act_sums(dout, x, coef, silu=0).view(2, n, -1, c).sum(2)  # without SiLU: dout's own sums
@@ -244,8 +248,34 @@ def test_a_dgrad_with_sums_is_refused_before_any_launch_where_its_operands_do_no
     small = lambda t: t[:, :, :8, :8].contiguous(memory_format=cl)  # noqa: E731 - 64 pixels a sample
     with pytest.raises(ValueError, match="needs H\\*W a multiple of 128 \\(got 64\\)"):
         CC.conv3x3_dgrad_sums(small(dy), w, DGRAD_SUMS, small(x), coef, 2)
+    seed = torch.tensor([7])
+    for bad in (dict(thr=100), dict(seed=seed), dict(thr=-1), dict(thr=100, seed=seed.int())):
+        with pytest.raises(ValueError, match="dropout takes a threshold > 0 and the forward's seed"):
+            CC.conv3x3_dgrad_sums(dy, w, DGRAD_SUMS, x, coef, 2, **bad)
     with pytest.raises(ValueError, match="expected bf16 CUDA tensors"):
-        CC.conv3x3_dgrad_sums(dy, w, DGRAD_SUMS, x, coef, 2)
+        CC.conv3x3_dgrad_sums(dy, w, DGRAD_SUMS, x, coef, 2, seed=seed, thr=100)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to compile keep_hash.h on the host")
+@pytest.mark.parametrize("pair", [False, True])
+def test_the_epilogues_dropout_hash_is_the_kernels_mask(tmp_path, pair):
+    """keep_hash.h (the dgrad epilogue's replay of the forward's dropout), compiled for the host, against
+    norm.keep_mask (what the Triton kernels draw): the same mask for every element of an (N, C, H, W) output."""
+    from ffcv_ddpm import norm
+
+    n, c, h, w, p, seed = 2, 6, 3, 5, 0.3, 123456789
+    thr = norm._dropout_args(p, pair)[0]
+    src = tmp_path / "keep.cpp"
+    src.write_text(f'#include "{CC.SOURCE.parent / "keep_hash.h"}"\n#include <cstdio>\n'
+                   f"int main() {{ uint32_t s = keep_mix_seed({seed}u);\n"
+                   f"  for (uint32_t i = 0; i < {n * h * w * c}u; ++i) putchar(keep_at(s, i, {thr}u, {int(pair)}) ? '1' : '0');\n"
+                   "  return 0; }\n")
+    subprocess.run(["g++", "-std=c++17", "-O1", str(src), "-o", str(tmp_path / "keep")], check=True)
+    bits = subprocess.run([str(tmp_path / "keep")], capture_output=True, text=True, check=True).stdout
+    ours = torch.tensor([b == "1" for b in bits]).view(n, h, w, c).permute(0, 3, 1, 2)  # (n, hw, c) order
+    ref = norm.keep_mask(torch.tensor([seed]), (n, c, h, w), p, pair)
+    assert 0 < int(ref.sum()) < ref.numel()  # a mask that keeps some and drops some: the check can fail
+    assert torch.equal(ours, ref)
 
 
 def test_the_dgrad_benchmark_says_it_needs_an_sm90_gpu(tmp_path, capsys):

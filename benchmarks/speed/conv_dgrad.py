@@ -56,11 +56,19 @@ def site_row(spec, count: int, batch: int, configs, iters: int, copy_gbs) -> dic
         nbytes = 2 * batch * spec.cin * spec.h ** 2
         entry["passes_ms"] = 2 * nbytes / copy_gbs(nbytes) / 1e6
     act = None  # the activation's operands where a GroupNorm made the input and its tiles lie in one sample
+    drop, keep = {}, {}  # with its dropout: the kernel's arguments, the reference's mask
     if spec.norm and spec.h ** 2 % conv_cutlass.TILE_M == 0 and spec.cin % 128 == 0:
         xg = torch.randn(batch, spec.cin, spec.h, spec.h, device="cuda", generator=g).bfloat16().to(memory_format=cl)
         u = 1 + 0.3 * torch.randn(batch, spec.cin, device="cuda", generator=g)
         coef = torch.stack([u, 0.5 * torch.randn(batch, spec.cin, device="cuda", generator=g)], 1).contiguous()
         act = (xg, coef)
+        if spec.p:  # the GroupNorm's dropout, replayed from a seed as the preset draws it (norm_pair_hash)
+            from ffcv_ddpm import norm
+
+            seed = torch.randint(0, 2**31 - 1, (1,), device="cuda", generator=g)
+            thr, inv_keep = norm._dropout_args(spec.p, True)
+            drop = dict(seed=seed, thr=thr, inv_keep=inv_keep, pair=True)
+            keep = dict(keep=norm.keep_mask(seed.cpu(), tuple(xg.shape), spec.p, True), inv_keep=inv_keep)
     # the act-sums configs with the site's SiLU (2: the preset's, norm_fast_silu), and with none as well, which
     # times the epilogue without SiLU's derivative (its tanh.approx and arithmetic)
     silus = (2, 0) if spec.silu else (0,)
@@ -73,11 +81,12 @@ def site_row(spec, count: int, batch: int, configs, iters: int, copy_gbs) -> dic
             if sums:
                 row["silu"] = silu
                 operands = (*act, silu)
-                dx, out = conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *operands)
+                dx, out = conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *operands, **drop)
                 row["rel_err"] = rel_error(dx, ref)
-                row["sums_err"] = max(rel_error(s, r) for s, r in zip(out, conv_cutlass.act_sums(dx, *operands)))
-                row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *operands), iters,
-                                     warmup=2)
+                row["sums_err"] = max(rel_error(s, r) for s, r in
+                                      zip(out, conv_cutlass.act_sums(dx, *operands, **keep)))
+                row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad_sums(dy, w, config, *operands, **drop),
+                                     iters, warmup=2)
             else:
                 row["rel_err"] = max(rel_error(conv_cutlass.conv3x3_dgrad(dy, w, config), ref) for _ in range(3))
                 row["ms"] = graph_ms(lambda: conv_cutlass.conv3x3_dgrad(dy, w, config), iters, warmup=2)

@@ -25,6 +25,8 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
+#include "keep_hash.h"
+
 using namespace cute;
 
 // What a call passes: NHWC bf16 x [n, h, w, c], KRSC bf16 weights [k, 3, 3, c], the output y [n, h, w, k]; res (like
@@ -33,7 +35,9 @@ using namespace cute;
 // also reads aux, the GroupNorm input that made the convolution's input (bf16, dx's shape and layout), and coef,
 // fp32 [n, 2, c]: that GroupNorm's (u, v) per sample and channel (its affine output is aux u + v), and takes silu,
 // the activation's form (0 none, 1 y sigmoid(y), 2 through tanh.approx: GroupNormAct.silu_mode); its sums are then
-// of g = dx SiLU'(aux u + v) and g aux, per 128 pixels and channel: [n h w / 128, c].
+// of g = dx SiLU'(aux u + v) and g aux, per 128 pixels and channel: [n h w / 128, c]. With thr > 0 the GroupNorm
+// had dropout: g = dx keep / (1 - p) SiLU'(...), keep replayed from the step's seed (int64 [1] on the device) as
+// keep_hash.h draws it (thr = p 2^24, or p 2^16 with pair), inv_keep = 1 / (1 - p).
 struct Operands {
   const void* x;
   const void* wt;
@@ -46,6 +50,9 @@ struct Operands {
   const void* aux = nullptr;
   const float* coef = nullptr;
   int silu = 0;
+  const int64_t* seed = nullptr;
+  int thr = 0, pair = 0;
+  float inv_keep = 1.0f;
 };
 
 // Checks, then launches one kernel on `stream`: 0, or an error code with what went wrong in err.
@@ -310,9 +317,10 @@ struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::temp
 // convolution's input): for each value d (dx as stored, bf16) at pixel m and channel c, the two sums are of
 // g = d SiLU'(y) and g x, x = aux[m, c] (that GroupNorm's input), y = x u + v with (u, v) = coef[sample, :, c]; a
 // 128-pixel tile lies in one sample (the caller checks h w % 128 == 0). x comes as the epilogue's source C (loaded
-// by TMA ahead of the subtile, as a residual is: the node's second input); a subtile's (u, v) are loaded into
+// by TMA ahead of the subtile, as a residual is: the node's second input); the tile's (u, v) (one sample, TileN
+// channels) are staged in shared memory once a tile, as Sm90RowBroadcast stages a row, and a subtile's taken into
 // registers as it begins (the first form read x and (u, v) per value from global memory: 3.6x the plain dgrad's
-// time, results/h200/dgrad-sums-5d32a20).
+// time, results/h200/dgrad-sums-5d32a20; the second, (u, v) from global memory once a subtile, 1.9x).
 CUTLASS_DEVICE float silu_grad(float y, int mode) {  // gn_kernels._silu_grad
   if (mode == 2) {
     float h = 0.5f * y, t;
@@ -330,14 +338,21 @@ template <class CtaTileShapeMNK, int MaxWarps = 4, bool ActGrad = false>
 struct TileColumnSums {
   static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
   static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
-  struct SharedStorage {
+  struct SumsStorage {
     float sums[2][MaxWarps][TileN];
   };
+  struct ActGradStorage : SumsStorage {
+    float coef[2][TileN];  // the tile's (u, v)
+  };
+  using SharedStorage = cute::conditional_t<ActGrad, ActGradStorage, SumsStorage>;
   struct Arguments {
     float* ptr_sum = nullptr;
     float* ptr_sumsq = nullptr;
     float const* ptr_coef = nullptr;  // ActGrad's (u, v)
     int hw = 0, silu = 0;
+    int64_t const* ptr_seed = nullptr;  // ActGrad's dropout: the step's seed, thr 0 for none
+    int thr = 0, pair = 0;
+    float inv_keep = 1.0f;
   };
   using Params = Arguments;
 
@@ -384,14 +399,24 @@ struct TileColumnSums {
     SharedStorage* shared;
     float part[2][Elems];
     float cu[ActGrad ? Elems : 1], cv[ActGrad ? Elems : 1];  // ActGrad: the subtile's values' (u, v)
+    uint32_t seed = 0;  // ActGrad with dropout: the mixed seed
+
+    CUTLASS_DEVICE void begin() {  // ActGrad: the tile's (u, v) into shared memory (the epilogue syncs after)
+      if constexpr (ActGrad) {
+        int c = get<1>(problem);
+        float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c +
+                            int(get<1>(tile)) * TileN;
+        for (int i = thread_idx; i < 2 * TileN; i += threads) shared->coef[i / TileN][i % TileN] =
+            __ldg(coef + (i / TileN) * c + i % TileN);
+        if (params.thr) seed = keep_mix_seed(uint32_t(__ldg(params.ptr_seed)));
+      }
+    }
+    CUTLASS_DEVICE bool begin_sync_needed() const { return ActGrad; }
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
       if constexpr (ActGrad) {
         // A value's channel in the tile from tcoord (rel counts from the thread's first value of the whole tile:
         // f405b95 added the subtile's offset twice). Values in one column (rel's columns are static) share a load.
-        int c = get<1>(problem);
-        float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c +
-                            int(get<1>(tile)) * TileN;
         auto rel_mn = rel(_, _, _, epi_m, epi_n);
         auto tile_mn = tcoord(_, _, _, epi_m, epi_n);
         CUTLASS_PRAGMA_UNROLL
@@ -404,8 +429,8 @@ struct TileColumnSums {
             cv[k] = cv[first];
           } else {
             int ch = int(get<1>(tile_mn(k)));
-            cu[k] = __ldg(coef + ch);
-            cv[k] = __ldg(coef + c + ch);
+            cu[k] = shared->coef[0][ch];
+            cv[k] = shared->coef[1][ch];
           }
         }
       }
@@ -435,16 +460,22 @@ struct TileColumnSums {
     }
 
     template <class ElementAccumulator, class ElementInput, class ElementX, int FragmentSize>  // ActGrad's
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int,
-                              cutlass::Array<ElementInput, FragmentSize> const& frg_input,
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input,
                               cutlass::Array<ElementX, FragmentSize> const& frg_x) {
       static_assert(ActGrad, "only ActGrad's node takes x");
+      auto tile_mn = tcoord(_, _, _, epi_m, epi_n);
+      uint32_t c = get<1>(problem), m0 = uint32_t(get<0>(tile)) * TileM, n0 = uint32_t(get<1>(tile)) * TileN;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; ++i) {
         int k = epi_v * FragmentSize + i;
         float x = static_cast<float>(frg_x[i]);
-        float g = static_cast<float>(frg_input[i]) * silu_grad(x * cu[k] + cv[k], params.silu);
-        add<FragmentSize>(epi_v, epi_m, i, g, x);
+        float d = static_cast<float>(frg_input[i]);
+        if (params.thr) {  // the forward's dropout: (m, c)'s index in (n, hw, c) order is m c + channel
+          uint32_t index = (m0 + uint32_t(get<0>(tile_mn(k)))) * c + n0 + uint32_t(get<1>(tile_mn(k)));
+          d = keep_at(seed, index, uint32_t(params.thr), params.pair) ? d * params.inv_keep : 0.0f;
+        }
+        add<FragmentSize>(epi_v, epi_m, i, d * silu_grad(x * cu[k] + cv[k], params.silu), x);
       }
       return frg_input;
     }
@@ -575,13 +606,16 @@ struct PingpongDgradSums : Persistent<typename Parts::Mainloop,
       snprintf(err, errlen, "this config needs both sums, aux and coef, and takes no residual or bias");
       return 6;
     }
-    if ((o.h * o.w) % cute::size<0>(TileShape{}) || o.silu < 0 || o.silu > 2) {
-      snprintf(err, errlen, "h w = %d is not a whole number of %d-pixel tiles, or silu %d is not 0, 1 or 2",
-               o.h * o.w, int(cute::size<0>(TileShape{})), o.silu);
+    if ((o.h * o.w) % cute::size<0>(TileShape{}) || o.silu < 0 || o.silu > 2 || o.thr < 0 ||
+        (o.thr && !o.seed) || (o.pair && o.c % 2)) {
+      snprintf(err, errlen, "h w = %d is not a whole number of %d-pixel tiles, silu %d is not 0, 1 or 2, or the "
+               "dropout's threshold %d, seed %p and pair %d (of %d channels) do not go together",
+               o.h * o.w, int(cute::size<0>(TileShape{})), o.silu, o.thr, static_cast<const void*>(o.seed), o.pair, o.c);
       return 6;
     }
     typename Callbacks::Arguments args{};  // op_0 Out, op_1 Sums, op_2 the output tree (the fetch: none)
-    args.op_1 = {{}, {}, {o.sum, o.sumsq, o.coef, o.h * o.w, o.silu}};  // (fetch, x, the node)
+    args.op_1 = {{}, {}, {o.sum, o.sumsq, o.coef, o.h * o.w, o.silu, o.seed, o.thr, o.pair, o.inv_keep}};
+    // (fetch, x, the node)
     return PingpongDgradSums::call(o, args, o.aux, stream, err, errlen);  // x as the source C
   }
 };
@@ -672,11 +706,11 @@ int cutconv_fprop(int i, const void* x, const void* w, void* y, const void* res,
   }
   return kConfigs[i].run({x, w, y, res, bias, sum, sumsq, n, h, wd, c, k}, static_cast<cudaStream_t>(stream), err, errlen);
 }
-// A dgrad config with the activation's sums (EPI_ACT_SUMS): dy, w, dx as cutconv_fprop's x, w, y; aux, coef, silu
-// as Operands says.
+// A dgrad config with the activation's sums (EPI_ACT_SUMS): dy, w, dx as cutconv_fprop's x, w, y; aux, coef, silu,
+// seed, thr, pair, inv_keep as Operands says.
 int cutconv_dgrad_sums(int i, const void* dy, const void* w, void* dx, const void* aux, const float* coef, float* sum,
-                       float* sumsq, int n, int h, int wd, int c, int k, int silu, void* stream, char* err,
-                       int errlen) {
+                       float* sumsq, int n, int h, int wd, int c, int k, int silu, const int64_t* seed, int thr,
+                       int pair, float inv_keep, void* stream, char* err, int errlen) {
   if (i < 0 || i >= cutconv_count()) {
     snprintf(err, errlen, "config %d: there are %d", i, cutconv_count());
     return 5;
@@ -685,6 +719,10 @@ int cutconv_dgrad_sums(int i, const void* dy, const void* w, void* dx, const voi
   o.aux = aux;
   o.coef = coef;
   o.silu = silu;
+  o.seed = seed;
+  o.thr = thr;
+  o.pair = pair;
+  o.inv_keep = inv_keep;
   return kConfigs[i].run(o, static_cast<cudaStream_t>(stream), err, errlen);
 }
 }
