@@ -290,6 +290,9 @@ def conv_sums(x: Tensor, w: Tensor, res: Tensor | None = None, bias: Tensor | No
 # 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (results/h200/conv-dgrad-1d24bf8, NOTES 48); and the same with the
 # backward reduction's sums in its epilogue (conv3x3_dgrad_sums).
 DGRAD_CONFIG, DGRAD_SUMS_CONFIG = "dgrad pingpong 128x128x64", "dgrad pingpong 128x128x64 + act sums"
+# A measurement config (NOTES 50): the act-sums epilogue's data movement alone, its sums those of dx and dx x (act_sums
+# with silu 0 and no mask); conv3x3_dgrad_sums runs it like the others.
+BARE = " (bare)"
 
 
 def _layout(t: Tensor) -> torch.memory_format:

@@ -194,11 +194,13 @@ def test_the_dgrad_table_sums_a_step_over_the_sites_that_ran():
     assert "act sums" not in md.split("\n")[-2]  # no fused rows ran: no line for them
     # with the epilogue's row: its time against the plain dgrad's plus the passes, and a wrong one named
     ok["act_sums"] = [{"config": CC.DGRAD_SUMS_CONFIG, "silu": 2, "rel_err": 1e-3, "sums_err": 1e-4, "ms": 0.45},
+                      {"config": CC.DGRAD_SUMS_CONFIG + CC.BARE, "silu": 0, "rel_err": 1e-3, "sums_err": 1e-4,
+                       "ms": 0.41},
                       {"config": CC.DGRAD_SUMS_CONFIG, "silu": 0, "rel_err": 1e-3, "sums_err": 1e-4, "ms": 0.42}]
     ok["fused"] = dict(ok["act_sums"][0], saved_ms=0.40 + 0.13 - 0.45)
     bad["act_sums"] = [{"config": CC.DGRAD_SUMS_CONFIG, "silu": 0, "rel_err": 1e-3, "sums_err": 0.3, "ms": 0.1}]
     md = CD.render(result)
-    assert "| dgrad pingpong 128x128x64 | 0.130 | 0.450 (no SiLU: 0.420) | +0.080 |" in md
+    assert "| dgrad pingpong 128x128x64 | 0.130 | 0.450 (no SiLU: 0.420, bare: 0.410) | +0.080 |" in md
     assert "wrong: dx 0.001, sums 0.3" in md
     assert "+0.40 ms a step saved against the plain dgrad and the passes" in md
 

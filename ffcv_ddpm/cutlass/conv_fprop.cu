@@ -334,7 +334,9 @@ CUTLASS_DEVICE float silu_grad(float y, int mode) {  // gn_kernels._silu_grad
   return 1.0f;
 }
 
-template <class CtaTileShapeMNK, int MaxWarps = 4, bool ActGrad = false>
+// Bare (with ActGrad; a measurement, NOTES 50): the same data movement, x in and the two sums out, without the
+// arithmetic: the sums of d and d x, no (u, v), SiLU' or mask.
+template <class CtaTileShapeMNK, int MaxWarps = 4, bool ActGrad = false, bool Bare = false>
 struct TileColumnSums {
   static constexpr int TileM = cute::size<0>(CtaTileShapeMNK{});
   static constexpr int TileN = cute::size<1>(CtaTileShapeMNK{});
@@ -402,7 +404,7 @@ struct TileColumnSums {
     uint32_t seed = 0;  // ActGrad with dropout: the mixed seed
 
     CUTLASS_DEVICE void begin() {  // ActGrad: the tile's (u, v) into shared memory (the epilogue syncs after)
-      if constexpr (ActGrad) {
+      if constexpr (ActGrad && !Bare) {
         int c = get<1>(problem);
         float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c +
                             int(get<1>(tile)) * TileN;
@@ -411,10 +413,10 @@ struct TileColumnSums {
         if (params.thr) seed = keep_mix_seed(uint32_t(__ldg(params.ptr_seed)));
       }
     }
-    CUTLASS_DEVICE bool begin_sync_needed() const { return ActGrad; }
+    CUTLASS_DEVICE bool begin_sync_needed() const { return ActGrad && !Bare; }
 
     CUTLASS_DEVICE void begin_loop(int epi_m, int epi_n) {
-      if constexpr (ActGrad) {
+      if constexpr (ActGrad && !Bare) {
         // A value's channel in the tile from tcoord (rel counts from the thread's first value of the whole tile:
         // f405b95 added the subtile's offset twice). Values in one column (rel's columns are static) share a load.
         auto rel_mn = rel(_, _, _, epi_m, epi_n);
@@ -471,6 +473,10 @@ struct TileColumnSums {
         int k = epi_v * FragmentSize + i;
         float x = static_cast<float>(frg_x[i]);
         float d = static_cast<float>(frg_input[i]);
+        if constexpr (Bare) {
+          add<FragmentSize>(epi_v, epi_m, i, d, x);
+          continue;
+        }
         if (params.thr) {  // the forward's dropout: (m, c)'s index in (n, hw, c) order is m c + channel
           uint32_t index = (m0 + uint32_t(get<0>(tile_mn(k)))) * c + n0 + uint32_t(get<1>(tile_mn(k)));
           d = keep_at(seed, index, uint32_t(params.thr), params.pair) ? d * params.inv_keep : 0.0f;
@@ -546,7 +552,7 @@ struct TileColumnSums {
   }
 };
 
-template <class TileShape, bool Residual, int Warps, bool ActGrad = false>
+template <class TileShape, bool Residual, int Warps, bool ActGrad = false, bool Bare = false>
 struct StatsCallbacks {
   using Element = cutlass::bfloat16_t;
   static constexpr auto RN = cutlass::FloatRoundStyle::round_to_nearest;
@@ -566,7 +572,7 @@ struct StatsCallbacks {
   // ActGrad's node sums the stored value with x, the epilogue's source C
   using Sums = cute::conditional_t<
       ActGrad,
-      cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps, true>, Fetch,
+      cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps, true, Bare>, Fetch,
                                          cutlass::epilogue::fusion::Sm90SrcFetch<Element>>,
       cutlass::epilogue::fusion::Sm90EVT<TileColumnSums<TileShape, Warps>, Fetch>>;
   // Out evaluated once; its value is stored (the output tree: the fetch itself) and summed
@@ -596,9 +602,9 @@ struct PingpongStatsFprop : Persistent<typename Parts::Mainloop, typename Parts:
 
 // The dgrad under the ping-pong kernel with the backward reduction's sums in its epilogue (ActGrad above): dx stored
 // as bf16, the sums of (g, g x) per 128 pixels and channel.
-template <class TileShape, class Parts = PingpongParts<TileShape, Shape<_1, _1, _1>, 0, false,
-                                                       cutlass::conv::Operator::kDgrad>,
-          class Callbacks = typename StatsCallbacks<TileShape, false, 4, true>::Callbacks>
+template <class TileShape, bool Bare = false,
+          class Parts = PingpongParts<TileShape, Shape<_1, _1, _1>, 0, false, cutlass::conv::Operator::kDgrad>,
+          class Callbacks = typename StatsCallbacks<TileShape, false, 4, true, Bare>::Callbacks>
 struct PingpongDgradSums : Persistent<typename Parts::Mainloop,
                                       typename Parts::template Epilogue<typename Parts::Element, Callbacks>> {
   static int run(const Operands& o, cudaStream_t stream, char* err, int errlen) {
@@ -665,6 +671,11 @@ constexpr auto kDgrad = cutlass::conv::Operator::kDgrad;
   {name, DPINGPONG(M, N, K)::run, DPINGPONG(M, N, K)::stages, DPINGPONG(M, N, K)::smem_bytes,                    \
    DPINGPONG(M, N, K)::occupancy, 0, OP_DGRAD}
 
+#define ACT(BARE) PingpongDgradSums<Shape<_128, _128, Shape<_64>>, BARE>
+#define ACONFIG(name, BARE)                                                                                      \
+  {name, ACT(BARE)::run, ACT(BARE)::stages, ACT(BARE)::smem_bytes, ACT(BARE)::occupancy, EPI_STATS | EPI_ACT_SUMS,  \
+   OP_DGRAD}
+
 static const Config kConfigs[] = {
     CONFIG("128x128x64", 128, 128, 64, 1, 1, 0, TmaEpilogue),
     CONFIG("128x128x64 cluster 2x1", 128, 128, 64, 2, 1, 0, TmaEpilogue),
@@ -685,9 +696,8 @@ static const Config kConfigs[] = {
     // under the persistent ping-pong kernel.
     DCONFIG("dgrad 128x128x64", 128, 128, 64),
     DPCONFIG("dgrad pingpong 128x128x64", 128, 128, 64),
-    {"dgrad pingpong 128x128x64 + act sums", PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::run,
-     PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::stages, PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::smem_bytes,
-     PingpongDgradSums<Shape<_128, _128, Shape<_64>>>::occupancy, EPI_STATS | EPI_ACT_SUMS, OP_DGRAD},
+    ACONFIG("dgrad pingpong 128x128x64 + act sums", false),
+    ACONFIG("dgrad pingpong 128x128x64 + act sums (bare)", true),  // a measurement (Bare above)
 };
 
 extern "C" {
