@@ -155,8 +155,8 @@ def render(result: dict) -> str:
                       f"GroupNorm feeds: {tot[2]:.2f} ms, what an epilogue with its sums could remove."]
         if any("act_sums" in s for s in result["sites"]):
             lines.append(f"The dgrad with the sums in its epilogue, where it applies (a GroupNorm's output, 128-pixel "
-                         f"tiles in one sample; no dropout mask yet): {tot[3]:+.2f} ms a step saved against the plain "
-                         f"dgrad and the passes (the passes at the copy rate).")
+                         f"tiles in one sample; its dropout replayed where it had one): {tot[3]:+.2f} ms a step saved "
+                         f"against the plain dgrad and the passes (negative: it costs; the passes at the copy rate).")
     return "\n".join(lines) + "\n"
 
 
