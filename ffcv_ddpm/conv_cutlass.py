@@ -222,7 +222,7 @@ def act_sums(dx: Tensor, x: Tensor, coef: Tensor, silu: int, keep: Tensor | None
     """conv3x3_dgrad_sums' sums in torch (fp32), from its dx: per `rows` pixels and channel, of g = dx SiLU'(y) and
     g x, y = x u + v (SiLU' exact: silu 1 and 2 are the same function), dx taken back through dropout first where
     `keep` (a bool mask of dx's shape, norm.keep_mask's) is given; in fp32, fp64 for fp64 inputs."""
-    n, c = x.shape[:2]
+    c = x.shape[1]
     dt = torch.promote_types(x.dtype, torch.float32)
     x, dx, coef = x.to(dt), dx.to(dt), coef.to(dt)
     if keep is not None:
