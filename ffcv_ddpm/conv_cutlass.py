@@ -199,21 +199,12 @@ def conv3x3_dgrad_sums(dy: Tensor, w: Tensor, config: CutlassConfig, x: Tensor, 
         raise ValueError(f"conv3x3_dgrad_sums: dropout takes a threshold > 0 and the forward's seed, an int64 [1] on "
                          f"{dy.device}; got thr {thr} and seed "
                          f"{None if seed is None else (seed.dtype, tuple(seed.shape), str(seed.device))}")
-    if tuple(w.shape) != (k, c, 3, 3) or not (dy.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
-        raise ValueError(f"conv3x3_dgrad_sums: expected dy [N, K, H, W] and w [K, C, 3, 3] both channels_last, got "
-                         f"{tuple(dy.shape)} {dy.stride()}, w {tuple(w.shape)} {w.stride()}")
-    if not (dy.is_cuda and w.is_cuda and dy.dtype == w.dtype == torch.bfloat16):
-        raise ValueError(f"conv3x3_dgrad_sums: expected bf16 CUDA tensors, got dy {dy.dtype} on {dy.device}, w "
-                         f"{w.dtype} on {w.device}")
+    _check_operands("conv3x3_dgrad_sums", dy, w, True)
     dx = torch.empty(n, c, h, wd, device=dy.device, dtype=dy.dtype, memory_format=cl)
     sums = torch.empty(2, n * h * wd // TILE_M, c, device=dy.device, dtype=torch.float32)
-    err = ctypes.create_string_buffer(ERR_LEN)
-    rc = library().cutconv_dgrad_sums(config.index, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), x.data_ptr(),
-                                      coef.data_ptr(), sums[0].data_ptr(), sums[1].data_ptr(), n, h, wd, c, k, silu,
-                                      seed.data_ptr() if seed is not None else None, thr, int(pair), inv_keep,
-                                      torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
-    if rc:
-        raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
+    _launch(library().cutconv_dgrad_sums, config, dy.data_ptr(), w.data_ptr(), dx.data_ptr(), x.data_ptr(),
+            coef.data_ptr(), sums[0].data_ptr(), sums[1].data_ptr(), n, h, wd, c, k, silu,
+            seed.data_ptr() if seed is not None else None, thr, int(pair), inv_keep)
     return dx, sums
 
 
@@ -406,13 +397,7 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias:
     if config.epilogue != want:
         raise ValueError(f"conv3x3: CUTLASS config {config.name!r} has epilogue flags {config.epilogue}, the call "
                          f"asks for {want} (residual {res is not None}, sums {stats})")
-    if tuple(w.shape) != (k, c, 3, 3) or x.shape[1] != (k if is_dgrad else c) or not (
-            x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
-        raise ValueError(f"conv3x3: expected {'dy [N, K' if is_dgrad else 'x [N, C'}, H, W] and w [K, C, 3, 3] both "
-                         f"channels_last, got {tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
-    if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.bfloat16):
-        raise ValueError(f"conv3x3: expected bf16 CUDA tensors, got x {x.dtype} on {x.device}, w {w.dtype} on "
-                         f"{w.device}")
+    _check_operands("conv3x3", x, w, is_dgrad)
     if res is not None and (res.shape != (n, k, h, wd) or res.dtype != x.dtype
                             or not res.is_contiguous(memory_format=cl)):
         raise ValueError(f"conv3x3: the residual must be bf16 [{n}, {k}, {h}, {wd}] channels_last, got "
@@ -425,15 +410,32 @@ def _call(x: Tensor, w: Tensor, config: CutlassConfig, res: Tensor | None, bias:
         raise ValueError(f"conv3x3: sums need N*H*W a multiple of {TILE_M} and Cout of 128 (got {n * h * wd}, {k})")
     y = torch.empty(n, c if is_dgrad else k, h, wd, device=x.device, dtype=x.dtype, memory_format=cl)
     sums = torch.empty(2, n * h * wd // TILE_M, k, device=x.device, dtype=torch.float32) if stats else None
-    err = ctypes.create_string_buffer(ERR_LEN)
-    rc = library().cutconv_fprop(config.index, x.data_ptr(), w.data_ptr(), y.data_ptr(),
-                                 res.data_ptr() if res is not None else None,
-                                 bias.data_ptr() if bias is not None else None,
-                                 sums[0].data_ptr() if stats else None, sums[1].data_ptr() if stats else None,
-                                 n, h, wd, c, k, torch.cuda.current_stream().cuda_stream, err, ERR_LEN)
-    if rc:
-        raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
+    _launch(library().cutconv_fprop, config, x.data_ptr(), w.data_ptr(), y.data_ptr(),
+            res.data_ptr() if res is not None else None, bias.data_ptr() if bias is not None else None,
+            sums[0].data_ptr() if stats else None, sums[1].data_ptr() if stats else None, n, h, wd, c, k)
     return y, sums
+
+
+def _check_operands(who: str, x: Tensor, w: Tensor, is_dgrad: bool) -> None:
+    """What every call of the kernels needs of x (dy for a dgrad) and w: a 3x3 w [K, C] whose channels match x's,
+    both channels_last, bf16 on CUDA."""
+    k, c = w.shape[:2]  # the forward's output and input channels
+    cl = torch.channels_last
+    if w.shape[2:] != (3, 3) or x.shape[1] != (k if is_dgrad else c) or not (
+            x.is_contiguous(memory_format=cl) and w.is_contiguous(memory_format=cl)):
+        raise ValueError(f"{who}: expected {'dy [N, K' if is_dgrad else 'x [N, C'}, H, W] and w [K, C, 3, 3] both "
+                         f"channels_last, got {tuple(x.shape)} {x.stride()}, w {tuple(w.shape)} {w.stride()}")
+    if not (x.is_cuda and w.is_cuda and x.dtype == w.dtype == torch.bfloat16):
+        raise ValueError(f"{who}: expected bf16 CUDA tensors, got {'dy' if is_dgrad else 'x'} {x.dtype} on "
+                         f"{x.device}, w {w.dtype} on {w.device}")
+
+
+def _launch(fn, config: CutlassConfig, *args) -> None:
+    """fn(config's index, *args, torch's current stream, an error buffer): a C entry of the library; its error as one
+    RuntimeError naming the config."""
+    err = ctypes.create_string_buffer(ERR_LEN)
+    if fn(config.index, *args, torch.cuda.current_stream().cuda_stream, err, ERR_LEN):
+        raise RuntimeError(f"CUTLASS {config.name}: {err.value.decode()}")
 
 
 def main(argv: list[str] | None = None) -> int:
