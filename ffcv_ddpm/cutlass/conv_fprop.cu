@@ -321,17 +321,18 @@ struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::temp
 // channels) are staged in shared memory once a tile, as Sm90RowBroadcast stages a row, and a subtile's taken into
 // registers as it begins (the first form read x and (u, v) per value from global memory: 3.6x the plain dgrad's
 // time, results/h200/dgrad-sums-5d32a20; the second, (u, v) from global memory once a subtile, 1.9x).
-CUTLASS_DEVICE float silu_grad(float y, int mode) {  // gn_kernels._silu_grad
-  if (mode == 2) {
+template <int Mode>
+CUTLASS_DEVICE float silu_grad(float y) {  // gn_kernels._silu_grad, branch-free: Mode a template parameter
+  if constexpr (Mode == 2) {
     float h = 0.5f * y, t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
     return 0.5f + 0.5f * t + 0.5f * h * (1.0f - t * t);
-  }
-  if (mode == 1) {
-    float s = 1.0f / (1.0f + __expf(-y));
+  } else if constexpr (Mode == 1) {
+    float s = __fdividef(1.0f, 1.0f + __expf(-y));  // not 1 / (.): its IEEE slow path is a call per value
     return s * (1.0f + y * (1.0f - s));
+  } else {
+    return 1.0f;
   }
-  return 1.0f;
 }
 
 // Bare (with ActGrad; a measurement, NOTES 50): the same data movement, x in and the two sums out, without the
@@ -461,11 +462,13 @@ struct TileColumnSums {
       return frg_input;
     }
 
-    template <class ElementAccumulator, class ElementInput, class ElementX, int FragmentSize>  // ActGrad's
-    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
-                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input,
-                              cutlass::Array<ElementX, FragmentSize> const& frg_x) {
-      static_assert(ActGrad, "only ActGrad's node takes x");
+    // ActGrad's terms of one fragment, Mode and Drop fixed: a straight line over its values. (c121b76 branched on
+    // the SiLU mode and the dropout per value: the branches split the values' chains, which then ran one after
+    // another at their full latencies, 6x the plain dgrad's time; results/h200/dgrad-sums-2c0013c.)
+    template <int Mode, bool Drop, class ElementInput, class ElementX, int FragmentSize>
+    CUTLASS_DEVICE void act_terms(int epi_v, int epi_m, int epi_n,
+                                  cutlass::Array<ElementInput, FragmentSize> const& frg_input,
+                                  cutlass::Array<ElementX, FragmentSize> const& frg_x) {
       auto tile_mn = tcoord(_, _, _, epi_m, epi_n);
       uint32_t c = get<1>(problem), m0 = uint32_t(get<0>(tile)) * TileM, n0 = uint32_t(get<1>(tile)) * TileN;
       CUTLASS_PRAGMA_UNROLL
@@ -473,15 +476,31 @@ struct TileColumnSums {
         int k = epi_v * FragmentSize + i;
         float x = static_cast<float>(frg_x[i]);
         float d = static_cast<float>(frg_input[i]);
-        if constexpr (Bare) {
-          add<FragmentSize>(epi_v, epi_m, i, d, x);
-          continue;
-        }
-        if (params.thr) {  // the forward's dropout: (m, c)'s index in (n, hw, c) order is m c + channel
+        if constexpr (Drop) {  // the forward's dropout: (m, c)'s index in (n, hw, c) order is m c + channel
           uint32_t index = (m0 + uint32_t(get<0>(tile_mn(k)))) * c + n0 + uint32_t(get<1>(tile_mn(k)));
           d = keep_at(seed, index, uint32_t(params.thr), params.pair) ? d * params.inv_keep : 0.0f;
         }
-        add<FragmentSize>(epi_v, epi_m, i, d * silu_grad(x * cu[k] + cv[k], params.silu), x);
+        add<FragmentSize>(epi_v, epi_m, i, d * silu_grad<Mode>(x * cu[k] + cv[k]), x);
+      }
+    }
+
+    template <class ElementAccumulator, class ElementInput, class ElementX, int FragmentSize>  // ActGrad's
+    CUTLASS_DEVICE auto visit(cutlass::Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m,
+                              int epi_n, cutlass::Array<ElementInput, FragmentSize> const& frg_input,
+                              cutlass::Array<ElementX, FragmentSize> const& frg_x) {
+      static_assert(ActGrad, "only ActGrad's node takes x");
+      if constexpr (Bare) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i)
+          add<FragmentSize>(epi_v, epi_m, i, static_cast<float>(frg_input[i]), static_cast<float>(frg_x[i]));
+      } else if (params.thr) {  // uniform branches, once a fragment
+        if (params.silu == 2) act_terms<2, true>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else if (params.silu == 1) act_terms<1, true>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else act_terms<0, true>(epi_v, epi_m, epi_n, frg_input, frg_x);
+      } else {
+        if (params.silu == 2) act_terms<2, false>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else if (params.silu == 1) act_terms<1, false>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else act_terms<0, false>(epi_v, epi_m, epi_n, frg_input, frg_x);
       }
       return frg_input;
     }
