@@ -321,18 +321,25 @@ struct PingpongFprop : Persistent<typename Parts::Mainloop, typename Parts::temp
 // channels) are staged in shared memory once a tile, as Sm90RowBroadcast stages a row, and a subtile's taken into
 // registers as it begins (the first form read x and (u, v) per value from global memory: 3.6x the plain dgrad's
 // time, results/h200/dgrad-sums-5d32a20; the second, (u, v) from global memory once a subtile, 1.9x).
+// d SiLU'(y) (gn_kernels._silu_grad) up to a constant factor the tile's sums take once at their end (act_scale):
+// Mode 2 (tanh.approx) takes z = y / 2 (the staged (u, v) halved) and returns 2 d SiLU'(y) = d (1 + t + z (1 - t^2)),
+// t = tanh(z): five operations; Mode 1 d y sigmoid(y)'s derivative; Mode 0 d. Branch-free, Mode a template parameter.
 template <int Mode>
-CUTLASS_DEVICE float silu_grad(float y) {  // gn_kernels._silu_grad, branch-free: Mode a template parameter
+CUTLASS_DEVICE float act_grad(float d, float z) {
   if constexpr (Mode == 2) {
-    float h = 0.5f * y, t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
-    return 0.5f + 0.5f * t + 0.5f * h * (1.0f - t * t);
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(z));
+    return fmaf(d, fmaf(z, fmaf(-t, t, 1.0f), t), d);
   } else if constexpr (Mode == 1) {
-    float s = __fdividef(1.0f, 1.0f + __expf(-y));  // not 1 / (.): its IEEE slow path is a call per value
-    return s * (1.0f + y * (1.0f - s));
+    float s = __fdividef(1.0f, 1.0f + __expf(-z));  // not 1 / (.): its IEEE slow path is a call per value
+    return d * s * (1.0f + z * (1.0f - s));
   } else {
-    return 1.0f;
+    return d;
   }
+}
+CUTLASS_DEVICE float act_coef_scale(int mode) { return mode == 2 ? 0.5f : 1.0f; }  // (u, v) as staged
+CUTLASS_DEVICE float act_scale(int mode, float inv_keep) {  // the sums' factor: Mode 2's 1 / 2, dropout's 1 / (1 - p)
+  return (mode == 2 ? 0.5f : 1.0f) * inv_keep;
 }
 
 // Bare (with ActGrad; a measurement, NOTES 50): the same data movement, x in and the two sums out, without the
@@ -409,8 +416,9 @@ struct TileColumnSums {
         int c = get<1>(problem);
         float const* coef = params.ptr_coef + size_t(int(get<0>(tile)) * TileM / params.hw) * 2 * c +
                             int(get<1>(tile)) * TileN;
+        float half = act_coef_scale(params.silu);
         for (int i = thread_idx; i < 2 * TileN; i += threads) shared->coef[i / TileN][i % TileN] =
-            __ldg(coef + (i / TileN) * c + i % TileN);
+            half * __ldg(coef + (i / TileN) * c + i % TileN);
         if (params.thr) seed = keep_mix_seed(uint32_t(__ldg(params.ptr_seed)));
       }
     }
@@ -464,23 +472,39 @@ struct TileColumnSums {
 
     // ActGrad's terms of one fragment, Mode and Drop fixed: a straight line over its values. (c121b76 branched on
     // the SiLU mode and the dropout per value: the branches split the values' chains, which then ran one after
-    // another at their full latencies, 6x the plain dgrad's time; results/h200/dgrad-sums-2c0013c.)
-    template <int Mode, bool Drop, class ElementInput, class ElementX, int FragmentSize>
+    // another at their full latencies, 6x the plain dgrad's time; results/h200/dgrad-sums-2c0013c.) Drop: 0 none,
+    // 1 a hash a value, 2 the pair form, one hash for values i and i + 1 (i even): the fragment holds the R2S copy's
+    // 32-bit registers, each two adjacent channels of one pixel, the first even (conv_dgrad's check at the dropout
+    // sites fails if not).
+    template <int Mode, int Drop, class ElementInput, class ElementX, int FragmentSize>
     CUTLASS_DEVICE void act_terms(int epi_v, int epi_m, int epi_n,
                                   cutlass::Array<ElementInput, FragmentSize> const& frg_input,
                                   cutlass::Array<ElementX, FragmentSize> const& frg_x) {
+      static_assert(FragmentSize % 2 == 0, "values in pairs");
       auto tile_mn = tcoord(_, _, _, epi_m, epi_n);
       uint32_t c = get<1>(problem), m0 = uint32_t(get<0>(tile)) * TileM, n0 = uint32_t(get<1>(tile)) * TileN;
+      uint32_t thr = params.thr;
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < FragmentSize; ++i) {
+      for (int i = 0; i < FragmentSize; i += 2) {
         int k = epi_v * FragmentSize + i;
-        float x = static_cast<float>(frg_x[i]);
-        float d = static_cast<float>(frg_input[i]);
+        float d0 = static_cast<float>(frg_input[i]), d1 = static_cast<float>(frg_input[i + 1]);
         if constexpr (Drop) {  // the forward's dropout: (m, c)'s index in (n, hw, c) order is m c + channel
           uint32_t index = (m0 + uint32_t(get<0>(tile_mn(k)))) * c + n0 + uint32_t(get<1>(tile_mn(k)));
-          d = keep_at(seed, index, uint32_t(params.thr), params.pair) ? d * params.inv_keep : 0.0f;
+          bool keep0, keep1;
+          if constexpr (Drop == 2) {
+            uint32_t z = keep_hash(seed, index >> 1);
+            keep0 = (z & 0xFFFFu) >= thr;
+            keep1 = (z >> 16) >= thr;
+          } else {
+            keep0 = (keep_hash(seed, index) >> 8) >= thr;
+            keep1 = (keep_hash(seed, index + 1) >> 8) >= thr;
+          }
+          d0 = keep0 ? d0 : 0.0f;  // 1 / (1 - p) in act_scale
+          d1 = keep1 ? d1 : 0.0f;
         }
-        add<FragmentSize>(epi_v, epi_m, i, d * silu_grad<Mode>(x * cu[k] + cv[k]), x);
+        float x0 = static_cast<float>(frg_x[i]), x1 = static_cast<float>(frg_x[i + 1]);
+        add<FragmentSize>(epi_v, epi_m, i, act_grad<Mode>(d0, fmaf(x0, cu[k], cv[k])), x0);
+        add<FragmentSize>(epi_v, epi_m, i + 1, act_grad<Mode>(d1, fmaf(x1, cu[k + 1], cv[k + 1])), x1);
       }
     }
 
@@ -493,14 +517,18 @@ struct TileColumnSums {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < FragmentSize; ++i)
           add<FragmentSize>(epi_v, epi_m, i, static_cast<float>(frg_input[i]), static_cast<float>(frg_x[i]));
-      } else if (params.thr) {  // uniform branches, once a fragment
-        if (params.silu == 2) act_terms<2, true>(epi_v, epi_m, epi_n, frg_input, frg_x);
-        else if (params.silu == 1) act_terms<1, true>(epi_v, epi_m, epi_n, frg_input, frg_x);
-        else act_terms<0, true>(epi_v, epi_m, epi_n, frg_input, frg_x);
+      } else if (params.thr && params.pair) {  // uniform branches, once a fragment
+        if (params.silu == 2) act_terms<2, 2>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else if (params.silu == 1) act_terms<1, 2>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else act_terms<0, 2>(epi_v, epi_m, epi_n, frg_input, frg_x);
+      } else if (params.thr) {
+        if (params.silu == 2) act_terms<2, 1>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else if (params.silu == 1) act_terms<1, 1>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else act_terms<0, 1>(epi_v, epi_m, epi_n, frg_input, frg_x);
       } else {
-        if (params.silu == 2) act_terms<2, false>(epi_v, epi_m, epi_n, frg_input, frg_x);
-        else if (params.silu == 1) act_terms<1, false>(epi_v, epi_m, epi_n, frg_input, frg_x);
-        else act_terms<0, false>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        if (params.silu == 2) act_terms<2, 0>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else if (params.silu == 1) act_terms<1, 0>(epi_v, epi_m, epi_n, frg_input, frg_x);
+        else act_terms<0, 0>(epi_v, epi_m, epi_n, frg_input, frg_x);
       }
       return frg_input;
     }
@@ -542,14 +570,16 @@ struct TileColumnSums {
         sync_fn();
         int n = get<1>(problem), warps = threads / 32;
         size_t row = size_t(get<0>(tile)) * n + size_t(get<1>(tile)) * TileN;
+        float scale = 1.0f;  // ActGrad: the factor act_grad left out
+        if constexpr (ActGrad && !Bare) scale = act_scale(params.silu, params.thr ? params.inv_keep : 1.0f);
         for (int c = thread_idx; c < TileN; c += threads) {
           float a = 0.0f, b = 0.0f;
           for (int w = 0; w < warps; ++w) {
             a += shared->sums[0][w][c];
             b += shared->sums[1][w][c];
           }
-          params.ptr_sum[row + c] = a;
-          params.ptr_sumsq[row + c] = b;
+          params.ptr_sum[row + c] = a * scale;
+          params.ptr_sumsq[row + c] = b * scale;
         }
         sync_fn();  // read before the next tile writes its slots
       }

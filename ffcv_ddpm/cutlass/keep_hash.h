@@ -20,13 +20,19 @@ KEEP_HD uint32_t keep_mix_seed(uint32_t s) {
   return s;
 }
 
-KEEP_HD bool keep_at(uint32_t mixed_seed, uint32_t index, uint32_t thr, bool pair) {
-  uint32_t z = (pair ? index >> 1 : index) * 0x9E3779B1u + mixed_seed;
+// The 32-bit hash of element j (an index, or index / 2 with pair).
+KEEP_HD uint32_t keep_hash(uint32_t mixed_seed, uint32_t j) {
+  uint32_t z = j * 0x9E3779B1u + mixed_seed;
   z ^= z >> 16;
   z *= 0x85EBCA6Bu;
   z ^= z >> 13;
   z *= 0xC2B2AE35u;
   z ^= z >> 16;
+  return z;
+}
+
+KEEP_HD bool keep_at(uint32_t mixed_seed, uint32_t index, uint32_t thr, bool pair) {
+  uint32_t z = keep_hash(mixed_seed, pair ? index >> 1 : index);
   uint32_t r = pair ? (z >> (16 * (index & 1u))) & 0xFFFFu : z >> 8;
   return r >= thr;
 }
