@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import register_flop_formula
 
 from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, Pending, parse_plan, resolved
 
@@ -382,19 +383,54 @@ def convs_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], bias: boo
 
 
 def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """A 1x1 conv (without its bias) over the channel concatenation of parts as one tensor: the first part's GEMM on
-    its NHWC view, each next one's accumulated onto it by addmm (C read by the GEMM, no add of its own), in the
-    first part's NHWC order. model.conv_cutlass: one residual, which the CUTLASS epilogue adds, where two
+    """A 1x1 conv (without its bias) over the channel concatenation of two parts as one tensor: the first part's GEMM
+    on its NHWC view, the second's accumulated onto it (mm_acc: C read by the GEMM, no add of its own), in the first
+    part's NHWC order. model.conv_cutlass: one residual, which the CUTLASS epilogue adds, where two
     (convs_over_parts) were added by the statistics kernel."""
+    if len(parts) != 2:
+        raise ValueError(f"skip_over_parts takes the up path's two parts (h, skip), not {len(parts)}")
     n, _, h, w = parts[0].shape
-    weight = conv.weight.flatten(1)  # [Cout, Cin]
-    out, c0 = None, 0
-    for part in parts:
-        c1 = c0 + part.shape[1]
-        a = part.permute(0, 2, 3, 1).reshape(n * h * w, part.shape[1])  # a view if channels_last
-        out = a @ weight[:, c0:c1].t() if out is None else torch.addmm(out, a, weight[:, c0:c1].t())
-        c0 = c1
+    c0 = parts[0].shape[1]
+    dev = parts[0].device.type  # autocast does not cast a custom op's inputs: cast them as it would cast mm's
+    on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)  # (not on the meta device)
+    dtype = torch.get_autocast_dtype(dev) if on else parts[0].dtype
+    weight = conv.weight.flatten(1).to(dtype)  # [Cout, Cin]
+    a, a2 = (p.permute(0, 2, 3, 1).reshape(n * h * w, p.shape[1]).to(dtype) for p in parts)  # views if channels_last
+    out = mm_acc(a, weight[:, :c0].t(), a2, weight[:, c0:].t())
     return out.view(n, h, w, -1).permute(0, 3, 1, 2)
+
+
+@torch.library.custom_op("ffcv_ddpm::mm_acc", mutates_args=())
+def mm_acc(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """a @ b + a2 @ b2, the second GEMM accumulating onto the first's output in place (cuBLAS reads it as C, beta 1).
+    An op of its own because the compiled step's torch.addmm(a @ b, a2, b2) copies its C into a new output first:
+    12 copies of an activation a step, 0.64 ms on an H200 (results/h200/dgrad-sums-d61c088/prof, NOTES 51)."""
+    return torch.mm(a, b).addmm_(a2, b2)
+
+
+@mm_acc.register_fake
+def _(a, b, a2, b2):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def _mm_acc_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _mm_acc_backward(ctx, grad):
+    a, b, a2, b2 = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    return (grad @ b.t() if need[0] else None, a.t() @ grad if need[1] else None,
+            grad @ b2.t() if need[2] else None, a2.t() @ grad if need[3] else None)
+
+
+mm_acc.register_autograd(_mm_acc_backward, setup_context=_mm_acc_setup)
+
+
+@register_flop_formula(torch.ops.ffcv_ddpm.mm_acc)
+def _mm_acc_flops(a_shape, b_shape, a2_shape, b2_shape, *args, out_shape=None, **kwargs) -> int:
+    """Two GEMMs' multiply-adds, as aten.mm's formula counts them: 2 M K N each."""
+    return 2 * a_shape[0] * b_shape[1] * (a_shape[1] + a2_shape[1])
 
 
 def nearest_2x(x: torch.Tensor) -> torch.Tensor:

@@ -241,16 +241,28 @@ def test_flop_counter_counts_the_convolutions_the_op_runs():
 
 def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
     """skip_over_parts: the 1x1 conv over the concatenation of (h, skip) as one tensor, in fp64 the convolution's
-    (without its bias), in channels_last."""
-    from ffcv_ddpm.unet import skip_over_parts
+    (without its bias), in channels_last, and its gradients (the parts' and the weight's) autograd's of it; mm_acc's
+    schema, fake and autograd registration (torch.library.opcheck); bf16 under autocast, as mm would cast."""
+    from ffcv_ddpm.unet import mm_acc, skip_over_parts
 
     g = torch.Generator().manual_seed(9)
     conv = torch.nn.Conv2d(24, 16, 1).double()
     parts = tuple(torch.randn(3, c, 4, 8, generator=g, dtype=torch.float64).contiguous(memory_format=CL)
-                  for c in (16, 8))
+                  .requires_grad_() for c in (16, 8))
     out = skip_over_parts(conv, parts)
     want = F.conv2d(torch.cat(parts, 1), conv.weight)
     assert out.shape == want.shape and out.is_contiguous(memory_format=CL) and rel(out, want) < 1e-12
+    dy = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad(out, (*parts, conv.weight), dy)
+    ref = torch.autograd.grad(want, (*parts, conv.weight), dy)
+    assert all(rel(a, b) < 1e-12 for a, b in zip(got, ref))
+    mats = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((6, 5), (5, 4), (6, 3), (3, 4))]
+    torch.library.opcheck(mm_acc, mats)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = skip_over_parts(conv.float(), tuple(p.detach().float() for p in parts))
+    assert low.dtype == torch.bfloat16 and rel(low.double(), want) < 2e-2
+    with pytest.raises(ValueError, match="two parts"):
+        skip_over_parts(conv, parts[:1])
 
 
 def test_the_dgrad_op_is_the_transposed_convolution_and_its_fake_agrees():
