@@ -391,9 +391,10 @@ def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.T
         raise ValueError(f"skip_over_parts takes the up path's two parts (h, skip), not {len(parts)}")
     n, _, h, w = parts[0].shape
     c0 = parts[0].shape[1]
-    dev = parts[0].device.type  # autocast does not cast a custom op's inputs: cast them as it would cast mm's
-    on = torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)  # (not on the meta device)
-    dtype = torch.get_autocast_dtype(dev) if on else parts[0].dtype
+    # The activations' dtype for the weight (under autocast, what autocast would cast mm's inputs to: it does not
+    # cast a custom op's). Not asked of autocast itself: torch.amp.is_autocast_available breaks dynamo's graph
+    # (d322256: a graph break a block, the recompile limit hit, the step 148 ms; NOTES 51).
+    dtype = parts[0].dtype
     weight = conv.weight.flatten(1).to(dtype)  # [Cout, Cin]
     a, a2 = (p.permute(0, 2, 3, 1).reshape(n * h * w, p.shape[1]).to(dtype) for p in parts)  # views if channels_last
     out = mm_acc(a, weight[:, :c0].t(), a2, weight[:, c0:].t())

@@ -242,7 +242,8 @@ def test_flop_counter_counts_the_convolutions_the_op_runs():
 def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
     """skip_over_parts: the 1x1 conv over the concatenation of (h, skip) as one tensor, in fp64 the convolution's
     (without its bias), in channels_last, and its gradients (the parts' and the weight's) autograd's of it; mm_acc's
-    schema, fake and autograd registration (torch.library.opcheck); bf16 under autocast, as mm would cast."""
+    schema, fake and autograd registration (torch.library.opcheck); compiled in one graph; bf16 activations with an
+    fp32 weight under autocast."""
     from ffcv_ddpm.unet import mm_acc, skip_over_parts
 
     g = torch.Generator().manual_seed(9)
@@ -258,11 +259,17 @@ def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
     assert all(rel(a, b) < 1e-12 for a, b in zip(got, ref))
     mats = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((6, 5), (5, 4), (6, 3), (3, 4))]
     torch.library.opcheck(mm_acc, mats)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = skip_over_parts(conv.float(), tuple(p.detach().float() for p in parts))
-    assert low.dtype == torch.bfloat16 and rel(low.double(), want) < 2e-2
     with pytest.raises(ValueError, match="two parts"):
         skip_over_parts(conv, parts[:1])
+    # compiled in one graph (on torch 2.11, d322256's question to autocast, torch.amp.is_autocast_available, broke
+    # dynamo's graph at every up block; 2.13 traces it)
+    compiled = torch.compile(lambda *p: skip_over_parts(conv, p), backend="aot_eager", fullgraph=True)
+    out2 = compiled(*parts)
+    assert rel(out2, want) < 1e-12
+    assert all(rel(a, b) < 1e-12 for a, b in zip(torch.autograd.grad(out2, (*parts, conv.weight), dy), ref))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 activations, an fp32 weight (.float() in place: last)
+        low = skip_over_parts(conv.float(), tuple(p.detach().bfloat16() for p in parts))
+    assert low.dtype == torch.bfloat16 and rel(low.double(), want) < 2e-2
 
 
 def test_the_dgrad_op_is_the_transposed_convolution_and_its_fake_agrees():
