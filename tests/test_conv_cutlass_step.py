@@ -345,3 +345,28 @@ def test_cutlass_kernel_in_the_op_against_the_presets_path(residual, cout, h, dg
     assert rel(s1, s0) < 1e-2 and rel(o1, o0) < 2e-2
     for a, b in zip(g1, g0, strict=True):
         assert rel(a, b) < 3e-2
+
+
+@pytest.mark.parametrize("silu,drop", [(2, "pair"), (2, "value"), (2, None), (1, "pair"), (1, None), (0, "value")])
+def test_cutlass_kernel_dgrad_sums_in_every_mode(silu, drop):
+    """On an H100/H200: the act-sums dgrad (NOTES 50's measurement config) in each SiLU mode and dropout form its
+    epilogue compiles (the benchmark runs the preset's, mode 2 with the pair hash, only): dx the plain dgrad's, the
+    sums act_sums' of that dx with norm.keep_mask's mask."""
+    needs_cutlass()
+    g = torch.Generator().manual_seed(11)
+    n, c, k, h = 4, 128, 128, 16
+    dy = torch.randn(n, k, h, h, generator=g).to("cuda", torch.bfloat16).contiguous(memory_format=CL)
+    w = (torch.randn(k, c, 3, 3, generator=g) / 30).to("cuda", torch.bfloat16).contiguous(memory_format=CL)
+    x = (torch.randn(n, c, h, h, generator=g) * 2 + 0.5).to("cuda", torch.bfloat16).contiguous(memory_format=CL)
+    coef = torch.stack([torch.rand(n, c, generator=g) + 0.5, torch.randn(n, c, generator=g)], 1).cuda()
+    kw, keep = {}, None
+    if drop:
+        pair = drop == "pair"
+        thr, inv_keep = N._dropout_args(0.1, pair)
+        seed = torch.tensor([1234], device="cuda")
+        kw = dict(seed=seed, thr=thr, inv_keep=inv_keep, pair=pair)
+        keep = N.keep_mask(seed.cpu(), (n, c, h, h), 0.1, pair)
+    dx, sums = CC.conv3x3_dgrad_sums(dy, w, CC.config_named(CC.DGRAD_SUMS_CONFIG), x, coef, silu, **kw)
+    assert rel(dx, F.conv_transpose2d(dy.float(), w.float(), padding=1)) < 1e-2
+    want = CC.act_sums(dx, x, coef, silu, keep, kw.get("inv_keep", 1.0))
+    assert max(rel(a, b) for a, b in zip(sums, want)) < 1e-4
