@@ -190,18 +190,24 @@ class GroupNormAct(nn.GroupNorm):
         return f"{super().extra_repr()}, impl={self.impl}, silu={self.silu}, dropout={self.p}{plan}{switches}"
 
     def forward(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None = None,
-                film: tuple[Tensor, Tensor] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                film: tuple[Tensor, Tensor] | None = None, skip: Tensor | None = None):
         """`x`: a tensor, or the parts of a channel concatenation (the up path's (h, skip)); the output is one tensor,
         or with `split_out` and two parts two, (out, out2) with the parts' channels and layouts (model.conv_parts).
         "scale-shift" normalises the parts as they are, "fused" two parts with `parts` (model.fused_parts); the
         others concatenate them first. A Pending residual sum (model.norm_residual), as x or as the first part, is
-        computed by "fused" while it takes the statistics, by the others first; either way its value() is set."""
+        computed by "fused" while it takes the statistics, by the others first; either way its value() is set.
+        skip (model.conv_cutlass): the up block's 1x1 skip weight over the same two parts; the call then returns
+        (output, slot), slot the op's (group_norm_act's skip_w) for unet.mm_acc, None where the op did not take the
+        two parts as they lie."""
         if not isinstance(x, (Tensor, Pending)):
             as_parts = self.impl == "scale-shift" or (self.parts and len(x) == 2)
             if len(x) == 1 or not as_parts:
                 x = resolved(x[0]) if len(x) == 1 else torch.cat(resolved(tuple(x)), 1)
         if self.impl == "fused":
-            return self._fused(x, add, film)
+            out, slot = self._fused(x, add, film, skip)
+            return out if skip is None else (out, slot)
+        if skip is not None:
+            return self.forward(x, add, film), None
         x = resolved(x)
         if add is not None:
             x = x + add[:, :, None, None] if isinstance(x, Tensor) else _add_per_part(x, add)  # (N, C) -> (N, C, 1, 1)
@@ -214,7 +220,7 @@ class GroupNormAct(nn.GroupNorm):
         return F.dropout(y, self.p, self.training) if self.p else y
 
     def _fused(self, x: Tensor | Pending | Sequence[Tensor | Pending], add: Tensor | None,
-               film: tuple[Tensor, Tensor] | None) -> Tensor | tuple[Tensor, Tensor]:
+               film: tuple[Tensor, Tensor] | None, skip: Tensor | None = None):
         x, x2 = (x, None) if isinstance(x, (Tensor, Pending)) else (x[0], resolved(x[1]))
         fold = x if isinstance(x, Pending) and x.computed is None else None  # a sum this call computes
         x, res, res2, rbias = fold.terms if fold else (resolved(x), None, None, None)
@@ -241,18 +247,18 @@ class GroupNormAct(nn.GroupNorm):
         seed = (torch.randint(0, 2**31 - 1, (1,), device=x.device) if p > 0
                 else torch.zeros(1, dtype=torch.int64, device=x.device))
         split = self.split_out and x2 is not None
-        out, *_, s, out2 = torch.ops.ffcv_ddpm.group_norm_act(x, a.contiguous(), b.contiguous(),
-                                                              None if add is None else add.to(dt).contiguous(),
-                                                              seed, self.num_groups, self.eps, self.silu_mode, p,
-                                                              *plan_args(self.plan), x2, self.saved_means,
-                                                              self.mask_bits, res, res2, rbias, self.pair_hash,
-                                                              self.x_sums, self.dbias, split,
-                                                              *(() if cw is None else (cw, dgrad)))  # (graphs as before)
+        skip_w = skip.flatten(1).to(x.dtype) if skip is not None and x2 is not None and cw is None else None
+        out, *_, s, out2, slot = torch.ops.ffcv_ddpm.group_norm_act(
+            x, a.contiguous(), b.contiguous(), None if add is None else add.to(dt).contiguous(), seed,
+            self.num_groups, self.eps, self.silu_mode, p, *plan_args(self.plan), x2, self.saved_means, self.mask_bits,
+            res, res2, rbias, self.pair_hash, self.x_sums, self.dbias, split,
+            *(() if cw is None else (cw, dgrad)), *(() if skip_w is None else (None, False, skip_w)))  # (graphs as
+        # before where neither is passed)
         if fold and cw is not None and res is None:
             fold.spend()
         elif fold:
             fold.set(s if s.numel() else x)  # (a convolution without a residual, computed in torch: x)
-        return (out, out2) if split else out
+        return (out, out2) if split else out, slot if skip_w is not None else None
 
     @property
     def silu_mode(self) -> int:
@@ -360,8 +366,9 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
                    silu: int, p: float, tile: int, chunk: int, warps: int, stages: int, x2: Tensor | None,
                    saved_means: bool, mask_bits: bool, res: Tensor | None, res2: Tensor | None, rbias: Tensor | None,
                    pair_hash: bool, x_sums: bool, dbias: bool, split_out: bool, cw: Tensor | None = None,
-                   cutlass_dgrad: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(out, mean, rstd, cmean, bits, s, out2): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the
+                   cutlass_dgrad: bool = False, skip_w: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(out, mean, rstd, cmean, bits, s, out2, slot): out as GroupNormAct describes (silu: GroupNormAct.silu_mode; the
     plain-torch path computes SiLU one way), mean and rstd (N, groups) fp32 for the backward. x2: None, or the second
     part of a channel concatenation [x, x2] that is never materialised (model.fused_parts). cmean, bits: what the
     backward takes instead of a third sum and of the mask's hash (model.norm_saved_means, model.norm_mask_bits;
@@ -374,16 +381,25 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
     convolution's input and cw its [C, Cin, 3, 3] weight, and returns s; on CUDA by CUTLASS's kernel, whose epilogue
     writes the sums the statistics take (ffcv_ddpm.conv_cutlass), so no pass reads s for them. No x2 or res2.
     cutlass_dgrad (with cw; model.conv_cutlass_dgrad): the backward's dx of that convolution by CUTLASS's dgrad
-    (conv_cutlass.dgrad), its weight's gradient by cuDNN's."""
+    (conv_cutlass.dgrad), its weight's gradient by cuDNN's. skip_w (two parts; model.conv_cutlass): the up block's
+    1x1 skip weight [Cout, C1 + C2] over the same parts, whose GEMM (unet.mm_acc) takes slot, an uninitialised
+    [N*H*W, Cout] tensor, as an input and gives it the skip output's gradient: the backward accumulates that times
+    the weight into dx and dx2 in place (cuBLAS reading them as C) instead of a GEMM output and an add a part (NOTES
+    52); slot is empty without skip_w."""
     if split_out and x2 is None:
         raise ValueError("fused GroupNorm: split_out writes the output of two parts as two tensors; x2 is None")
     if cw is not None and (x2 is not None or res2 is not None or cw.dtype != x.dtype):
         raise ValueError("fused GroupNorm: a convolution computed by the op (cw) takes one input, one residual and a "
                          f"weight of the input's dtype; got a second part {x2 is not None}, a second residual "
                          f"{res2 is not None}, a {cw.dtype} weight for a {x.dtype} input")
+    if skip_w is not None and (x2 is None or cw is not None or skip_w.shape[1] != x.shape[1] + x2.shape[1]):
+        raise ValueError(f"fused GroupNorm: skip_w is a 1x1 weight over two parts of {x.shape[1]} + "
+                         f"{None if x2 is None else x2.shape[1]} channels; got {tuple(skip_w.shape)}"
+                         f"{' and a convolution (cw)' if cw is not None else ''}")
+    slot = _slot(x, skip_w)
     if _on_triton(x):
-        return triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
-                              mask_bits, res, res2, rbias, pair_hash, split_out, cw)
+        return *triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means,
+                               mask_bits, res, res2, rbias, pair_hash, split_out, cw), slot
     if cw is not None:
         x = s = conv_sum(x, cw, res, rbias)
     else:
@@ -391,19 +407,24 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
     out, *rest = reference_forward(_joined(x if s is None else s, x2), a, b, e, seed, groups, eps, silu, p,
                                    saved_means, mask_bits, pair_hash)
     out, out2 = _split(out, x, x2) if split_out else (out, x.new_empty(0))
-    return out, *rest, x.new_empty(0) if s is None else s, out2
+    return out, *rest, x.new_empty(0) if s is None else s, out2, slot
+
+
+def _slot(x: Tensor, skip_w: Tensor | None) -> Tensor:
+    """The op's slot output: [N*H*W, Cout] of x's dtype, never written or read (its gradient is what it carries)."""
+    return x.new_empty(0) if skip_w is None else x.new_empty(x.shape[0] * x[0, 0].numel(), skip_w.shape[0])
 
 
 @group_norm_act.register_fake
 def _(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, stages, x2, saved_means, mask_bits, res, res2,
-      rbias, pair_hash, x_sums, dbias, split_out, cw=None, cutlass_dgrad=False):
+      rbias, pair_hash, x_sums, dbias, split_out, cw=None, cutlass_dgrad=False, skip_w=None):
     x = x if cw is None else _conv_output_like(x, cw)  # what the GroupNorm normalises: the convolution's output
     stats = x.new_empty((x.shape[0], groups), dtype=torch.float32)
     out, out2 = _outputs_like(x, x2, split_out)
     n, c = x.shape[0], x.shape[1] + (x2.shape[1] if x2 is not None else 0)
     return (out, stats, stats.clone(),
             *_extra_outputs(x, n, c, x[0, 0].numel(), e is not None and saved_means, p > 0 and mask_bits),
-            torch.empty_like(x) if res is not None or cw is not None else x.new_empty(0), out2)
+            torch.empty_like(x) if res is not None or cw is not None else x.new_empty(0), out2, _slot(x, skip_w))
 
 
 @register_flop_formula(torch.ops.ffcv_ddpm.group_norm_act)
@@ -424,25 +445,54 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: int, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
                             bits: Tensor | None, ds: Tensor | None, pair_hash: bool, x_sums: bool, dbias: bool,
-                            dout2: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            dout2: Tensor | None, dres: Tensor | None = None, skip_w: Tensor | None = None
+                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2, dbias): de is empty when there was no add, dx2 when there is no second part, dbias
     without `dbias` (else dx summed over samples and pixels, fp32: a residual sum's bias gradient). cmean, bits: the
     forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
     to dx. x_sums: the kernels' sums over x (the plain-torch path computes one way). dout2: with a forward that split
-    its output (split_out), out2's gradient, dout then out's; None: dout is the whole output's."""
+    its output (split_out), out2's gradient, dout then out's; None: dout is the whole output's. dres, skip_w (the
+    forward's skip_w): the skip GEMM's output gradient [N*H*W, Cout], times the weight's slices added to dx and dx2."""
     if _on_triton(x):
-        return triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk, warps, stages, x2,
-                               cmean, bits, ds, pair_hash, x_sums, dbias, dout2)
-    dout = dout if dout2 is None else torch.cat((dout, dout2), 1)
-    dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits, pair_hash)
-    dx, dx2 = _split(dx, x, x2) if x2 is not None else (dx, dx.new_empty(0))
-    dx = dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))
-    return dx, da, db, de, dx2, bias_grad(dx) if dbias else dx.new_empty(0, dtype=torch.float32)
+        dx, da, db, de, dx2, dsum = triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk,
+                                                    warps, stages, x2, cmean, bits, ds, pair_hash, x_sums, dbias,
+                                                    dout2)
+    else:
+        dout = dout if dout2 is None else torch.cat((dout, dout2), 1)
+        dx, da, db, de = reference_backward(dout, _joined(x, x2), a, b, e, seed, groups, eps, silu, p, bits,
+                                            pair_hash)
+        dx, dx2 = _split(dx, x, x2) if x2 is not None else (dx, dx.new_empty(0))
+        dx = dx if ds is None else (dx + ds).contiguous(memory_format=_format(x))
+        dsum = bias_grad(dx) if dbias else dx.new_empty(0, dtype=torch.float32)
+    if dres is not None:
+        c1 = x.shape[1]
+        dx, dx2 = _acc_mm(dx, dres, skip_w[:, :c1]), _acc_mm(dx2, dres, skip_w[:, c1:])
+        dsum = bias_grad(dx) if dbias else dsum  # (the dx kernel's sums did not have the skip's term)
+    return dx, da, db, de, dx2, dsum
+
+
+def _acc_mm(t: Tensor, d: Tensor, w: Tensor) -> Tensor:
+    """t + (d @ w) in t's (N, C, H, W) shape, d [N*H*W, Cout] and w [Cout, C]: in place where t is channels_last (its
+    NHWC view is then the GEMM's C, read and written by cuBLAS), else a new tensor."""
+    n, c, h, wd = t.shape
+    if t.is_contiguous(memory_format=torch.channels_last):
+        t.permute(0, 2, 3, 1).view(n * h * wd, c).addmm_(d, w)
+        return t
+    return t + (d @ w).view(n, h, wd, c).permute(0, 3, 1, 2)
+
+
+@register_flop_formula(torch.ops.ffcv_ddpm.group_norm_act_backward)
+def _backward_flops(dout_shape, *args, out_shape=None, **kwargs) -> int:
+    """The skip GEMM's input gradient where the backward takes it (dres and skip_w, arguments 24 and 25: unet.mm_acc
+    with a slot): 2 M Cout (C1 + C2), as aten.mm's formula counts it; the rest is elementwise."""
+    dres = args[23] if len(args) > 23 else kwargs.get("dres")
+    skip_w = args[24] if len(args) > 24 else kwargs.get("skip_w")
+    return 0 if dres is None or skip_w is None else 2 * dres[0] * dres[1] * skip_w[1]
 
 
 @group_norm_act_backward.register_fake
 def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds,
-      pair_hash, x_sums, dbias, dout2):
+      pair_hash, x_sums, dbias, dout2, dres=None, skip_w=None):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0),
             x.new_empty(x.shape[1] if dbias else 0, dtype=torch.float32))
@@ -479,13 +529,14 @@ def _outputs_like(x: Tensor, x2: Tensor | None, split_out: bool) -> tuple[Tensor
 
 def _setup_context(ctx, inputs, output):
     (x, a, b, e, seed, *args, x2, _saved_means, _mask_bits, res, res2, rbias, pair_hash, x_sums, dbias, split_out,
-     cw, cutlass_dgrad) = inputs
-    _, mean, rstd, cmean, bits, s, _ = output
+     cw, cutlass_dgrad, skip_w) = inputs
+    _, mean, rstd, cmean, bits, s, _, _ = output
     # With a residual sum the kernels after the statistics read s, not x: the backward too. With a convolution (cw)
     # also its input and weight, for its backward.
     conv = cw is not None
     ctx.save_for_backward(s if res is not None or conv else x, a, b, e, seed, mean, rstd, x2,
-                          cmean if cmean.numel() else None, bits if bits.numel() else None, x if conv else None, cw)
+                          cmean if cmean.numel() else None, bits if bits.numel() else None, x if conv else None, cw,
+                          skip_w)
     if conv and res is None:
         # s is then the convolution's output, returned for the backward only (its Pending refuses other readers):
         # without this its gradient would be zeros that the dx kernel reads and adds (a fill and a pass at each
@@ -497,13 +548,15 @@ def _setup_context(ctx, inputs, output):
     ctx.cutlass_dgrad = cutlass_dgrad
 
 
-def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
-    x, a, b, e, seed, mean, rstd, x2, cmean, bits, cx, cw = ctx.saved_tensors
+def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2, dslot):
+    x, a, b, e, seed, mean, rstd, x2, cmean, bits, cx, cw, skip_w = ctx.saved_tensors
     has_res, has_res2, rbias_dtype = ctx.residual
     ds = ds if has_res and ds is not None and ds.numel() else None  # s's gradient from its other readers
+    dres = dslot if skip_w is not None and dslot is not None else None  # the skip GEMM's output gradient
     dx, da, db, de, dx2, dbias = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean,
                                                          bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias,
-                                                         dout2 if ctx.split_out else None)
+                                                         dout2 if ctx.split_out else None, dres,
+                                                         None if dres is None else skip_w)
     # The sum's terms share its gradient; its bias, the sum of it over samples and pixels (with ctx.dbias summed by
     # the dx kernel as it writes dx).
     if rbias_dtype is not None:
@@ -521,7 +574,8 @@ def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2):
     return (dx if cw is None else dcx, da, db, (de if e is not None else None), None,
             *(None for _ in ctx.args),  # seed, the non-tensors
             dx2 if x2 is not None else None, None, None, dx if has_res else None, dx if has_res2 else None, dbias,
-            None, None, None, None, dcw, None)  # pair_hash, x_sums, dbias, split_out, cw, cutlass_dgrad
+            None, None, None, None, dcw, None, None)  # pair_hash, x_sums, dbias, split_out, cw, cutlass_dgrad,
+    # skip_w (its gradient is the skip GEMM's, unet.mm_acc's)
 
 
 group_norm_act.register_autograd(_backward, setup_context=_setup_context)

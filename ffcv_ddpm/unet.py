@@ -382,11 +382,12 @@ def convs_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], bias: boo
     return out
 
 
-def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], slot: torch.Tensor | None = None) -> torch.Tensor:
     """A 1x1 conv (without its bias) over the channel concatenation of two parts as one tensor: the first part's GEMM
     on its NHWC view, the second's accumulated onto it (mm_acc: C read by the GEMM, no add of its own), in the first
     part's NHWC order. model.conv_cutlass: one residual, which the CUTLASS epilogue adds, where two
-    (convs_over_parts) were added by the statistics kernel."""
+    (convs_over_parts) were added by the statistics kernel. slot: the fused GroupNorm's that read the same parts
+    (GroupNormAct's skip): the parts' gradients of this GEMM then go to that op's backward (mm_acc)."""
     if len(parts) != 2:
         raise ValueError(f"skip_over_parts takes the up path's two parts (h, skip), not {len(parts)}")
     n, _, h, w = parts[0].shape
@@ -397,32 +398,40 @@ def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...]) -> torch.T
     dtype = parts[0].dtype
     weight = conv.weight.flatten(1).to(dtype)  # [Cout, Cin]
     a, a2 = (p.permute(0, 2, 3, 1).reshape(n * h * w, p.shape[1]).to(dtype) for p in parts)  # views if channels_last
-    out = mm_acc(a, weight[:, :c0].t(), a2, weight[:, c0:].t())
+    out = mm_acc(a, weight[:, :c0].t(), a2, weight[:, c0:].t(), slot)
     return out.view(n, h, w, -1).permute(0, 3, 1, 2)
 
 
 @torch.library.custom_op("ffcv_ddpm::mm_acc", mutates_args=())
-def mm_acc(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+def mm_acc(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
+           slot: torch.Tensor | None = None) -> torch.Tensor:
     """a @ b + a2 @ b2, the second GEMM accumulating onto the first's output in place (cuBLAS reads it as C, beta 1).
     An op of its own because the compiled step's torch.addmm(a @ b, a2, b2) copies its C into a new output first:
-    12 copies of an activation a step, 0.64 ms on an H200 (results/h200/dgrad-sums-d61c088/prof, NOTES 51)."""
+    12 copies of an activation a step, 0.64 ms on an H200 (results/h200/dgrad-sums-d61c088/prof, NOTES 51).
+    slot (a fused GroupNorm's, over the same a and a2: norm.group_norm_act's skip_w): never read; the backward gives
+    it the output's gradient, from which that op's backward adds a's and a2's gradients into its own dx and dx2
+    (NOTES 52), and gives a and a2 none."""
     return torch.mm(a, b).addmm_(a2, b2)
 
 
 @mm_acc.register_fake
-def _(a, b, a2, b2):
+def _(a, b, a2, b2, slot=None):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
 def _mm_acc_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    a, b, a2, b2, slot = inputs
+    ctx.slot = slot is not None
+    ctx.save_for_backward(a, a2, *((None, None) if ctx.slot else (b, b2)))
 
 
 def _mm_acc_backward(ctx, grad):
-    a, b, a2, b2 = ctx.saved_tensors
+    a, a2, b, b2 = ctx.saved_tensors
     need = ctx.needs_input_grad
-    return (grad @ b.t() if need[0] else None, a.t() @ grad if need[1] else None,
-            grad @ b2.t() if need[2] else None, a2.t() @ grad if need[3] else None)
+    db, db2 = (a.t() @ grad if need[1] else None), (a2.t() @ grad if need[3] else None)
+    if ctx.slot:  # the parts' gradients in the GroupNorm's backward, from the slot's
+        return None, db, None, db2, grad
+    return grad @ b.t() if need[0] else None, db, grad @ b2.t() if need[2] else None, db2, None
 
 
 mm_acc.register_autograd(_mm_acc_backward, setup_context=_mm_acc_setup)
@@ -634,7 +643,12 @@ class DDPMResBlock(nn.Module):
                 temb: torch.Tensor) -> torch.Tensor | Pending:
         """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path); a
         Pending sum (model.norm_residual) as the input or its first part is computed by norm1."""
-        h = self.norm1(x)  # the normalised concatenation; with model.conv_parts and two parts, its two parts
+        slot = None  # with model.conv_cutlass on the up path: norm1's, for the skip's GEMM (skip_over_parts)
+        if self.conv_cutlass and self.pending and not isinstance(x, (torch.Tensor, Pending)) \
+                and not isinstance(self.skip, nn.Identity):
+            h, slot = self.norm1(x, skip=self.skip.weight)
+        else:
+            h = self.norm1(x)  # the normalised concatenation; with model.conv_parts and two parts, its two parts
         x = resolved(x)  # the input's value, computed by norm1 where it was a Pending sum
         add = self.temb(F.silu(temb))  # the (B, cout) time embedding, added to conv1's output before norm2
         c = self.conv1
@@ -662,7 +676,7 @@ class DDPMResBlock(nn.Module):
                 return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias, conv=conv,
                                cutlass_dgrad=self.cutlass_dgrad)
             if conv and not isinstance(x, torch.Tensor):  # the up path's two parts: one residual (skip_over_parts)
-                res = (skip_over_parts(self.skip, x),)
+                res = (skip_over_parts(self.skip, x, slot),)
             else:
                 res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
             return Pending(h, *res, bias=bias + self.skip.bias, conv=conv, cutlass_dgrad=self.cutlass_dgrad)

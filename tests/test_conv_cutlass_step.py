@@ -183,7 +183,8 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
     the op's convolution: conv1 of each block at 16x16 (down 1, up 2: conv1's input is one tensor) and the last up
     block's conv2 (its residual one tensor, skip_over_parts; the output GroupNorm reads the sum alone); not the down
     block's conv2, whose sum the Downsample reads (value(), in torch), nor the first up block's, which the next
-    block's GroupNorm reads with the skip as two parts: 4 calls. With model.conv_cutlass_dgrad their backward takes
+    block's GroupNorm reads with the skip as two parts: 4 calls. The up blocks' skip GEMMs give their parts'
+    gradients to norm1's backward (mm_acc's slot). With model.conv_cutlass_dgrad their backward takes
     dx from conv_cutlass.dgrad (4 calls in the backward graph; on the CPU the transposed convolution) and only the
     weight's gradient from aten's. The op's plain-torch path: its kernels are the op tests' (under Triton's
     interpreter this network of 128 channels took 144 s)."""
@@ -213,6 +214,8 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
     # argument 16 of the op): not at the convolutions the op ran alone, where it would be a zero fill and a read
     backward = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
     assert sum(n.args[19] is not None for n in backward) == sum(n.args[16] is not None for n in ops) > 0
+    # the four up blocks' norm1 take their skip GEMM's output gradient (dres, argument 24) into dx and dx2 (NOTES 52)
+    assert sum(len(n.args) > 24 and n.args[24] is not None for n in backward) == 4
     targets = [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("conv3x3_dgrad" in t for t in targets) == (4 if dgrad else 0)
     (y0, g0), (y1, g1) = outs
@@ -370,3 +373,44 @@ def test_cutlass_kernel_dgrad_sums_in_every_mode(silu, drop):
     assert rel(dx, F.conv_transpose2d(dy.float(), w.float(), padding=1)) < 1e-2
     want = CC.act_sums(dx, x, coef, silu, keep, kw.get("inv_keep", 1.0))
     assert max(rel(a, b) for a, b in zip(sums, want)) < 1e-4
+
+
+def test_a_skip_weight_the_op_cannot_take_is_refused():
+    """group_norm_act's skip_w: a 1x1 weight over the two parts it reads, nothing else."""
+    x, x2 = torch.randn(2, 8, 4, 4), torch.randn(2, 4, 4, 4)
+    args = (torch.ones(2, 12), torch.zeros(2, 12), None, torch.tensor([0]), 4, 1e-5, 1, 0.0, *N.plan_args(N.DEFAULT_PLAN))
+    flags = (False, False, None, None, None, False, False, False, False)
+    with pytest.raises(ValueError, match="skip_w is a 1x1 weight over two parts of 8 \\+ 4 channels; got \\(16, 10\\)"):
+        N.group_norm_act(x, *args, x2, *flags, None, False, torch.randn(16, 10))
+    out = N.group_norm_act(x, *args, x2, *flags, None, False, torch.randn(16, 12))
+    assert out[-1].shape == (32, 16)  # the slot: N*H*W x Cout
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_cutlass_kernel_skip_gradients_through_the_slot_are_the_gemms(device):
+    """The up block's skip GEMM (unet.mm_acc) with norm1's slot: the parts' gradients accumulated into the fused
+    GroupNorm's dx and dx2 by its backward, against mm_acc's own (the GEMMs, then autograd's add): fp64 on the CPU
+    (exact), bf16 through the Triton kernels on an H100/H200 (within bf16's rounding: one rounding fewer)."""
+    from ffcv_ddpm.unet import mm_acc
+
+    if device == "cuda":
+        needs_cutlass()
+    dt = torch.float64 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(12)
+    n, c1, c2, cout, h = 2, 64, 32, 48, 8
+    parts = [torch.randn(n, c, h, h, generator=g).to(device, dt).contiguous(memory_format=CL) for c in (c1, c2)]
+    w = (torch.randn(cout, c1 + c2, generator=g) / 10).to(device, dt)
+    m = GroupNormAct(16, c1 + c2, "fused", parts=True).to(device, torch.float64 if device == "cpu" else torch.float32)
+    dout = torch.randn(n, c1 + c2, h, h, generator=g).to(device, dt)
+    dy = torch.randn(n * h * h, cout, generator=g).to(device, dt)
+    grads = []
+    for slot_path in (True, False):
+        leaves = [p.clone().requires_grad_() for p in parts]
+        out, slot = m(leaves, skip=w if slot_path else None) if slot_path else (m(leaves), None)
+        assert (slot is not None) == slot_path
+        a, a2 = (p.permute(0, 2, 3, 1).reshape(n * h * h, -1) for p in leaves)
+        y = mm_acc(a, w[:, :c1].t(), a2, w[:, c1:].t(), slot)
+        grads.append(torch.autograd.grad(((out.float() * dout.float()).sum(), (y.float() * dy.float()).sum()),
+                                         leaves))
+    for got, want in zip(*grads):
+        assert got.is_contiguous(memory_format=CL) and rel(got, want) < (1e-12 if device == "cpu" else 1e-2)
