@@ -325,12 +325,13 @@ def test_a_compiled_attention_runs_the_pinned_backend_after_another_was_compiled
     """NOTES item 39: with torch.backends.cuda's flags alone, a second compile of the same module reused the cached
     graph of the first backend (the compile caches key on the graph, not the flags), so every row of a levers call ran
     the first row's kernel. Pinned in the graph (unet.pin_sdpa_kernel, as step.build does), each compile runs its
-    own: flash's op, then math's batched GEMMs, in one process, one cache."""
+    own: flash's op, then math's batched GEMMs, in one process, one cache: inductor's own, which the suite's other
+    compiles share (an unpinned second compile still finds the first's graph there; warm, this test takes 7 s, not
+    the 20 s of a cache of its own, compiled cold at every run)."""
     from torch._inductor.utils import run_and_get_code
 
     from ffcv_ddpm.unet import SelfAttention, pin_sdpa_kernel
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     cpu = torch.device("cpu")
     x = torch.randn(2, 16, 4, 4).contiguous(memory_format=torch.channels_last)  # the step's layout: d unit-stride
     code = {}
