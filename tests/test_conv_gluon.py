@@ -15,30 +15,43 @@ import torch.nn.functional as F
 from ffcv_ddpm import conv_gluon as CG
 
 
-def build(tiles, h, cin, cout, **kw) -> tuple[str, int]:
-    """(PTX, shared memory bytes a program) of an offline sm_90 build, in a process without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a build, not an interpreted run
-    code = ("import json, sys; from ffcv_ddpm import conv_gluon as CG; "
-            f"json.dump(CG.build(CG.{tiles!r}, {h}, {cin}, {cout}, **{kw!r}), sys.stdout)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ptx, shared = json.loads(done.stdout)
-    return ptx, shared
-
-
-@pytest.mark.parametrize("tiles,h,cin,kw", [
+# Every offline build the tests below check: (tiles, h, cin, cout, keyword arguments).
+BUILDS = [
     (CG.GluonTiles(4, 128, 64, 4, 4), 32, 128, {}),                                    # the plain convolution
     (CG.GluonTiles(8, 256, 64, 8, 3), 16, 256, {"bias": 1, "res": True, "stats": True}),  # a res block's conv2
     (CG.GluonTiles(16, 256, 64, 8, 3), 8, 512, {"bias": 2, "stats": True}),            # two 8x8 images, time bias
     (CG.GluonTiles(8, 128, 64, 8, 3, True), 16, 256, {"prologue": True, "bias": 2, "stats": True}),  # norm1 + conv1
     (CG.GluonTiles(4, 128, 64, 8, 3, True), 32, 128,  # norm2 + dropout + conv2 + the skip
      {"prologue": True, "dropout": True, "bias": 1, "res": True, "stats": True}),
-])
-def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin, kw):
+]
+LATE_KW = {"bias": 1, "res": True, "stats": True}
+EARLY, LATE = CG.GluonTiles(4, 128, 64, 8, 3), CG.GluonTiles(4, 128, 64, 8, 3, late=True)
+
+
+def key(tiles, h, cin, cout, kw) -> str:
+    return repr((tiles, h, cin, cout, sorted(kw.items())))
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, tuple[str, int]]:
+    """{key(build): (PTX, shared memory bytes a program)} of every offline sm_90 build above, in one process without
+    TRITON_INTERPRET (one process for the seven builds: each costs ~3 s of imports)."""
+    jobs = [(tiles, h, cin, 2 * tiles.bn, kw) for tiles, h, cin, kw in BUILDS]
+    jobs += [(tiles, 32, 128, 256, LATE_KW) for tiles in (EARLY, LATE)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a build, not an interpreted run
+    code = ("import json, sys; from ffcv_ddpm import conv_gluon as CG; from ffcv_ddpm.conv_gluon import GluonTiles; "
+            f"json.dump([CG.build(tiles, h, cin, cout, **kw) for tiles, h, cin, cout, kw in {jobs!r}], sys.stdout)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {key(*job): tuple(out) for job, out in zip(jobs, json.loads(done.stdout))}
+
+
+@pytest.mark.parametrize("tiles,h,cin,kw", BUILDS)
+def test_it_builds_for_hopper_with_both_operands_in_shared_memory(built, tiles, h, cin, kw):
     """The input box reshaped to the GEMM's operand stays a view in shared memory (no load into registers, where
     plain Triton's kernel went wrong, NOTES 34), the loads are TMA, the wgmma asynchronous with one group in flight;
     with the epilogue, the residual arrives by TMA too and the statistics are stored."""
-    ptx, _ = build(tiles, h, cin, 2 * tiles.bn, **kw)
+    ptx, _ = built[key(tiles, h, cin, 2 * tiles.bn, kw)]
     assert "wgmma.mma_async" in ptx
     assert set(re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+)", ptx)) == {"0", "1"}
     loads = len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx))
@@ -50,12 +63,11 @@ def test_it_builds_for_hopper_with_both_operands_in_shared_memory(tiles, h, cin,
     assert ("st.global" in ptx) == kw.get("stats", False)  # the statistics; the output goes by TMA
 
 
-def test_a_late_output_buffer_takes_the_rings_memory_two_programs_an_sm():
+def test_a_late_output_buffer_takes_the_rings_memory_two_programs_an_sm(built):
     """late=True allocates the output's buffer after the main loop: the allocator gives it the ring's memory, so a
     128 x 128 tile with three slots fits twice in an SM's 228 KB (the residual then read after the loop)."""
-    kw = {"bias": 1, "res": True, "stats": True}
-    _, early = build(CG.GluonTiles(4, 128, 64, 8, 3), 32, 128, 256, **kw)
-    _, late = build(CG.GluonTiles(4, 128, 64, 8, 3, late=True), 32, 128, 256, **kw)
+    _, early = built[key(EARLY, 32, 128, 256, LATE_KW)]
+    _, late = built[key(LATE, 32, 128, 256, LATE_KW)]
     ring, out = 3 * 2 * 128 * 64 * 2, 128 * 128 * 2
     assert early >= ring + out and ring <= late < ring + out and 2 * late <= 228 * 1024
 
