@@ -118,9 +118,10 @@ def test_gc_freeze_sets_the_objects_of_the_first_interval_aside_and_gives_them_b
 
 
 def test_loss_falls_on_a_repeated_batch(tmp_path):
-    # One batch is the whole dataset and flips are off, so every step sees the same 8 images.
+    # One batch is the whole dataset and flips are off, so every step sees the same 8 images. 30 steps take the loss
+    # to 0.38 of its first interval's (60 took it to 0.22 in twice the time).
     one_batch = write_beton(tmp_path / "one.beton", 8, seed=1)
-    cfg = tiny_cfg(one_batch, tmp_path, "train.steps=60", "train.log_every=10", "train.ckpt_every=1000",
+    cfg = tiny_cfg(one_batch, tmp_path, "train.steps=30", "train.log_every=5", "train.ckpt_every=1000",
                    "data.flip=none", "train.lr=3e-3", "train.ema_decay=0", "model.dropout=0.0")
     losses = [s["loss"] for s in read_stats(train_mod.train(cfg))]
     assert all(np.isfinite(losses))
