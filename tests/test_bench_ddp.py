@@ -219,10 +219,11 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
             ("global", [1, 2], False, ddp.run_point, [], 16)]
     assert ddp.warm_jobs(plan) == [(1, 16, ()), (2, 16, ()), (2, 16, ("train.ddp_split=True",)),
                                    (1, 32, ("data.batch_size=32",)), (2, 32, ("data.batch_size=32",)), (2, 8, ())]
-    # Run, two processes only (the plan above covers one-process graphs): a warm-up run per graph, then the points.
-    # (One torchrun launch costs ~10 s of a 2-core machine: this run also checks the variant's batch.)
+    # Run, one process only (the plan above covers the graphs of two; the scaling test runs two-process points): a
+    # warm-up run per graph, then the points. (A torchrun launch costs a 2-core machine ~10 s, each rank ~5 s of it:
+    # this run also checks the variant's batch.)
     out = tmp_path / "res"
-    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "2", "--mode", "per-gpu",
+    rc = ddp.main(["--data", str(data), "--device", "cpu", "--preset", "tiny", "--gpus", "1", "--mode", "per-gpu",
                    "data.batch_size=16", LOADER, "--steps", "4", "--log-every", "2", "--out", str(out), "--warm", "on",
                    "--variant", "half:train.ddp_reduce=ddp train.ddp_split=True data.batch_size=8"])
     assert rc == 0
@@ -230,13 +231,13 @@ def test_warm_up_runs_each_graph_of_the_plan_once_before_the_points(data, tmp_pa
     runs = result["warm_up"]["runs"]
     given = ["data.batch_size=16", LOADER]  # the command's own overrides go to every run
     half = [*given, "train.ddp_reduce=ddp", "train.ddp_split=True", "data.batch_size=8"]
-    assert sorted((r["nproc"], r["per_rank_batch"], r["overrides"]) for r in runs) == [(2, 8, half), (2, 16, given)]
+    assert sorted((r["nproc"], r["per_rank_batch"], r["overrides"]) for r in runs) == [(1, 8, half), (1, 16, given)]
     assert all(r["rc"] == 0 for r in runs)
     points = result["points"]
     assert [(p["nproc"], p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU"]] == [
-        (2, 16, 16)]
+        (1, 16, 16)]
     assert [(p["nproc"], p["per_rank_batch"], p["config"]["data"]["batch_size"]) for p in points["per-GPU, half"]] == [
-        (2, 8, 8)]
+        (1, 8, 8)]
     assert points["per-GPU, half"][0]["config"]["train"]["ddp_split"] is True
 
 
