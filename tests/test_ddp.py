@@ -122,9 +122,25 @@ def test_the_flat_all_reduce_trains_as_ddp_does(ddp_run, tmp_path):
                 assert all(0 < lo <= m for lo, m in zip(st["rank_allreduce_ms_min"], st["rank_allreduce_ms_mean"]))
 
 
-def _agree_worker(rank, store, results):
-    """Both cases in one process group (two spawned processes fewer): replicas equal, then rank 1's nudged."""
+def _gloo_worker(rank, store, results):
+    """This file's checks of two gloo ranks, in one process group (a spawned process costs ~5 s of imports): the
+    replicas' agreement check, then the flat all-reduce against DDP's."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    _agree_part(rank, results)
+    _flat_part(rank, results)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_ranks(tmp_path_factory) -> dict:
+    """What _gloo_worker's two ranks recorded."""
+    results = mp.Manager().dict()
+    mp.spawn(_gloo_worker, args=(str(tmp_path_factory.mktemp("gloo") / "store"), results), nprocs=2)
+    return dict(results)
+
+
+def _agree_part(rank, results):
+    """Both cases in one process group: replicas equal, then rank 1's nudged."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     for perturb in (False, True):
@@ -136,12 +152,10 @@ def _agree_worker(rank, store, results):
             results[perturb, rank] = "agree"
         except TrainingError as e:
             results[perturb, rank] = str(e)
-    dist.destroy_process_group()
 
 
-def test_check_ranks_agree_detects_a_diverged_replica(tmp_path):
-    results = mp.Manager().dict()
-    mp.spawn(_agree_worker, args=(str(tmp_path / "store"), results), nprocs=2)
+def test_check_ranks_agree_detects_a_diverged_replica(gloo_ranks):
+    results = gloo_ranks
     assert [results[False, r] for r in (0, 1)] == ["agree", "agree"]
     assert all("step 7: model replicas differ" in results[True, r] for r in (0, 1))
 
@@ -184,10 +198,9 @@ def _net_and_ddp_twin(rank: int, device: torch.device):
     return model, params, ddp, x
 
 
-def _flat_worker(rank, store, results):
+def _flat_part(rank, results):
     from ffcv_ddpm.flat_allreduce import FlatGradReducer
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model, params, ddp, x = _net_and_ddp_twin(rank, torch.device("cpu"))
     twin = ddp.module
     reducer = FlatGradReducer(params)
@@ -217,7 +230,6 @@ def _flat_worker(rank, store, results):
             reducer()
         except RuntimeError as e:
             results[f"{name}{rank}"] = str(e)
-    dist.destroy_process_group()
 
 
 def _flat_in_place(model, ddp, x, reducer) -> dict:
@@ -244,13 +256,12 @@ def _flat_in_place(model, ddp, x, reducer) -> dict:
     return out
 
 
-def test_the_flat_all_reduce_averages_gradients_as_ddp_does(tmp_path):
+def test_the_flat_all_reduce_averages_gradients_as_ddp_does(gloo_ranks):
     """train.ddp_reduce=flat: weights broadcast from rank 0; after reducer() every rank holds the average of the
     ranks' gradients, equal to DDP's (an average of two: bit-equal whatever the order), with the parameters' strides
     (channels_last) as views of one buffer, also when the gradients already lie in it (zero_grad without
     set_to_none, accumulation); a missing or misplaced gradient is named on any call, not averaged as garbage."""
-    results = mp.Manager().dict()
-    mp.spawn(_flat_worker, args=(str(tmp_path / "store"), results), nprocs=2)
+    results = gloo_ranks
     r0, r1 = results[0], results[1]
     assert all(torch.equal(a, b) for a, b in zip(r0["weights"], r1["weights"]))
     for r in (r0, r1):
