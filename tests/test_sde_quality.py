@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOY = ["--steps", "2", "--n", "10", "--judge-steps", "3", "--heun-steps", "5", "--dpm-steps", "3", "--ddim-steps",
        "2", "--em-steps", "3", "--pc-steps", "2", "--ode-tols", "0.3", "model.base_channels=8",
        "model.channel_mult=(1, 2)", "model.num_res_blocks=1", "model.norm_groups=4", "model.attn_heads=2",
-       "diffusion.timesteps=20", "train.device=cpu", "train.precision=fp32", "data.batch_size=8",
+       "diffusion.timesteps=10", "train.device=cpu", "train.precision=fp32", "data.batch_size=8",
        "data.num_workers=1", "train.log_every=1", "train.warmup_steps=1", "--budget-s", "1000",
        # The fused GroupNorm's Triton kernels run interpreted on a CPU (seconds a forward), attention is not needed:
        # ~0.05 s a forward of 10 images on one core.
@@ -28,7 +28,7 @@ TOY = ["--steps", "2", "--n", "10", "--judge-steps", "3", "--heun-steps", "5", "
 # NFE per image of each (sampler, steps, eta, churn) row of TOY but the ODE's (adaptive).
 TOY_NFE = {("heun", 5, None, 0.0): 9, ("heun", 5, None, 30.0): 9, ("dpm2m", 3, None, 0.0): 3,
            ("em", 3, None, 0.0): 3, ("pc", 2, None, 0.0): 4}
-TOY_DDPM_NFE = {("ddim", 2, 0.0, 0.0): 2, ("ddim", 2, 1.0, 0.0): 2, ("ddpm", 20, None, 0.0): 20}
+TOY_DDPM_NFE = {("ddim", 2, 0.0, 0.0): 2, ("ddim", 2, 1.0, 0.0): 2, ("ddpm", 10, None, 0.0): 10}
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_the_sampling_budget_starts_after_the_trainings(digits_dataset, tmp_path
     md = (out / "sde_quality.md").read_text()
     assert "Not run (sampling budget 0 s a part): ve/ddim" not in md  # a VE model has no DDIM rows
     assert "Not run (sampling budget 0 s a part): ddpm/ddim/2/clip static, ddpm/ddim eta 1/2/clip static," in md
-    assert result["skipped"][-2:] == ["ddpm/ddpm/20/clip static", "ddpm/ddpm/20/clip off"]  # ancestral: last
+    assert result["skipped"][-2:] == ["ddpm/ddpm/10/clip static", "ddpm/ddpm/10/clip off"]  # ancestral: last
 
 
 def test_a_signal_during_a_training_stops_the_command(digits_dataset, tmp_path, monkeypatch, capsys):
