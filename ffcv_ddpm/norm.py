@@ -333,6 +333,12 @@ def _conv_output_like(x: Tensor, cw: Tensor) -> Tensor:
                        memory_format=_format(x))
 
 
+def residual_first(x: Tensor | Pending) -> bool:
+    """Whether a fused GroupNorm reading x (as x or as a first part) computes it as a residual sum with a residual,
+    the case where its op returns the sum and takes the sum's other gradients as ds (norm_residual)."""
+    return isinstance(x, Pending) and x.computed is None and x.terms is not None and x.terms[1] is not None
+
+
 def resolved(x):
     """x with every Pending sum in it (x itself, or the parts of a tuple) replaced by its value."""
     if isinstance(x, Pending):
@@ -384,8 +390,9 @@ def group_norm_act(x: Tensor, a: Tensor, b: Tensor, e: Tensor | None, seed: Tens
     (conv_cutlass.dgrad), its weight's gradient by cuDNN's. skip_w (two parts; model.conv_cutlass): the up block's
     1x1 skip weight [Cout, C1 + C2] over the same parts, whose GEMM (unet.mm_acc) takes slot, an uninitialised
     [N*H*W, Cout] tensor, as an input and gives it the skip output's gradient: the backward accumulates that times
-    the weight into dx and dx2 in place (cuBLAS reading them as C) instead of a GEMM output and an add a part (NOTES
-    52); slot is empty without skip_w."""
+    the weight into dx2, and into dx where there is no res (a residual sum's other gradients come as ds), in place
+    (cuBLAS reading them as C) instead of a GEMM output and an add (model.conv_cutlass_skip_slot, NOTES 52); slot is
+    empty without skip_w."""
     if split_out and x2 is None:
         raise ValueError("fused GroupNorm: split_out writes the output of two parts as two tensors; x2 is None")
     if cw is not None and (x2 is not None or res2 is not None or cw.dtype != x.dtype):
@@ -445,14 +452,15 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
                             mean: Tensor, rstd: Tensor, groups: int, eps: float, silu: int, p: float, tile: int,
                             chunk: int, warps: int, stages: int, x2: Tensor | None, cmean: Tensor | None,
                             bits: Tensor | None, ds: Tensor | None, pair_hash: bool, x_sums: bool, dbias: bool,
-                            dout2: Tensor | None, dres: Tensor | None = None, skip_w: Tensor | None = None
-                            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                            dout2: Tensor | None, dres: Tensor | None = None, skip_w: Tensor | None = None,
+                            skip_first: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx, da, db, de, dx2, dbias): de is empty when there was no add, dx2 when there is no second part, dbias
     without `dbias` (else dx summed over samples and pixels, fp32: a residual sum's bias gradient). cmean, bits: the
     forward's, None where it kept none. ds: a gradient of x from elsewhere (the residual sum's other readers), added
     to dx. x_sums: the kernels' sums over x (the plain-torch path computes one way). dout2: with a forward that split
     its output (split_out), out2's gradient, dout then out's; None: dout is the whole output's. dres, skip_w (the
-    forward's skip_w): the skip GEMM's output gradient [N*H*W, Cout], times the weight's slices added to dx and dx2."""
+    forward's skip_w): the skip GEMM's output gradient [N*H*W, Cout], times the weight's slices added to dx2, and to
+    dx with skip_first (model.conv_cutlass_skip_slot, NOTES 52)."""
     if _on_triton(x):
         dx, da, db, de, dx2, dsum = triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, chunk,
                                                     warps, stages, x2, cmean, bits, ds, pair_hash, x_sums, dbias,
@@ -466,8 +474,10 @@ def group_norm_act_backward(dout: Tensor, x: Tensor, a: Tensor, b: Tensor, e: Te
         dsum = bias_grad(dx) if dbias else dx.new_empty(0, dtype=torch.float32)
     if dres is not None:
         c1 = x.shape[1]
-        dx, dx2 = _acc_mm(dx, dres, skip_w[:, :c1]), _acc_mm(dx2, dres, skip_w[:, c1:])
-        dsum = bias_grad(dx) if dbias else dsum  # (the dx kernel's sums did not have the skip's term)
+        dx2 = _acc_mm(dx2, dres, skip_w[:, c1:])
+        if skip_first:
+            dx = _acc_mm(dx, dres, skip_w[:, :c1])
+            dsum = bias_grad(dx) if dbias else dsum  # (the dx kernel's sums did not have the skip's term)
     return dx, da, db, de, dx2, dsum
 
 
@@ -483,16 +493,20 @@ def _acc_mm(t: Tensor, d: Tensor, w: Tensor) -> Tensor:
 
 @register_flop_formula(torch.ops.ffcv_ddpm.group_norm_act_backward)
 def _backward_flops(dout_shape, *args, out_shape=None, **kwargs) -> int:
-    """The skip GEMM's input gradient where the backward takes it (dres and skip_w, arguments 24 and 25: unet.mm_acc
-    with a slot): 2 M Cout (C1 + C2), as aten.mm's formula counts it; the rest is elementwise."""
+    """The skip GEMM's input gradients where the backward takes them (dres, skip_w and skip_first, arguments 24-26:
+    unet.mm_acc with a slot): 2 M Cout C2, and C1 with skip_first, as aten.mm's formula counts them; the rest is
+    elementwise. The first part's channels from x's shape (argument 1)."""
     dres = args[23] if len(args) > 23 else kwargs.get("dres")
     skip_w = args[24] if len(args) > 24 else kwargs.get("skip_w")
-    return 0 if dres is None or skip_w is None else 2 * dres[0] * dres[1] * skip_w[1]
+    first = args[25] if len(args) > 25 else kwargs.get("skip_first", False)
+    if dres is None or skip_w is None:
+        return 0
+    return 2 * dres[0] * dres[1] * (skip_w[1] if first else skip_w[1] - args[0][1])
 
 
 @group_norm_act_backward.register_fake
 def _(dout, x, a, b, e, seed, mean, rstd, groups, eps, silu, p, tile, chunk, warps, stages, x2, cmean, bits, ds,
-      pair_hash, x_sums, dbias, dout2, dres=None, skip_w=None):
+      pair_hash, x_sums, dbias, dout2, dres=None, skip_w=None, skip_first=False):
     return (torch.empty_like(x), torch.empty_like(a), torch.empty_like(b), a.new_empty(a.shape if e is not None else 0),
             torch.empty_like(x2) if x2 is not None else x.new_empty(0),
             x.new_empty(x.shape[1] if dbias else 0, dtype=torch.float32))
@@ -555,8 +569,8 @@ def _backward(ctx, dout, _dmean, _drstd, _dcmean, _dbits, ds, dout2, dslot):
     dres = dslot if skip_w is not None and dslot is not None else None  # the skip GEMM's output gradient
     dx, da, db, de, dx2, dbias = group_norm_act_backward(dout, x, a, b, e, seed, mean, rstd, *ctx.args, x2, cmean,
                                                          bits, ds, ctx.pair_hash, ctx.x_sums, ctx.dbias,
-                                                         dout2 if ctx.split_out else None, dres,
-                                                         None if dres is None else skip_w)
+                                                         dout2 if ctx.split_out else None,
+                                                         *(() if dres is None else (dres, skip_w, not has_res)))
     # The sum's terms share its gradient; its bias, the sum of it over samples and pixels (with ctx.dbias summed by
     # the dx kernel as it writes dx).
     if rbias_dtype is not None:

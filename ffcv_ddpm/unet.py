@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import register_flop_formula
 
-from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, Pending, parse_plan, resolved
+from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, Pending, parse_plan, residual_first, resolved
 
 
 @dataclass
@@ -126,6 +126,11 @@ class ModelConfig:
     # With conv_cutlass: those convolutions' data gradients by CUTLASS's dgrad too (the weight's stays cuDNN's):
     # 1.024x cuDNN's rate over the step's sites, 2.21 -> 1.40 ms at the 384 -> 128 32x32 one (NOTES 48).
     conv_cutlass_dgrad: bool = False
+    # With conv_cutlass: an up block's skip GEMM (mm_acc) gives its parts' gradients to norm1's backward through a slot
+    # output of norm1, which adds them into its dx and dx2 in place (the skip's part always; the first part where it
+    # has no ds route, i.e. is no residual sum norm1 computes) instead of the GEMM writing them and autograd adding
+    # (NOTES 52; the first form, every part, was slower: results/h200/skip-slot-34ff970).
+    conv_cutlass_skip_slot: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -226,6 +231,9 @@ class ModelConfig:
         if self.conv_cutlass_dgrad and not self.conv_cutlass:
             raise ValueError("conv_cutlass_dgrad=True is the backward of the convolutions conv_cutlass runs: set "
                              "conv_cutlass=True or conv_cutlass_dgrad=False")
+        if self.conv_cutlass_skip_slot and not self.conv_cutlass:
+            raise ValueError("conv_cutlass_skip_slot=True routes the skip GEMM of conv_cutlass's up blocks: set "
+                             "conv_cutlass=True or conv_cutlass_skip_slot=False")
         if self.conv_parts and (self.weight_standardize or self.depthwise_separable or self.conv_groups != 1):
             raise ValueError("conv_parts=True is built for res blocks with plain dense 3x3 convs "
                              "(weight_standardize=False, depthwise_separable=False, conv_groups=1); set "
@@ -239,7 +247,8 @@ UPSAMPLES = ("nearest", "expand", "transposed")
 # ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
 # of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
 FUSED_SWITCHES = ("fused_parts", "conv_parts", "norm_saved_means", "norm_mask_bits", "norm_residual",
-                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias", "conv_cutlass", "conv_cutlass_dgrad")
+                  "norm_fast_silu", "norm_pair_hash", "norm_x_sums", "norm_dbias", "conv_cutlass", "conv_cutlass_dgrad",
+                  "conv_cutlass_skip_slot")
 FUSED_OFF = tuple(f"model.{name}=False" for name in FUSED_SWITCHES)
 
 # The computation switches' reference values: the network as the paper wrote it. benchmarks/speed/flops.py counts the
@@ -257,7 +266,8 @@ def reference_config(cfg: ModelConfig) -> ModelConfig:
     0930219); conv_cutlass's blocks return their convolutions uncomputed too; attn_split_grads goes with
     attn_linear)."""
     return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, conv_parts=False, norm_residual=False,
-                   norm_dbias=False, conv_cutlass=False, conv_cutlass_dgrad=False, attn_split_grads=False)
+                   norm_dbias=False, conv_cutlass=False, conv_cutlass_dgrad=False, conv_cutlass_skip_slot=False,
+                   attn_split_grads=False)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -382,12 +392,14 @@ def convs_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], bias: boo
     return out
 
 
-def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], slot: torch.Tensor | None = None) -> torch.Tensor:
+def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], slot: torch.Tensor | None = None,
+                    first: bool = False) -> torch.Tensor:
     """A 1x1 conv (without its bias) over the channel concatenation of two parts as one tensor: the first part's GEMM
     on its NHWC view, the second's accumulated onto it (mm_acc: C read by the GEMM, no add of its own), in the first
     part's NHWC order. model.conv_cutlass: one residual, which the CUTLASS epilogue adds, where two
     (convs_over_parts) were added by the statistics kernel. slot: the fused GroupNorm's that read the same parts
-    (GroupNormAct's skip): the parts' gradients of this GEMM then go to that op's backward (mm_acc)."""
+    (GroupNormAct's skip): the second part's gradient of this GEMM then goes to that op's backward, and the first's
+    too with `first` (mm_acc)."""
     if len(parts) != 2:
         raise ValueError(f"skip_over_parts takes the up path's two parts (h, skip), not {len(parts)}")
     n, _, h, w = parts[0].shape
@@ -398,40 +410,40 @@ def skip_over_parts(conv: nn.Conv2d, parts: tuple[torch.Tensor, ...], slot: torc
     dtype = parts[0].dtype
     weight = conv.weight.flatten(1).to(dtype)  # [Cout, Cin]
     a, a2 = (p.permute(0, 2, 3, 1).reshape(n * h * w, p.shape[1]).to(dtype) for p in parts)  # views if channels_last
-    out = mm_acc(a, weight[:, :c0].t(), a2, weight[:, c0:].t(), slot)
+    out = mm_acc(a, weight[:, :c0].t(), a2, weight[:, c0:].t(), slot, first)
     return out.view(n, h, w, -1).permute(0, 3, 1, 2)
 
 
 @torch.library.custom_op("ffcv_ddpm::mm_acc", mutates_args=())
-def mm_acc(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
-           slot: torch.Tensor | None = None) -> torch.Tensor:
+def mm_acc(a: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, slot: torch.Tensor | None = None,
+           first: bool = False) -> torch.Tensor:
     """a @ b + a2 @ b2, the second GEMM accumulating onto the first's output in place (cuBLAS reads it as C, beta 1).
     An op of its own because the compiled step's torch.addmm(a @ b, a2, b2) copies its C into a new output first:
     12 copies of an activation a step, 0.64 ms on an H200 (results/h200/dgrad-sums-d61c088/prof, NOTES 51).
-    slot (a fused GroupNorm's, over the same a and a2: norm.group_norm_act's skip_w): never read; the backward gives
-    it the output's gradient, from which that op's backward adds a's and a2's gradients into its own dx and dx2
-    (NOTES 52), and gives a and a2 none."""
+    slot (a fused GroupNorm's, over the same a and a2: norm.group_norm_act's skip_w; model.conv_cutlass_skip_slot):
+    never read; the backward gives it the output's gradient, from which that op's backward adds a2's gradient into
+    its dx2, and a's into its dx with `first` (NOTES 52); those inputs then get none from here."""
     return torch.mm(a, b).addmm_(a2, b2)
 
 
 @mm_acc.register_fake
-def _(a, b, a2, b2, slot=None):
+def _(a, b, a2, b2, slot=None, first=False):
     return a.new_empty(a.shape[0], b.shape[1])
 
 
 def _mm_acc_setup(ctx, inputs, output):
-    a, b, a2, b2, slot = inputs
-    ctx.slot = slot is not None
-    ctx.save_for_backward(a, a2, *((None, None) if ctx.slot else (b, b2)))
+    a, b, a2, b2, slot, first = inputs
+    ctx.slot, ctx.first = slot is not None, slot is not None and first
+    ctx.save_for_backward(a, a2, None if ctx.first else b, None if ctx.slot else b2)
 
 
 def _mm_acc_backward(ctx, grad):
     a, a2, b, b2 = ctx.saved_tensors
     need = ctx.needs_input_grad
     db, db2 = (a.t() @ grad if need[1] else None), (a2.t() @ grad if need[3] else None)
-    if ctx.slot:  # the parts' gradients in the GroupNorm's backward, from the slot's
-        return None, db, None, db2, grad
-    return grad @ b.t() if need[0] else None, db, grad @ b2.t() if need[2] else None, db2, None
+    da = grad @ b.t() if need[0] and not ctx.first else None  # (else in the GroupNorm's backward, from the slot's)
+    da2 = grad @ b2.t() if need[2] and not ctx.slot else None
+    return da, db, da2, db2, grad if ctx.slot else None, None
 
 
 mm_acc.register_autograd(_mm_acc_backward, setup_context=_mm_acc_setup)
@@ -638,14 +650,16 @@ class DDPMResBlock(nn.Module):
         self.pending = cfg.norm_residual  # the output left as a Pending sum for the next fused GroupNorm
         self.conv_cutlass = cfg.conv_cutlass  # the convs left to the fused GroupNorm after them (Pending.conv)
         self.cutlass_dgrad = cfg.conv_cutlass_dgrad  # ... and their dx by CUTLASS's dgrad
+        self.skip_slot = cfg.conv_cutlass_skip_slot  # ... and the up path's skip gradients through norm1's slot
 
     def forward(self, x: torch.Tensor | Pending | tuple[torch.Tensor | Pending, ...],
                 temb: torch.Tensor) -> torch.Tensor | Pending:
         """`x`: the input, or the parts of a channel concatenation (model.concat_free: (h, skip) on the up path); a
         Pending sum (model.norm_residual) as the input or its first part is computed by norm1."""
-        slot = None  # with model.conv_cutlass on the up path: norm1's, for the skip's GEMM (skip_over_parts)
-        if self.conv_cutlass and self.pending and not isinstance(x, (torch.Tensor, Pending)) \
+        slot, first = None, False  # model.conv_cutlass_skip_slot on the up path: norm1's, for skip_over_parts
+        if self.skip_slot and self.pending and not isinstance(x, (torch.Tensor, Pending)) \
                 and not isinstance(self.skip, nn.Identity):
+            first = not residual_first(x[0])  # the first part's gradient through the slot too (else ds: NOTES 52)
             h, slot = self.norm1(x, skip=self.skip.weight)
         else:
             h = self.norm1(x)  # the normalised concatenation; with model.conv_parts and two parts, its two parts
@@ -676,7 +690,7 @@ class DDPMResBlock(nn.Module):
                 return Pending(h, x if isinstance(x, torch.Tensor) else torch.cat(x, 1), bias=bias, conv=conv,
                                cutlass_dgrad=self.cutlass_dgrad)
             if conv and not isinstance(x, torch.Tensor):  # the up path's two parts: one residual (skip_over_parts)
-                res = (skip_over_parts(self.skip, x, slot),)
+                res = (skip_over_parts(self.skip, x, slot, first),)
             else:
                 res = convs_over_parts(self.skip, (x,) if isinstance(x, torch.Tensor) else x, bias=False)
             return Pending(h, *res, bias=bias + self.skip.bias, conv=conv, cutlass_dgrad=self.cutlass_dgrad)

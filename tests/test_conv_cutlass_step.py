@@ -176,15 +176,17 @@ def small_ddpm(**switches):
     return build_model(cfg)
 
 
-@pytest.mark.parametrize("dgrad", [False, True], ids=["cudnn-dgrad", "cutlass-dgrad"])
-def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_models_function(dgrad, monkeypatch):
+@pytest.mark.parametrize("dgrad,slot", [(False, False), (True, False), (True, True)],
+                         ids=["cudnn-dgrad", "cutlass-dgrad", "cutlass-dgrad-skip-slot"])
+def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_models_function(dgrad, slot, monkeypatch):
     """ddpm with model.conv_cutlass, compiled (fullgraph, AOT autograd's eager backend: the graphs inductor would
     get), against the same weights without it, eager: output and every parameter's gradient, and the sites that took
     the op's convolution: conv1 of each block at 16x16 (down 1, up 2: conv1's input is one tensor) and the last up
     block's conv2 (its residual one tensor, skip_over_parts; the output GroupNorm reads the sum alone); not the down
     block's conv2, whose sum the Downsample reads (value(), in torch), nor the first up block's, which the next
-    block's GroupNorm reads with the skip as two parts: 4 calls. The up blocks' skip GEMMs give their parts'
-    gradients to norm1's backward (mm_acc's slot). With model.conv_cutlass_dgrad their backward takes
+    block's GroupNorm reads with the skip as two parts: 4 calls. With model.conv_cutlass_skip_slot the up blocks'
+    skip GEMMs give their parts' gradients to norm1's backward (mm_acc's slot). With model.conv_cutlass_dgrad their
+    backward takes
     dx from conv_cutlass.dgrad (4 calls in the backward graph; on the CPU the transposed convolution) and only the
     weight's gradient from aten's. The op's plain-torch path: its kernels are the op tests' (under Triton's
     interpreter this network of 128 channels took 144 s)."""
@@ -193,7 +195,7 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
     torch._dynamo.reset()
     torch.manual_seed(0)
     base = small_ddpm().train()
-    fast = small_ddpm(conv_cutlass=True, conv_cutlass_dgrad=dgrad).train()
+    fast = small_ddpm(conv_cutlass=True, conv_cutlass_dgrad=dgrad, conv_cutlass_skip_slot=slot).train()
     fast.load_state_dict(base.state_dict())
     calls = []
     monkeypatch.setattr(CC, "conv_sums", lambda *a, f=CC.conv_sums: calls.append(1) or f(*a))
@@ -214,8 +216,8 @@ def test_the_model_with_conv_cutlass_compiles_in_one_graph_and_computes_the_mode
     # argument 16 of the op): not at the convolutions the op ran alone, where it would be a zero fill and a read
     backward = [n for gm in backend.bw_graphs for n in gm.graph.nodes if "group_norm_act_backward" in str(n.target)]
     assert sum(n.args[19] is not None for n in backward) == sum(n.args[16] is not None for n in ops) > 0
-    # the four up blocks' norm1 take their skip GEMM's output gradient (dres, argument 24) into dx and dx2 (NOTES 52)
-    assert sum(len(n.args) > 24 and n.args[24] is not None for n in backward) == 4
+    # with the slot the four up blocks' norm1 take their skip GEMM's output gradient (dres, argument 24; NOTES 52)
+    assert sum(len(n.args) > 24 and n.args[24] is not None for n in backward) == (4 if slot else 0)
     targets = [str(n.target) for gm in backend.bw_graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("conv3x3_dgrad" in t for t in targets) == (4 if dgrad else 0)
     (y0, g0), (y1, g1) = outs
@@ -232,14 +234,15 @@ def test_flop_counter_counts_the_convolutions_the_op_runs():
     from torch.utils.flop_counter import FlopCounterMode
 
     counts = []
-    for on in (False, True, "dgrad"):
+    for on in (False, True, "dgrad", "slot"):
         with torch.device("meta"):
-            model = small_ddpm(conv_cutlass=bool(on), conv_cutlass_dgrad=on == "dgrad")
+            model = small_ddpm(conv_cutlass=bool(on), conv_cutlass_dgrad=on in ("dgrad", "slot"),
+                               conv_cutlass_skip_slot=on == "slot")
             x, t = torch.randn(2, 3, 16, 16), torch.randint(0, 1000, (2,))
         with FlopCounterMode(display=False) as counter:
             model(x, t).square().mean().backward()
         counts.append(counter.get_total_flops())
-    assert counts[2] == counts[1] == counts[0] > 0
+    assert counts[3] == counts[2] == counts[1] == counts[0] > 0
 
 
 def test_the_skip_over_two_parts_as_one_gemm_accumulated_onto_another():
@@ -300,6 +303,8 @@ def test_conv_cutlass_is_a_switch_of_the_fused_ddpm_blocks():
     assert not reference_config(replace(PRESETS["ddpm-cifar10"], conv_cutlass=True)).conv_cutlass
     with pytest.raises(ValueError, match="conv_cutlass_dgrad=True is the backward of the convolutions conv_cutlass"):
         replace(PRESETS["ddpm-cifar10"], conv_cutlass_dgrad=True).validate()
+    with pytest.raises(ValueError, match="conv_cutlass_skip_slot=True routes the skip GEMM of conv_cutlass's"):
+        replace(PRESETS["ddpm-cifar10"], conv_cutlass_skip_slot=True).validate()
 
 
 # ---------------------------------------------------------------------------------------------------- on a GPU
@@ -409,7 +414,7 @@ def test_cutlass_kernel_skip_gradients_through_the_slot_are_the_gemms(device):
         out, slot = m(leaves, skip=w if slot_path else None) if slot_path else (m(leaves), None)
         assert (slot is not None) == slot_path
         a, a2 = (p.permute(0, 2, 3, 1).reshape(n * h * h, -1) for p in leaves)
-        y = mm_acc(a, w[:, :c1].t(), a2, w[:, c1:].t(), slot)
+        y = mm_acc(a, w[:, :c1].t(), a2, w[:, c1:].t(), slot, True)  # (the first part no residual sum: both)
         grads.append(torch.autograd.grad(((out.float() * dout.float()).sum(), (y.float() * dy.float()).sum()),
                                          leaves))
     for got, want in zip(*grads):
