@@ -29,10 +29,17 @@ def beton(small_dataset) -> Path:
     return small_dataset / "cifar10_train_raw.beton"  # with the manifest make_dataset writes beside it
 
 
+# The runs here read the dataset into memory, in the trainer's process: FFCV's pipeline compiles for a second or more
+# in every loader on a CPU (every resume builds one), and the run folder is what these tests check (tests/test_train.py
+# resumes FFCV's). No loader worker process either: one holds the lock's file open until it sees its trainer gone
+# (torch's DataLoader looks every 5 s), and the lock test resumes a killed trainer's run at once.
+MEMORY = ("data.loader=torch-memory", "data.num_workers=0")
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, beton) -> Path:
     """A complete 6-step run: stats at steps 2, 4, 6; checkpoints at 4 and 6."""
-    return train_mod.train(tiny_cfg(beton, tmp_path_factory.mktemp("runs"), "train.steps=6"))
+    return train_mod.train(tiny_cfg(beton, tmp_path_factory.mktemp("runs"), "train.steps=6", *MEMORY))
 
 
 @pytest.fixture
@@ -169,7 +176,7 @@ def test_a_folder_lock_names_its_holder_and_is_taken_over_when_it_dies(tmp_path)
 def test_resuming_a_run_that_is_still_training_is_refused(beton, tmp_path, capsys):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ffcv_ddpm.train", "--preset", "tiny", "--data", str(beton), "data.batch_size=8",
-         "data.num_workers=1", "train.device=cpu", "train.precision=fp32", "train.progress=False",
+         *MEMORY, "train.device=cpu", "train.precision=fp32", "train.progress=False",
          "train.sample_every=0", "train.steps=100000", "train.log_every=1", "train.ckpt_every=2",
          f"train.out_dir={tmp_path}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
