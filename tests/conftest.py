@@ -1,8 +1,9 @@
 """Shared test fixtures: small datasets written by the real tools, in every input format, and a .beton reader.
 
-- small_dataset (session): a folder with the four .beton files + manifest.json that `make dataset` writes, built by
-  tools.make_dataset from SMALL_TRAIN / SMALL_TEST synthetic images; small_dataset_arrays is what they contain.
-- digits_dataset (session): the same for `make dataset SOURCE=digits` (scikit-learn's digits, all 1,797).
+- small_dataset (session, built once for all pytest-xdist workers): a folder with the four .beton files +
+  manifest.json that `make dataset` writes, built by tools.make_dataset from SMALL_TRAIN / SMALL_TEST synthetic
+  images; small_dataset_arrays is what they contain.
+- digits_dataset (the same): `make dataset SOURCE=digits` (scikit-learn's digits, all 1,797).
 - make_cifar_tarball(path, data): the official CIFAR-10 python tarball format (pickled batches in a .tar.gz).
 - write_png_folder(root, data): the Kaggle PNG layout, written with PIL independently of tools' exporter.
 - read_beton(path, order=...): every image and label of a .beton through FFCV's Loader, as numpy arrays.
@@ -239,24 +240,46 @@ def small_dataset_arrays() -> ImageDataset:
     return load_synthetic(SMALL_TRAIN, SMALL_TEST, SMALL_SEED)
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The folder `name`, made by build(folder) once for the whole run: under pytest-xdist each worker is a process
+    with a session of its own, so the first worker to ask builds it (under a file lock in the run's temporary folder,
+    above the workers' own) and the others wait for it and read the same files. The tests treat it as read-only."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent
+    folder = root / name
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / "manifest.json").is_file():  # make_dataset writes it last
+            build(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory) -> Path:
     """A data folder as `make dataset SOURCE=synthetic` writes it (four .beton files + manifest.json), small."""
     from tools.make_dataset import main
-    out = tmp_path_factory.mktemp("small_dataset")
-    rc = main(["--source", "synthetic", "--out", str(out), "--num-synthetic", str(SMALL_TRAIN),
-               "--num-synthetic-test", str(SMALL_TEST), "--seed", str(SMALL_SEED), "--workers", "2"])
-    assert rc == 0, "tools.make_dataset failed to build the small synthetic dataset"
-    return out
+
+    def build(out: Path) -> None:
+        rc = main(["--source", "synthetic", "--out", str(out), "--num-synthetic", str(SMALL_TRAIN),
+                   "--num-synthetic-test", str(SMALL_TEST), "--seed", str(SMALL_SEED), "--workers", "2"])
+        assert rc == 0, "tools.make_dataset failed to build the small synthetic dataset"
+
+    return built_once(tmp_path_factory, "small_dataset", build)
 
 
 @pytest.fixture(scope="session")
 def digits_dataset(tmp_path_factory) -> Path:
     """A data folder as `make dataset SOURCE=digits` writes it: digits_{train,test}_{raw,jpg}.beton + manifest.json."""
     from tools.make_dataset import main
-    out = tmp_path_factory.mktemp("digits")
-    assert main(["--source", "digits", "--out", str(out), "--workers", "2"]) == 0, "make_dataset --source digits failed"
-    return out
+
+    def build(out: Path) -> None:
+        rc = main(["--source", "digits", "--out", str(out), "--workers", "2"])
+        assert rc == 0, "make_dataset --source digits failed"
+
+    return built_once(tmp_path_factory, "digits", build)
 
 
 @pytest.fixture(autouse=True)
