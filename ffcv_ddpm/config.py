@@ -26,6 +26,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # train.sdpa_backend: torch's choice, or the one scaled_dot_product_attention kernel a step may use
 # (ffcv_ddpm.step.set_sdpa_backend, unet.pin_sdpa_kernel)
 SDPA_BACKENDS = ("auto", *SDPA_KERNELS)
+PDL_MODES = ("off", "kernels", "all")  # train.pdl (ffcv_ddpm.step.set_pdl)
 # Checkpoints are named by their step in 8 digits (ckpt-00800000.pt) and found again by that pattern; 125x the
 # DDPM paper's 800k steps.
 MAX_STEPS = 99_999_999
@@ -50,6 +51,7 @@ class TrainConfig:
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
     cudnn_benchmark_limit: int = 10      # engines the search times per shape (torch's 10; 0: all, NOTES item 43)
     sdpa_backend: str = "auto"           # auto (torch's choice) | cudnn | flash | efficient | math: SDPA's only backend (NOTES item 39)
+    pdl: str = "off"                     # off | kernels | all: programmatic dependent launch (sm90+), ffcv_ddpm.step.set_pdl
     deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     noise_seed: int = -1                 # seeds noise, timesteps and dropout alone (rank r: + r); -1 = train.seed
@@ -164,6 +166,7 @@ RULES = {
     "train.precision": one_of(PRECISIONS),
     "train.compile_mode": one_of(COMPILE_MODES),
     "train.sdpa_backend": one_of(SDPA_BACKENDS),
+    "train.pdl": one_of(PDL_MODES),
     "train.seed": at_least(0),
     "train.noise_seed": at_least(-1),
     "train.device": matches("auto, cpu, cuda or cuda:N", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v)),

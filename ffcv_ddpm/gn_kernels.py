@@ -35,6 +35,29 @@ tests set it), which is how they are tested on machines without a GPU.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# train.pdl (ffcv_ddpm.step.build sets it for the process): every kernel here launched with programmatic dependent
+# launch. A grid's launch then overlaps the kernel before it instead of following its end: the GPU may place its
+# programs while the one before drains, and each waits (griddepcontrol.wait) before it reads anything; each lets the
+# kernel after it launch the same way as soon as its own programs are all placed. ~300 of the step's ~900 kernels
+# are these, most of them short (the finalizes: one program a sample), so the gaps between kernels are a share of
+# their time (NOTES item 53).
+PDL = False
+
+
+def pdl_args() -> dict:
+    """The launch arguments that train.pdl adds to every kernel's launch here (none under Triton's interpreter)."""
+    return dict(PDL=True, launch_pdl=True) if PDL and not triton.knobs.runtime.interpret else {}
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait for the kernel before it to finish (its writes visible), then let
+    the one after it launch. Safe by the chain: each kernel waits for the one before before it ends."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -247,10 +270,11 @@ def _grad_tile(dout_ptr, dout2_ptr, x_ptr, x2_ptr, bits_ptr, n, r, cols, m, u, v
 def _stats_kernel(x_ptr, x2_ptr, part_ptr, C, HW, K, s_xn, s_xc, s_xhw, C1, s_2n, s_2c, s_2hw,
                   CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr,
                   STAGES: tl.constexpr, res_ptr=None, res2_ptr=None, rb_ptr=None, s_ptr=None,
-                  RES: tl.constexpr = 0, RBIAS: tl.constexpr = False):
+                  RES: tl.constexpr = 0, RBIAS: tl.constexpr = False, PDL: tl.constexpr = False):
     """part[n, k, 0:2, c] = (mean, M2) of x[n, c, rows of chunk k]. STAGES: the plan's (norm.PLAN_STAGES), None for
     the loop as written. With RES, of the residual sum that _load_sum makes of x's first part, written to s_ptr as it
     goes (model.norm_residual: the sum's one pass, where a pass of its own would write it and this one read it)."""
+    _pdl_start(PDL)
     n = tl.program_id(0)
     k = tl.program_id(1)
     r0 = k * CHUNK
@@ -281,12 +305,13 @@ def _finalize_kernel(part_ptr, a_ptr, b_ptr, e_ptr, coef_ptr, mean_ptr, rstd_ptr
                      C, HW, G, CPG, K, s_an, s_ac, s_en, s_ec, eps,
                      CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_CPG: tl.constexpr,
                      HAS_ADD: tl.constexpr, cmean_ptr=None, SAVE_MEANS: tl.constexpr = False, SUMS_ROWS=0,
-                     SUMS: tl.constexpr = False):
+                     SUMS: tl.constexpr = False, PDL: tl.constexpr = False):
     """Per sample: the K chunks' (mean, M2) -> group mean and rstd -> coef[n, 0:2, c] = (scale, bias) with
     y = x * scale + bias. With SAVE_MEANS also cmean[n, c], the per-channel mean of x + e, for the backward
     (_bwd_finalize_kernel's FROM_MEANS). With SUMS the chunks are a convolution epilogue's tiles instead
     (ffcv_ddpm.conv_cutlass, model.conv_cutlass): part is [2, SUMS_ROWS = N * K, C], each tile's sum and sum of
     squares."""
+    _pdl_start(PDL)
     n = tl.program_id(0)
     gs = tl.arange(0, BLOCK_G)
     ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]  # [G, CPG]: channel index, groups along axis 0
@@ -333,10 +358,11 @@ def _apply_kernel(x_ptr, x2_ptr, out_ptr, coef_ptr, seed_ptr, bits_ptr, C, HW, C
                   s_2c, s_2hw, s_on, s_oc, s_ohw, thr, inv_keep, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                   SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr, BITS: tl.constexpr,
                   WORD: tl.constexpr, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, out2_ptr=None,
-                  s_o2n=0, s_o2c=0, s_o2hw=0, OUT_TWO: tl.constexpr = False):
+                  s_o2n=0, s_o2c=0, s_o2hw=0, OUT_TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """out = dropout(silu(x * scale + bias)) over one tile of BLOCK_R rows of sample n; with BITS the dropout mask
     also written as bits (_bits_at) for the backward. OUT_TWO (model.conv_parts; with TWO): out written as two
     tensors split at C1 as x is read, the next convolution's two inputs, so that no tensor of all C channels exists."""
+    _pdl_start(PDL)
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -380,13 +406,14 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                        STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr,
                        FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, XSUMS: tl.constexpr = False,
-                       dout2_ptr=None, s_d2n=0, s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False):
+                       dout2_ptr=None, s_d2n=0, s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
     with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
     _stats_kernel; BITS: the dropout mask read from the forward's bits. XSUMS: the tiles sum dy * x and x, one
     multiply-add an element fewer (xhat = x * u + v is never formed), and the chunk's sums are turned into xhat's
     at the end: sum(dy * xhat) = u sum(dy * x) + v sum(dy), sum(xhat) = u sum(x) + v rows. DOUT_TWO: dout read
     from two tensors (_grad_tile)."""
+    _pdl_start(PDL)
     n = tl.program_id(0)
     k = tl.program_id(1)
     cols = tl.arange(0, BLOCK_C)
@@ -428,12 +455,13 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
 @triton.jit
 def _bwd_finalize_kernel(part_ptr, a_ptr, mean_ptr, rstd_ptr, cmean_ptr, da_ptr, db_ptr, de_ptr, coef_ptr, C, HW, G,
                          CPG, K, s_an, s_ac, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_CPG: tl.constexpr, HAS_ADD: tl.constexpr, FROM_MEANS: tl.constexpr):
+                         BLOCK_CPG: tl.constexpr, HAS_ADD: tl.constexpr, FROM_MEANS: tl.constexpr, PDL: tl.constexpr = False):
     """Per sample: dL/da = sum(dy * xhat), dL/db = sum(dy), dL/de = sum(dx), and coef[n, 0:3, c] = (alpha, beta,
     gamma) with dx = alpha * dy + beta * xhat + gamma, where
     dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat).
     dL/de needs the sum of xhat over the sample's rows: from the reduction's third sum, or with FROM_MEANS from the
     forward's per-channel means (xhat = (x + e - the group's mean) * u sums to HW * (channel mean - group mean) * u)."""
+    _pdl_start(PDL)
     n = tl.program_id(0)
     gs = tl.arange(0, BLOCK_G)
     ch = gs[:, None] * CPG + tl.arange(0, BLOCK_CPG)[None, :]
@@ -474,13 +502,14 @@ def _bwd_dx_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, dx_ptr, dx2_ptr, a_ptr, b_
                    BITS: tl.constexpr, WORD: tl.constexpr, ds_ptr=None, s_gn=0, s_gc=0, s_ghw=0,
                    HAS_DS: tl.constexpr = False, FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False,
                    XSUMS: tl.constexpr = False, dbias_ptr=None, DBIAS: tl.constexpr = False, dout2_ptr=None, s_d2n=0,
-                   s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False):
+                   s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False, PDL: tl.constexpr = False):
     """dx = alpha * dy + beta * xhat + gamma over one tile of BLOCK_R rows of sample n (XSUMS: beta u x +
     (beta v + gamma), xhat never formed). With HAS_DS plus ds, the gradient the first part (x a residual sum,
     model.norm_residual) gets from its other readers: one write of the sum's whole gradient where a pass of its own
     would read dx and ds and write their sum. DBIAS (model.norm_dbias): dbias[n, tile, c] = the tile's sum of the
     first part's dx as stored (rounded to its dtype), the residual sum's bias gradient in partial sums, where a
     reduction of its own would read dx again. DOUT_TWO: dout read from two tensors (_grad_tile)."""
+    _pdl_start(PDL)
     n = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)

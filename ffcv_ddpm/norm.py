@@ -727,19 +727,19 @@ def triton_forward(x, a, b, e, seed, groups, eps, silu, p, tile, chunk, warps, s
     else:
         K._stats_kernel[(n, k)](x, x2_, part, c, hw, k, *xs, CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"],
                                 BLOCK_C=pl["BLOCK_C"], TWO=two, STAGES=stages or None, num_warps=warps,
-                                **_residual_args(x, addends, rbias, s_out, a))
+                                **_residual_args(x, addends, rbias, s_out, a), **K.pdl_args())
     x = s_out if addends else x  # what the kernels after the statistics read
     K._finalize_kernel[(n,)](part, a, b, e_, coef, mean, rstd, c, hw, groups, pl["CPG"], k, a.stride(0), a.stride(1),
                              e_.stride(0), e_.stride(1), eps, CHUNK=chunk_rows,
                              BLOCK_K=triton.next_power_of_2(k) if sums is not None else pl["BLOCK_K"],
                              BLOCK_G=pl["BLOCK_G"], BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None,
                              cmean_ptr=cmean if cmean.numel() else mean, SAVE_MEANS=cmean.numel() > 0,
-                             SUMS_ROWS=n * k, SUMS=sums is not None, num_warps=warps)
+                             SUMS_ROWS=n * k, SUMS=sums is not None, num_warps=warps, **K.pdl_args())
     K._apply_kernel[(n, triton.cdiv(hw, pl["BLOCK_R"]))](  # unused pointers: any tensor, never touched
         x, x2_, out, coef, seed, bits if bits.numel() else x, c, hw, mask_words(c), *xs, *os,
         *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"], SILU=int(silu), DROPOUT=p > 0,
         TWO=two, BITS=bits.numel() > 0, WORD=pl["WORD"], FAST_TANH=_fast_tanh(silu), PAIR=_pair(pair_hash, p, c),
-        num_warps=warps, **split)
+        num_warps=warps, **split, **K.pdl_args())
     return out, mean, rstd, cmean, bits, s_out, out2
 
 
@@ -816,12 +816,13 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     K._bwd_reduce_kernel[(n, k)](dout, x, x2_, bits_, a, b, e_, seed, mean, rstd, part, *common, k, *xs, *dstr,
                                  a.stride(0), a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p, pair_hash),
                                  CHUNK=pl["CHUNK"], BLOCK_R=pl["BLOCK_R"], BLOCK_C=pl["BLOCK_C"],
-                                 STAGES=stages or None, SUM_XHAT=e is not None and not from_means, **flags)
+                                 STAGES=stages or None, SUM_XHAT=e is not None and not from_means, **flags,
+                                 **K.pdl_args())
     K._bwd_finalize_kernel[(n,)](part, a, mean, rstd, cmean if from_means else mean, da, db,
                                  de if e is not None else da, coef, c, hw, groups, pl["CPG"], k,
                                  a.stride(0), a.stride(1), BLOCK_K=pl["BLOCK_K"], BLOCK_G=pl["BLOCK_G"],
                                  BLOCK_CPG=pl["BLOCK_CPG"], HAS_ADD=e is not None, FROM_MEANS=from_means,
-                                 num_warps=warps)
+                                 num_warps=warps, **K.pdl_args())
     if ds is not None and ds.shape != x.shape:
         raise ValueError(f"fused GroupNorm backward: ds {tuple(ds.shape)} is not the first part's {tuple(x.shape)}")
     extra = {}
@@ -836,8 +837,7 @@ def triton_backward(dout, x, a, b, e, seed, mean, rstd, groups, silu, p, tile, c
     K._bwd_dx_kernel[(n, tiles)](
         dout, x, x2_, bits_, dx, dx2_, a, b, e_, seed, mean, rstd, coef, *common, *xs, *dstr, a.stride(0),
         a.stride(1), e_.stride(0), e_.stride(1), *_dropout_args(p, pair_hash), BLOCK_R=pl["BLOCK_R"],
-        BLOCK_C=pl["BLOCK_C"],
-        **flags, **extra)
+        BLOCK_C=pl["BLOCK_C"], **flags, **extra, **K.pdl_args())
     return dx, da, db, de, dx2, dbias_part.sum((0, 1)) if dbias else dbias_part
 
 

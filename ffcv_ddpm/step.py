@@ -94,6 +94,29 @@ def set_sdpa_backend(backend: str, device: torch.device) -> None:
         set_enabled(backend in ("auto", name))
 
 
+def set_pdl(mode: str, device: torch.device) -> None:
+    """train.pdl: programmatic dependent launch (Hopper and later) for the process's kernels, so that a kernel's launch
+    overlaps the end of the one before it (NOTES item 53). "kernels": the fused GroupNorm's Triton kernels
+    (ffcv_ddpm.gn_kernels.PDL); "all": inductor's generated Triton kernels too (its triton.enable_pdl, read when it
+    compiles: a graph compiled with it is cached apart). Set for every build, so that one build's choice does not
+    outlive it in a process that makes several (the benchmarks' rows)."""
+    if mode != "off" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9):
+        raise TrainingError(f"train.pdl={mode} needs an sm90 GPU or later (H100, H200); on this "
+                            f"{device.type} device use train.pdl=off")
+    if device.type != "cuda":
+        return  # nothing launches on the GPU
+    import torch._inductor.config as inductor_config
+
+    from ffcv_ddpm import gn_kernels
+
+    gn_kernels.PDL = mode != "off"
+    if mode == "all" and not hasattr(inductor_config.triton, "enable_pdl"):
+        raise TrainingError(f"train.pdl=all: torch {torch.__version__}'s inductor has no triton.enable_pdl; use "
+                            "train.pdl=kernels")
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        inductor_config.triton.enable_pdl = mode == "all"
+
+
 def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig,
               reduce_grads: Callable | None = None) -> Callable:
     """One training iteration. Everything stays on the device: the caller reads the loss at log intervals.
@@ -177,6 +200,7 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     """Model, diffusion, optimizer, scaler, EMA and the (compiled) step, for the trainer and the benchmarks."""
     set_precision(cfg.train.precision, device)
     set_sdpa_backend(cfg.train.sdpa_backend, device)
+    set_pdl(cfg.train.pdl, device)
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     # Process-wide, like the choices it makes: cuDNN's search caches one engine per shape for the process, so a
     # later build with another limit reuses the first one's picks (benchmarks compare limits in fresh processes).
