@@ -19,7 +19,7 @@ from ffcv_ddpm.checks import BadValue, Rule, above, at_least, coerce, each, in_r
 from ffcv_ddpm.data import FLIPS, LOADERS, ORDERS, DataConfig
 from ffcv_ddpm.diffusion import PARAMS, DiffusionConfig
 from ffcv_ddpm.sampling import SAMPLE_COMPILE_MODES
-from ffcv_ddpm.unet import PRESETS, SDPA_KERNELS, ModelConfig
+from ffcv_ddpm.unet import ATTN_IMPLS, PRESETS, SDPA_KERNELS, ModelConfig
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the keys of step.AMP_DTYPES
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -129,7 +129,7 @@ RULES = {
     "model.dropout": in_range(0, 1, high_open=True),
     "model.norm_groups": at_least(1),
     "model.conv_groups": at_least(1),
-    "model.attn_impl": one_of(("sdpa", "math")),
+    "model.attn_impl": one_of(ATTN_IMPLS),
     "model.norm_impl": one_of(lambda: tuple(unet.NORM_IMPLS)),
     # model.norm_plan (text "TILE,CHUNK,WARPS[,STAGES]"): no rule here; ModelConfig.validate (norm.parse_plan) checks
     # it with a message naming the part that is wrong, and that it goes with norm_impl=fused.

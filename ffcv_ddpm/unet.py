@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import register_flop_formula
 
+from ffcv_ddpm.attn_math import math_attention
 from ffcv_ddpm.norm import NORM_IMPLS, GroupNormAct, Pending, parse_plan, residual_first, resolved
 
 
@@ -56,6 +57,8 @@ class ModelConfig:
     conv_groups: int = 1  # groups for the res-block 3x3 convs: 1 dense, >1 grouped, = channels depthwise; must divide their channel counts
     depthwise_separable: bool = False  # res-block 3x3 convs as depthwise 3x3 + pointwise 1x1 (MobileNet); needs conv_groups=1
     attn_impl: str = "sdpa"  # "sdpa" = F.scaled_dot_product_attention, "math" = explicit matmul-softmax (the "before SDPA" row)
+    # "math-qkv": math's arithmetic, q, k and v's gradients written as one tensor (ffcv_ddpm.attn_math; one head,
+    # attn_linear; NOTES item 55)
     norm_impl: str = "scale-shift"  # GroupNorm (+ SiLU, dropout): "scale-shift" (keeps channels_last), "torch" (nn.GroupNorm) or "fused" (Triton); see ffcv_ddpm.norm
     norm_plan: str = ""  # norm_impl=fused only: the kernels' "TILE,CHUNK,WARPS[,STAGES]" (e.g. "1024,16384,4"; norm_bench --plans); "" = the default
     num_classes: int = 0  # 0 = unconditional; N > 0 adds a label embedding with N + 1 rows, index N = null label (CFG)
@@ -161,8 +164,13 @@ class ModelConfig:
         """Raises ValueError naming the first inconsistent field, so a bad config fails before building."""
         if self.arch not in ("ddpm", "annotated"):
             raise ValueError(f"arch={self.arch!r}: use 'ddpm' or 'annotated'")
-        if self.attn_impl not in ("sdpa", "math"):
-            raise ValueError(f"attn_impl={self.attn_impl!r}: use 'sdpa' or 'math'")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl={self.attn_impl!r}: use one of {', '.join(map(repr, ATTN_IMPLS))}")
+        if self.attn_impl == "math-qkv" and not (self.attn_linear and self.attn_heads == 1
+                                                 and self.attn_head_dim is None and not self.attn_split_grads):
+            raise ValueError("attn_impl='math-qkv' is one head's attention over the qkv matmul's output: it needs "
+                             "attn_linear=True, attn_heads=1, attn_head_dim=None and attn_split_grads=False; set them "
+                             "or use attn_impl='math'")
         if self.norm_impl not in NORM_IMPLS:
             raise ValueError(f"norm_impl={self.norm_impl!r}: use one of {', '.join(map(repr, NORM_IMPLS))}")
         parse_plan(self.norm_plan)  # ValueError('norm_plan=...: ...') naming what is wrong
@@ -243,6 +251,7 @@ class ModelConfig:
                              "use 0 (no padding) or at least in_channels")
 
 
+ATTN_IMPLS = ("sdpa", "math", "math-qkv")
 UPSAMPLES = ("nearest", "expand", "transposed")
 # ModelConfig's switches of the fused GroupNorm kernels (ffcv_ddpm.gn_kernels): each needs norm_impl='fused'. A run
 # of ddpm-cifar10 with another GroupNorm turns off those the preset has on; FUSED_OFF turns off all of them.
@@ -264,8 +273,9 @@ def reference_config(cfg: ModelConfig) -> ModelConfig:
     blocks return their sums uncomputed, which torchinfo's count of the published table cannot follow; norm_dbias
     needs norm_residual: it goes off with it, else a norm_dbias row's FLOP count is refused, as on an H200 at
     0930219); conv_cutlass's blocks return their convolutions uncomputed too; attn_split_grads goes with
-    attn_linear)."""
-    return replace(cfg, **REFERENCE_COMPUTATION, fused_parts=False, conv_parts=False, norm_residual=False,
+    attn_linear, and math-qkv, math's arithmetic over the qkv matmul, with it to math)."""
+    return replace(cfg, **REFERENCE_COMPUTATION, attn_impl="math" if cfg.attn_impl == "math-qkv" else cfg.attn_impl,
+                   fused_parts=False, conv_parts=False, norm_residual=False,
                    norm_dbias=False, conv_cutlass=False, conv_cutlass_dgrad=False, conv_cutlass_skip_slot=False,
                    attn_split_grads=False)
 
@@ -547,7 +557,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.heads = heads  # number of heads
         self.head_dim = head_dim or channels // heads  # channels per head
-        self.impl = impl  # "sdpa" or "math"
+        self.impl = impl  # "sdpa", "math" or "math-qkv"
         self.sdpa_kernel: SDPBackend | None = None  # SDPA's one kernel (pin_sdpa_kernel); None: torch's choice
         # The 1x1 convs as matmuls on the NHWC view: inductor hands a conv to cuDNN without its bias and adds the bias
         # in a kernel of its own, which nothing fuses when SDPA consumes the output; cuBLAS adds it in its epilogue.
@@ -563,6 +573,11 @@ class SelfAttention(nn.Module):
         h = self.norm(x)  # computes a Pending input
         x = resolved(x)
         B, C, H, W = x.shape
+        if self.impl == "math-qkv":  # (B, H, W, C) @ (C, 3C) as one (B, HW, 3C) tensor, its gradient one too
+            qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
+            o = math_attention(qkv.reshape(B, H * W, -1)).reshape(B, H, W, -1)
+            y = F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
+            return Pending(y, x) if self.pending else x + y
         if self.linear and self.split_grads:
             q, k, v = QKVProjection.apply(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias,
                                           self.heads)

@@ -27,7 +27,7 @@ def _sdpa_backend(model, cfg, device) -> str:
     from ffcv_ddpm.step import AMP_DTYPES
 
     if cfg.model.attn_impl != "sdpa":
-        return "math (explicit matmul-softmax)"
+        return f"{cfg.model.attn_impl} (explicit matmul-softmax)"
     amp = AMP_DTYPES[cfg.train.precision]
     x = torch.randn(2, cfg.model.in_channels, cfg.model.image_size, cfg.model.image_size, device=device)
     if cfg.train.channels_last:
