@@ -51,6 +51,12 @@ class TrainConfig:
     cudnn_benchmark: bool = True         # cuDNN times its algorithms per conv shape at the first step (H100: 124.7 -> 119.5 ms per step of 1024)
     cudnn_benchmark_limit: int = 10      # engines the search times per shape (torch's 10; 0: all, NOTES item 43)
     sdpa_backend: str = "auto"           # auto (torch's choice) | cudnn | flash | efficient | math: SDPA's only backend (NOTES item 39)
+    # cuBLAS may reduce a bf16 GEMM's split-K partial sums in bf16 (torch's default, True); False asks for fp32 ones
+    # (another kernel choice: the attention's 256 x 256 weight gradients ran cuBLAS's sm80 split-K kernel, NOTES 56).
+    bf16_reduced_reduction: bool = True
+    # Inductor times its Triton GEMM templates against cuBLAS per matmul shape at the first step (max_autotune_gemm;
+    # the convolutions stay cuDNN's), and fuses the winners' epilogues (NOTES 56).
+    autotune_gemm: bool = False
     pdl: str = "off"                     # off | kernels | all: programmatic dependent launch (sm90+), ffcv_ddpm.step.set_pdl
     deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
@@ -237,6 +243,9 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
         raise BadValue(f"train.cudnn_benchmark_limit={cfg.train.cudnn_benchmark_limit} sets how many engines cuDNN's "
                        "search times, and train.cudnn_benchmark=False turns the search off: drop the limit or "
                        "add train.cudnn_benchmark=True")
+    if cfg.train.autotune_gemm and not cfg.train.compile:
+        raise BadValue("train.autotune_gemm=True times inductor's GEMM templates when the step is compiled, and "
+                       "train.compile=False runs it eagerly: drop the autotuning or add train.compile=True")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")

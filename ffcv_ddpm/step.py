@@ -201,6 +201,7 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
     set_precision(cfg.train.precision, device)
     set_sdpa_backend(cfg.train.sdpa_backend, device)
     set_pdl(cfg.train.pdl, device)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = cfg.train.bf16_reduced_reduction
     torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
     # Process-wide, like the choices it makes: cuDNN's search caches one engine per shape for the process, so a
     # later build with another limit reuses the first one's picks (benchmarks compare limits in fresh processes).
@@ -231,6 +232,9 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
 
         # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
         inductor_config.force_layout_optimization = cfg.train.force_layout_opt
+        inductor_config.max_autotune_gemm = cfg.train.autotune_gemm  # every build sets it: one process, many rows
+        if cfg.train.autotune_gemm:
+            inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
         # With train.ddp_reduce=ddp the DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket
         # boundaries, so each bucket's all-reduce starts while the backward of the graphs before it runs; without
         # (the default), one graph and the all-reduce after the whole backward: 0.55 ms for all 143 MB on NVLink,
