@@ -120,3 +120,17 @@ def test_bf16_on_the_gpu_against_the_math_attention():
     ref_out, ref_dqkv = out_and_grad(reference, qkv, grad, autocast=True)
     for got, want in ((out, ref_out), (dqkv, ref_dqkv)):  # cuBLAS may pick other kernels for the two layouts
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 4e-3
+
+
+def test_checkpoints_load_across_the_attention_paths():
+    """A network trained with one attention path resumes with another: the same state_dict (strict), the same
+    function (fp64)."""
+    nets = {}
+    for impl in ("sdpa", "math-qkv"):
+        cfg = replace(PRESETS["tiny"], attn_impl=impl, attn_linear=True, attn_heads=1, attn_head_dim=None)
+        torch.manual_seed(impl == "sdpa")  # different weights until loaded
+        nets[impl] = build_model(cfg).double()
+    nets["math-qkv"].load_state_dict(nets["sdpa"].state_dict(), strict=True)
+    x = torch.randn(2, 3, PRESETS["tiny"].image_size, PRESETS["tiny"].image_size, dtype=torch.float64)
+    t = torch.tensor([3, 7])
+    assert torch.allclose(nets["math-qkv"](x, t), nets["sdpa"](x, t), atol=1e-10)
