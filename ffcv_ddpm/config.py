@@ -57,7 +57,7 @@ class TrainConfig:
     # Inductor times its Triton GEMM templates against cuBLAS per matmul shape at the first step (max_autotune_gemm;
     # the convolutions stay cuDNN's), and fuses the winners' epilogues (NOTES 56).
     autotune_gemm: bool = False
-    pdl: str = "off"                     # off | kernels | all: programmatic dependent launch (sm90+), ffcv_ddpm.step.set_pdl
+    pdl: str = "off"                     # off | kernels | all: programmatic dependent launch, step.set_pdl
     deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
     noise_seed: int = -1                 # seeds noise, timesteps and dropout alone (rank r: + r); -1 = train.seed

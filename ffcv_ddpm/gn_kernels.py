@@ -406,7 +406,8 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
                        HAS_ADD: tl.constexpr, SILU: tl.constexpr, DROPOUT: tl.constexpr, TWO: tl.constexpr,
                        STAGES: tl.constexpr, SUM_XHAT: tl.constexpr, BITS: tl.constexpr, WORD: tl.constexpr,
                        FAST_TANH: tl.constexpr = False, PAIR: tl.constexpr = False, XSUMS: tl.constexpr = False,
-                       dout2_ptr=None, s_d2n=0, s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False, PDL: tl.constexpr = False):
+                       dout2_ptr=None, s_d2n=0, s_d2c=0, s_d2hw=0, DOUT_TWO: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """part[n, k, 0:3, c] = sums over the chunk's rows of dy, dy * xhat and xhat (dy = dL/dy; the sum of xhat only
     with SUM_XHAT: dL/de alone needs it, and the forward's saved means can give it instead). STAGES as in
     _stats_kernel; BITS: the dropout mask read from the forward's bits. XSUMS: the tiles sum dy * x and x, one
@@ -455,7 +456,8 @@ def _bwd_reduce_kernel(dout_ptr, x_ptr, x2_ptr, bits_ptr, a_ptr, b_ptr, e_ptr, s
 @triton.jit
 def _bwd_finalize_kernel(part_ptr, a_ptr, mean_ptr, rstd_ptr, cmean_ptr, da_ptr, db_ptr, de_ptr, coef_ptr, C, HW, G,
                          CPG, K, s_an, s_ac, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_CPG: tl.constexpr, HAS_ADD: tl.constexpr, FROM_MEANS: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_CPG: tl.constexpr, HAS_ADD: tl.constexpr, FROM_MEANS: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Per sample: dL/da = sum(dy * xhat), dL/db = sum(dy), dL/de = sum(dx), and coef[n, 0:3, c] = (alpha, beta,
     gamma) with dx = alpha * dy + beta * xhat + gamma, where
     dx = u * (dy * a - the group's mean of dy * a - xhat * the group's mean of dy * a * xhat).
