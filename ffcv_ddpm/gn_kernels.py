@@ -40,7 +40,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # train.pdl (ffcv_ddpm.step.build sets it for the process): every kernel here launched with programmatic dependent
 # launch. A grid's launch then overlaps the kernel before it instead of following its end: the GPU may place its
 # programs while the one before drains, and each waits (griddepcontrol.wait) before it reads anything; each lets the
-# kernel after it launch the same way as soon as its own programs are all placed. ~300 of the step's ~900 kernels
+# kernel after it launch the same way as soon as its own programs are all placed. ~300 of the step's ~1,700 kernels
 # are these, most of them short (the finalizes: one program a sample), so the gaps between kernels are a share of
 # their time (NOTES item 53).
 PDL = False
