@@ -57,6 +57,11 @@ class TrainConfig:
     # Inductor times its Triton GEMM templates against cuBLAS per matmul shape at the first step (max_autotune_gemm;
     # the convolutions stay cuDNN's), and fuses the winners' epilogues (NOTES 56).
     autotune_gemm: bool = False
+    # Inductor's own Triton kernels (the elementwise ops, the small reductions, the layout copies): their block sizes
+    # tuned by coordinate descent at the first step (coordinate_descent_tuning), and independent small kernels
+    # launched as one (combo_kernels) (NOTES 56).
+    tune_kernels: bool = False
+    combo_kernels: bool = False
     pdl: str = "off"                     # off | kernels | all: programmatic dependent launch, step.set_pdl
     deterministic: bool = False          # deterministic kernels where torch has them (ffcv_ddpm.step.set_deterministic): slower; for run-to-run equality; needs cudnn_benchmark=False
     seed: int = 0                        # seeds weights, noise, timesteps and data order
@@ -243,9 +248,12 @@ def check_config(cfg: "RunConfig") -> "RunConfig":
         raise BadValue(f"train.cudnn_benchmark_limit={cfg.train.cudnn_benchmark_limit} sets how many engines cuDNN's "
                        "search times, and train.cudnn_benchmark=False turns the search off: drop the limit or "
                        "add train.cudnn_benchmark=True")
-    if cfg.train.autotune_gemm and not cfg.train.compile:
-        raise BadValue("train.autotune_gemm=True times inductor's GEMM templates when the step is compiled, and "
-                       "train.compile=False runs it eagerly: drop the autotuning or add train.compile=True")
+    compiled_only = [f"train.{k}=True" for k in ("autotune_gemm", "tune_kernels", "combo_kernels")
+                     if getattr(cfg.train, k)]
+    if compiled_only and not cfg.train.compile:
+        raise BadValue(f"{' and '.join(compiled_only)} change{'s' if len(compiled_only) == 1 else ''} how inductor "
+                       "compiles the step, and train.compile=False runs it eagerly: drop "
+                       f"{'it' if len(compiled_only) == 1 else 'them'} or add train.compile=True")
     if cfg.train.sample_every and cfg.train.sample_steps > d.timesteps:
         raise BadValue(f"train.sample_steps={cfg.train.sample_steps}: expected at most diffusion.timesteps="
                        f"{d.timesteps}")

@@ -232,9 +232,12 @@ def build(cfg: RunConfig, device: torch.device, ddp: Dist = Dist()) -> Trainer:
 
         # Inductor's channels_last heuristic never fires for these UNets (benchmarks/NOTES.md, moved from the code).
         inductor_config.force_layout_optimization = cfg.train.force_layout_opt
-        inductor_config.max_autotune_gemm = cfg.train.autotune_gemm  # every build sets it: one process, many rows
+        # NOTES 56's switches, set by every build (one process, many rows: the benchmarks' levers)
+        inductor_config.max_autotune_gemm = cfg.train.autotune_gemm
         if cfg.train.autotune_gemm:
             inductor_config.max_autotune_gemm_backends = "ATEN,TRITON"
+        inductor_config.coordinate_descent_tuning = cfg.train.tune_kernels
+        inductor_config.combo_kernels = cfg.train.combo_kernels
         # With train.ddp_reduce=ddp the DDP wrapper is compiled: with ddp_split dynamo cuts the graph at bucket
         # boundaries, so each bucket's all-reduce starts while the backward of the graphs before it runs; without
         # (the default), one graph and the all-reduce after the whole backward: 0.55 ms for all 143 MB on NVLink,

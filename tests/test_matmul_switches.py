@@ -1,6 +1,6 @@
-"""train.bf16_reduced_reduction and train.autotune_gemm (NOTES item 56): set by every build, so that one build's
-choice does not outlive it in a process that makes several (the benchmarks' rows); the autotuning refused where
-nothing is compiled."""
+"""train.bf16_reduced_reduction and the inductor switches train.autotune_gemm, tune_kernels, combo_kernels (NOTES item
+56): set by every build, so that one build's choice does not outlive it in a process that makes several (the
+benchmarks' rows); the inductor switches refused where nothing is compiled."""
 
 import pytest
 import torch
@@ -24,7 +24,8 @@ def test_each_build_sets_cublas_reduction_flag(flag_restored):
         assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is value
 
 
-def test_gemm_autotuning_needs_a_compiled_step():
-    assert load_config("tiny", ["train.autotune_gemm=True"]).train.autotune_gemm
-    with pytest.raises(BadValue, match="train.autotune_gemm=True .* add train.compile=True"):
-        load_config("tiny", ["train.autotune_gemm=True", "train.compile=False"])
+@pytest.mark.parametrize("key", ["autotune_gemm", "tune_kernels", "combo_kernels"])
+def test_inductor_switches_need_a_compiled_step(key):
+    assert getattr(load_config("tiny", [f"train.{key}=True"]).train, key)
+    with pytest.raises(BadValue, match=f"train.{key}=True changes how inductor .* add train.compile=True"):
+        load_config("tiny", [f"train.{key}=True", "train.compile=False"])
