@@ -134,3 +134,20 @@ def test_checkpoints_load_across_the_attention_paths():
     x = torch.randn(2, 3, PRESETS["tiny"].image_size, PRESETS["tiny"].image_size, dtype=torch.float64)
     t = torch.tensor([3, 7])
     assert torch.allclose(nets["math-qkv"](x, t), nets["sdpa"](x, t), atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_gemms_write_their_thirds_without_a_copy():
+    """cuBLAS takes the strided thirds as they are: the op allocates its output and nothing else (a copy of a third,
+    which bmm makes where it cannot write a layout, would show as a second allocation)."""
+    b, n, c = 8, 256, 256
+    ds, p = (torch.randn(b, n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    do = torch.randn(b, n, c, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(b, n, 3 * c, device="cuda", dtype=torch.bfloat16)
+    qkv_grads(ds, p, do, qkv)  # cuBLAS's handle and workspace made outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = qkv_grads(ds, p, do, qkv)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before == out.untyped_storage().nbytes()
