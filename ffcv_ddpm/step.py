@@ -110,11 +110,11 @@ def set_pdl(mode: str, device: torch.device) -> None:
     from ffcv_ddpm import gn_kernels
 
     gn_kernels.PDL = mode != "off"
-    if mode == "all" and not hasattr(inductor_config.triton, "enable_pdl"):
-        raise TrainingError(f"train.pdl=all: torch {torch.__version__}'s inductor has no triton.enable_pdl; use "
-                            "train.pdl=kernels")
     if hasattr(inductor_config.triton, "enable_pdl"):
         inductor_config.triton.enable_pdl = mode == "all"
+    elif mode == "all":
+        raise TrainingError(f"train.pdl=all: torch {torch.__version__}'s inductor has no triton.enable_pdl; use "
+                            "train.pdl=kernels")
 
 
 def make_step(model, compiled, diffusion, optimizer, scaler, ema, cfg: RunConfig,

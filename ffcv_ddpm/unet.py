@@ -573,11 +573,6 @@ class SelfAttention(nn.Module):
         h = self.norm(x)  # computes a Pending input
         x = resolved(x)
         B, C, H, W = x.shape
-        if self.impl == "math-qkv":  # (B, H, W, C) @ (C, 3C) as one (B, HW, 3C) tensor, its gradient one too
-            qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
-            o = math_attention(qkv.reshape(B, H * W, -1)).reshape(B, H, W, -1)
-            y = F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
-            return Pending(y, x) if self.pending else x + y
         if self.linear and self.split_grads:
             q, k, v = QKVProjection.apply(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias,
                                           self.heads)
@@ -586,10 +581,14 @@ class SelfAttention(nn.Module):
                 qkv = F.linear(h.permute(0, 2, 3, 1), self.qkv.weight.flatten(1), self.qkv.bias)
             else:
                 qkv = self.qkv(h).permute(0, 2, 3, 1)  # (B, 3*heads*d, H, W) -> (B, H, W, 3*heads*d)
-            qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if channels_last
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
-        o = attention(q, k, v, self.impl, self.sdpa_kernel)  # (B, heads, HW, d)
-        o = o.transpose(1, 2).reshape(B, H, W, self.heads * self.head_dim)  # (B, HW, heads, d) -> (B, H, W, heads*d)
+            if self.impl != "math-qkv":
+                qkv = qkv.reshape(B, H * W, 3, self.heads, self.head_dim)  # (B, HW, 3, heads, d): a view if NHWC
+                q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, heads, HW, d), d unit-stride
+        if self.impl == "math-qkv":  # one head over the qkv GEMM's output as one (B, HW, 3C) tensor, its gradient too
+            o = math_attention(qkv.reshape(B, H * W, -1))  # (B, HW, C)
+        else:
+            o = attention(q, k, v, self.impl, self.sdpa_kernel).transpose(1, 2)  # (B, HW, heads, d)
+        o = o.reshape(B, H, W, self.heads * self.head_dim)
         if self.linear:
             y = F.linear(o, self.proj.weight.flatten(1), self.proj.bias).permute(0, 3, 1, 2)
             return Pending(y, x) if self.pending else x + y
